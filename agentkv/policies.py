@@ -1,0 +1,271 @@
+"""KV-cache policies: immutable, validated pydantic models, one per method.
+
+Every knob comes from ../shared/methods/NOTES.md with its default. Out-of-range values raise
+``pydantic.ValidationError`` whose message names the field and its allowed range, e.g.::
+
+    IntentKV(budget=0)  ->  budget: must be in [1, 1048576], got 0
+
+A :class:`GraphPolicy` is a default policy plus per-node overrides.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from typing import Annotated, Any, ClassVar, Literal, Union
+
+import annotated_types
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    ModelWrapValidatorHandler,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
+
+MAX_BUDGET = 1 << 20  # tokens
+_BOUND_ERRORS = {"greater_than_equal", "greater_than", "less_than_equal", "less_than"}
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else f"{x:g}"
+
+
+def _bounds(field: Any) -> tuple[float, float, bool, bool]:
+    """(low, high, low_inclusive, high_inclusive) from a field's annotated-types metadata."""
+    lo, hi, lo_inc, hi_inc = -math.inf, math.inf, True, True
+    for m in field.metadata:
+        if isinstance(m, annotated_types.Ge):
+            lo, lo_inc = m.ge, True
+        elif isinstance(m, annotated_types.Gt):
+            lo, lo_inc = m.gt, False
+        elif isinstance(m, annotated_types.Le):
+            hi, hi_inc = m.le, True
+        elif isinstance(m, annotated_types.Lt):
+            hi, hi_inc = m.lt, False
+    return lo, hi, lo_inc, hi_inc
+
+
+class KVPolicy(BaseModel):
+    """Base of all policies. ``method`` is the wire discriminator."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    method: str
+
+    #: True when the policy may evict tokens (drives telemetry and tests).
+    evicts: ClassVar[bool] = False
+    #: True when the policy may quantize tokens.
+    quantizes: ClassVar[bool] = False
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _range_message(cls, data: Any, handler: ModelWrapValidatorHandler[Any]) -> Any:
+        """Rewrite pydantic's bound errors as "field: must be in [lo, hi], got v"."""
+        try:
+            return handler(data)
+        except ValidationError as e:
+            errors: list[Any] = []
+            changed = False
+            for err in e.errors():
+                name = err["loc"][0] if err["loc"] else None
+                if err["type"] in _BOUND_ERRORS and name in cls.model_fields:
+                    lo, hi, lo_inc, hi_inc = _bounds(cls.model_fields[name])
+                    rng = f"{'[' if lo_inc else '('}{_num(lo)}, {_num(hi)}{']' if hi_inc else ')'}"
+                    err = {
+                        "type": PydanticCustomError(
+                            "out_of_range",
+                            "{field}: must be in {range}, got {value}",
+                            {"field": name, "range": rng, "value": err["input"]},
+                        ),
+                        "loc": err["loc"],
+                        "input": err["input"],
+                    }
+                    changed = True
+                else:
+                    err = {k: err[k] for k in ("type", "loc", "input", "ctx") if k in err}
+                errors.append(err)
+            if not changed:
+                raise
+            raise ValidationError.from_exception_data(cls.__name__, errors) from None
+
+    def describe(self) -> str:
+        """Short label, e.g. ``intentkv(budget=512)``."""
+        fields = {k: v for k, v in self.model_dump().items() if k != "method"}
+        defaults = {k: f.default for k, f in type(self).model_fields.items()}
+        shown = [f"{k}={v}" for k, v in fields.items() if defaults.get(k) != v or k == "budget"]
+        return f"{self.method}({', '.join(shown)})"
+
+
+Budget = Annotated[int, Field(ge=1, le=MAX_BUDGET, description="live KV tokens kept (tokens)")]
+
+
+class FullCache(KVPolicy):
+    """No compression: every token kept at full precision."""
+
+    method: Literal["full"] = "full"
+
+
+class IntentKV(KVPolicy):
+    """IntentKV: session QueryMemory + rule score; keeps forced set + top-`budget` history."""
+
+    method: Literal["intentkv"] = "intentkv"
+    evicts: ClassVar[bool] = True
+    budget: Budget = 2048
+    memory_decay: float = Field(0.5, ge=0.0, lt=1.0, description="beta of the QueryMemory EMA")
+    mode: Literal["memory", "query"] = Field(
+        "memory", description="'memory' scores with the session memory m, 'query' with q-bar (ablation)"
+    )
+    protect_system: bool = Field(True, description="force-keep the system/template prefix")
+    alpha_max: float = Field(1.0, ge=0.0, le=100.0, description="Phase-2 residual clip")
+
+
+class TriAxialKV(KVPolicy):
+    """TriAxialKV: per-tag INT2/INT4 allocation under an average bit budget."""
+
+    method: Literal["triaxialkv"] = "triaxialkv"
+    quantizes: ClassVar[bool] = True
+    avg_bits: float = Field(3.0, ge=2.0, le=4.0, description="average KV bits per element")
+    group_size: Literal[32] = 32
+    page_size: Literal[32] = 32
+    allocation: dict[str, Literal[2, 4]] | None = Field(
+        None, description="calibrated bits per tag name (e.g. 'obs/text/older': 2); None = calibrate"
+    )
+
+
+class KVzap(KVPolicy):
+    """KVzap: learned per-head surrogate score, prune below a threshold, keep a recent window."""
+
+    method: Literal["kvzap"] = "kvzap"
+    evicts: ClassVar[bool] = True
+    threshold: float = Field(-4.0, ge=-20.0, le=5.0, description="tau on predicted log-score")
+    window: int = Field(128, ge=0, le=MAX_BUDGET, description="recent tokens always kept")
+    surrogate: Literal["mlp", "linear"] = "mlp"
+
+
+class ARKV(KVPolicy):
+    """ARKV: per-layer original/quantized budget split by attention statistics."""
+
+    method: Literal["arkv"] = "arkv"
+    evicts: ClassVar[bool] = True
+    quantizes: ClassVar[bool] = True
+    budget: Budget = 1024
+    window: int = Field(32, ge=1, le=4096, description="observation window (queries)")
+    tau1: float = Field(7.774, gt=0.0, le=1000.0)
+    tau2: float = Field(5.407, gt=0.0, le=1000.0)
+    tau3: float = Field(5.528, gt=0.0, le=1000.0)
+    gamma: float = Field(263.81, ge=0.0, le=1e6)
+    quant_bits: Literal[2, 4] = 4
+
+
+class StreamingLLM(KVPolicy):
+    """StreamingLLM: attention sinks + most recent tokens."""
+
+    method: Literal["streamingllm"] = "streamingllm"
+    evicts: ClassVar[bool] = True
+    budget: Budget = 1024
+    sinks: int = Field(4, ge=0, le=4096)
+
+    @model_validator(mode="after")
+    def _sinks_fit(self) -> StreamingLLM:
+        if self.sinks >= self.budget:
+            raise ValueError(f"sinks: must be < budget ({self.budget}), got {self.sinks}")
+        return self
+
+
+class SnapKV(KVPolicy):
+    """SnapKV: observation-window attention, pooled, top-k per KV head."""
+
+    method: Literal["snapkv"] = "snapkv"
+    evicts: ClassVar[bool] = True
+    budget: Budget = 1024
+    window: int = Field(64, ge=1, le=4096, description="observation window (last queries)")
+    kernel: int = Field(5, ge=1, le=63, description="avg-pool kernel (odd)")
+
+    @field_validator("kernel")
+    @classmethod
+    def _odd(cls, v: int) -> int:
+        if v % 2 == 0:
+            raise ValueError(f"kernel: must be odd, got {v}")
+        return v
+
+
+class H2O(KVPolicy):
+    """H2O heavy hitters (kvpress ObservedAttention) + a recent window."""
+
+    method: Literal["h2o"] = "h2o"
+    evicts: ClassVar[bool] = True
+    budget: Budget = 1024
+    recent: int = Field(64, ge=0, le=MAX_BUDGET, description="recent tokens always kept")
+
+
+class UniformQuant(KVPolicy):
+    """KIVI-style uniform quantization of every token (K per channel, V per token)."""
+
+    method: Literal["uniform_quant"] = "uniform_quant"
+    quantizes: ClassVar[bool] = True
+    bits: Literal[2, 4] = 4
+
+
+Policy = Annotated[
+    Union[FullCache, IntentKV, TriAxialKV, KVzap, ARKV, StreamingLLM, SnapKV, H2O, UniformQuant],
+    Field(discriminator="method"),
+]
+POLICY_CLASSES: dict[str, type[KVPolicy]] = {
+    cls.model_fields["method"].default: cls
+    for cls in (FullCache, IntentKV, TriAxialKV, KVzap, ARKV, StreamingLLM, SnapKV, H2O, UniformQuant)
+}
+_POLICY_ADAPTER: TypeAdapter[Any] = TypeAdapter(Policy, config=ConfigDict(title="policy"))
+
+
+def parse_policy(data: Mapping[str, Any] | KVPolicy) -> KVPolicy:
+    """A policy from its wire dict (``{"method": "intentkv", "budget": 512}``)."""
+    if isinstance(data, KVPolicy):
+        return data
+    return _POLICY_ADAPTER.validate_python(data)
+
+
+def parse_policy_spec(spec: str) -> KVPolicy:
+    """A policy from a CLI spec: ``"full"``, ``"intentkv:budget=512,memory_decay=0.7"``."""
+    method, _, rest = spec.strip().partition(":")
+    method = method.strip().lower()
+    if method not in POLICY_CLASSES:
+        raise ValueError(f"unknown policy {method!r}; expected one of {sorted(POLICY_CLASSES)}")
+    kwargs: dict[str, Any] = {}
+    for item in filter(None, (s.strip() for s in rest.split(","))):
+        key, eq, val = item.partition("=")
+        if not eq:
+            raise ValueError(f"policy spec {spec!r}: expected key=value, got {item!r}")
+        kwargs[key.strip()] = val.strip()
+    return POLICY_CLASSES[method].model_validate(kwargs)
+
+
+class UnknownNodeError(ValueError):
+    """A per-node policy names a node the graph does not have."""
+
+
+class GraphPolicy(BaseModel):
+    """A default policy plus per-node overrides."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    default: Policy = Field(default_factory=FullCache)
+    nodes: dict[str, Policy] = Field(default_factory=dict)
+
+    def for_node(self, node: str | None) -> KVPolicy:
+        if node is not None and node in self.nodes:
+            return self.nodes[node]
+        return self.default
+
+    def check_nodes(self, known: Iterable[str]) -> None:
+        """Raise :class:`UnknownNodeError` if an override names a node not in ``known``."""
+        known = set(known)
+        unknown = sorted(set(self.nodes) - known)
+        if unknown:
+            raise UnknownNodeError(
+                f"policy overrides name nodes that do not exist in the graph: {unknown}; "
+                f"nodes are: {sorted(known)}"
+            )
