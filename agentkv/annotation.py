@@ -14,6 +14,7 @@ are actionable.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Literal
 
@@ -30,6 +31,10 @@ _LANGCHAIN_TYPES: dict[str, ChatRole] = {
     "human": "user",
     "ai": "assistant",
     "AIMessageChunk": "assistant",
+    "HumanMessageChunk": "user",
+    "SystemMessageChunk": "system",
+    "ToolMessageChunk": "tool",
+    "FunctionMessageChunk": "function",
     "tool": "tool",
     "function": "function",
 }
@@ -43,6 +48,7 @@ _SEMANTIC_OF_ROLE: dict[str, Role] = {
 }
 _IMAGE_BLOCKS = {"image_url", "image", "input_image"}
 _REASONING_BLOCKS = {"reasoning", "thinking"}
+_TOOL_CALL_BLOCKS = {"tool_call", "tool_use", "function_call"}
 
 
 class MessagePart(BaseModel):
@@ -86,12 +92,39 @@ def _text_len(value: Any) -> int:
     return len(value) if isinstance(value, str) else 0
 
 
-def _content_parts(content: Any, body: Role) -> list[MessagePart]:
-    """Parts of a message's ``content`` (a string or a list of content blocks)."""
+def _args_len(args: Any) -> int:
+    """Characters of tool-call arguments: a JSON string as is, a dict as LangChain sends it."""
+    if args is None:
+        return 0
+    if isinstance(args, str):
+        return len(args)
+    # langchain_core's convert_to_openai_messages uses json.dumps(args, ensure_ascii=False).
+    return len(json.dumps(args, ensure_ascii=False, default=str))
+
+
+def _reasoning_len(block: Mapping[str, Any]) -> int:
+    text = block.get("reasoning") or block.get("thinking") or block.get("text")
+    if text is None and isinstance(block.get("summary"), list):  # OpenAI Responses API
+        return sum(_text_len(s.get("text")) for s in block["summary"] if isinstance(s, Mapping))
+    return _text_len(text)
+
+
+def _content_parts(
+    content: Any, body: Role, skip_call_ids: frozenset[str] = frozenset()
+) -> list[MessagePart]:
+    """Parts of a message's ``content`` (a string or a list of content blocks).
+
+    Tool-call blocks whose id is in ``skip_call_ids`` are left out: they duplicate an entry of
+    the message's ``tool_calls`` (Anthropic ``tool_use`` blocks, LangChain v1 content).
+    """
     if content is None:
         return []
     if isinstance(content, str):
         return [MessagePart(semantic=body, chars=len(content))] if content else []
+    if not isinstance(content, (list, tuple)):
+        raise TypeError(
+            f"content must be a string or a list of content blocks, got {type(content).__name__}"
+        )
     parts: list[MessagePart] = []
     for block in content:
         if isinstance(block, str):
@@ -103,10 +136,13 @@ def _content_parts(content: Any, body: Role) -> list[MessagePart]:
         if kind in _IMAGE_BLOCKS:
             parts.append(MessagePart(semantic=body, modality=Modality.IMAGE))
         elif kind in _REASONING_BLOCKS:
-            text = block.get("reasoning") or block.get("thinking") or block.get("text") or ""
-            parts.append(MessagePart(semantic=Role.REASONING, chars=_text_len(text)))
-        elif kind in {"tool_call", "tool_use", "function_call"}:
-            parts.append(MessagePart(semantic=Role.TOOL_CALL, chars=len(str(block))))
+            parts.append(MessagePart(semantic=Role.REASONING, chars=_reasoning_len(block)))
+        elif kind in _TOOL_CALL_BLOCKS:
+            if block.get("id") is not None and block.get("id") in skip_call_ids:
+                continue
+            args = next((block[k] for k in ("args", "input", "arguments") if k in block), None)
+            chars = _text_len(block.get("name")) + _args_len(args)
+            parts.append(MessagePart(semantic=Role.TOOL_CALL, chars=chars))
         else:
             parts.append(MessagePart(semantic=body, chars=_text_len(block.get("text"))))
     return parts
@@ -119,9 +155,14 @@ def _tool_call_parts(tool_calls: Iterable[Any] | None) -> list[MessagePart]:
         fn = call.get("function") or {}
         name = fn.get("name") or call.get("name") or ""
         args = fn.get("arguments") if fn else call.get("args")
-        chars = len(name) + (len(args) if isinstance(args, str) else len(str(args or "")))
-        parts.append(MessagePart(semantic=Role.TOOL_CALL, chars=chars))
+        parts.append(MessagePart(semantic=Role.TOOL_CALL, chars=len(name) + _args_len(args)))
     return parts
+
+
+def _tool_call_ids(tool_calls: Iterable[Any] | None) -> frozenset[str]:
+    return frozenset(
+        c.get("id") for c in tool_calls or () if isinstance(c, Mapping) and c.get("id") is not None
+    )
 
 
 def openai_view(message: Any) -> dict[str, Any]:
@@ -151,7 +192,9 @@ def openai_view(message: Any) -> dict[str, Any]:
 
 def _actionable_indices(roles: Sequence[str]) -> set[int]:
     """Indices of the actionable query span (see module docstring)."""
-    last = next((i for i in range(len(roles) - 1, -1, -1) if roles[i] in {"user", "tool", "function"}), None)
+    last = next(
+        (i for i in range(len(roles) - 1, -1, -1) if roles[i] in {"user", "tool", "function"}), None
+    )
     if last is None:
         return set()
     span = {last}
@@ -173,11 +216,15 @@ def annotate_messages(messages: Sequence[Any], node: str | None = None) -> list[
         try:
             views.append(openai_view(m))
         except (TypeError, ValueError) as e:
-            raise type(e)(f"message {i}: {e}") from None
+            raise (TypeError if isinstance(e, TypeError) else ValueError)(
+                f"message {i}: {e}"
+            ) from None
     roles = [v["role"] for v in views]
     for i, r in enumerate(roles):
-        if r not in _SEMANTIC_OF_ROLE:
-            raise ValueError(f"message {i}: unknown role {r!r}; expected one of {sorted(_SEMANTIC_OF_ROLE)}")
+        if not isinstance(r, str) or r not in _SEMANTIC_OF_ROLE:
+            raise ValueError(
+                f"message {i}: unknown role {r!r}; expected one of {sorted(_SEMANTIC_OF_ROLE)}"
+            )
     actionable = _actionable_indices(roles)
     out: list[MessageAnnotation] = []
     turn, seen_user = 0, False
@@ -189,10 +236,17 @@ def annotate_messages(messages: Sequence[Any], node: str | None = None) -> list[
         body = _SEMANTIC_OF_ROLE[role]
         parts: list[MessagePart] = []
         if role == "assistant" and v.get("reasoning_content"):
-            parts.append(MessagePart(semantic=Role.REASONING, chars=_text_len(v["reasoning_content"])))
-        parts += _content_parts(v.get("content"), body)
-        if role == "assistant":
-            parts += _tool_call_parts(v.get("tool_calls"))
+            parts.append(
+                MessagePart(semantic=Role.REASONING, chars=_text_len(v["reasoning_content"]))
+            )
+        try:
+            calls = v.get("tool_calls") if role == "assistant" else None
+            parts += _content_parts(v.get("content"), body, _tool_call_ids(calls))
+            parts += _tool_call_parts(calls)
+        except (TypeError, ValueError) as e:
+            raise (TypeError if isinstance(e, TypeError) else ValueError)(
+                f"message {i}: {e}"
+            ) from None
         out.append(
             MessageAnnotation(
                 index=i,

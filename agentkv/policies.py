@@ -10,6 +10,7 @@ A :class:`GraphPolicy` is a default policy plus per-node overrides.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterable, Mapping
 from typing import Annotated, Any, ClassVar, Literal, Union
@@ -19,9 +20,9 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    ModelWrapValidatorHandler,
     TypeAdapter,
     ValidationError,
-    ModelWrapValidatorHandler,
     field_validator,
     model_validator,
 )
@@ -117,7 +118,8 @@ class IntentKV(KVPolicy):
     budget: Budget = 2048
     memory_decay: float = Field(0.5, ge=0.0, lt=1.0, description="beta of the QueryMemory EMA")
     mode: Literal["memory", "query"] = Field(
-        "memory", description="'memory' scores with the session memory m, 'query' with q-bar (ablation)"
+        "memory",
+        description="'memory' scores with the session memory m, 'query' with q-bar (ablation)",
     )
     protect_system: bool = Field(True, description="force-keep the system/template prefix")
     alpha_max: float = Field(1.0, ge=0.0, le=100.0, description="Phase-2 residual clip")
@@ -132,7 +134,8 @@ class TriAxialKV(KVPolicy):
     group_size: Literal[32] = 32
     page_size: Literal[32] = 32
     allocation: dict[str, Literal[2, 4]] | None = Field(
-        None, description="calibrated bits per tag name (e.g. 'obs/text/older': 2); None = calibrate"
+        None,
+        description="calibrated bits per tag name (e.g. 'obs/text/older': 2); None = calibrate",
     )
 
 
@@ -216,7 +219,17 @@ Policy = Annotated[
 ]
 POLICY_CLASSES: dict[str, type[KVPolicy]] = {
     cls.model_fields["method"].default: cls
-    for cls in (FullCache, IntentKV, TriAxialKV, KVzap, ARKV, StreamingLLM, SnapKV, H2O, UniformQuant)
+    for cls in (
+        FullCache,
+        IntentKV,
+        TriAxialKV,
+        KVzap,
+        ARKV,
+        StreamingLLM,
+        SnapKV,
+        H2O,
+        UniformQuant,
+    )
 }
 _POLICY_ADAPTER: TypeAdapter[Any] = TypeAdapter(Policy, config=ConfigDict(title="policy"))
 
@@ -239,8 +252,21 @@ def parse_policy_spec(spec: str) -> KVPolicy:
         key, eq, val = item.partition("=")
         if not eq:
             raise ValueError(f"policy spec {spec!r}: expected key=value, got {item!r}")
-        kwargs[key.strip()] = val.strip()
+        kwargs[key.strip()] = _spec_value(val.strip())
     return POLICY_CLASSES[method].model_validate(kwargs)
+
+
+def _spec_value(text: str) -> Any:
+    """A spec value as a JSON number or boolean when it reads as one, else the string.
+
+    Pydantic's lax mode turns "512" into 512 for ``int`` fields but not for ``Literal[2, 4]``
+    ones (``bits``, ``quant_bits``), so numbers are converted here.
+    """
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text
+    return value if isinstance(value, (bool, int, float)) else text
 
 
 class UnknownNodeError(ValueError):

@@ -81,7 +81,12 @@ class TagCode:
     def pack(
         role: Role, modality: Modality = Modality.TEXT, temporal: Temporal = Temporal.CURRENT
     ) -> int:
-        return int(role) | int(modality) << _MODALITY_SHIFT | int(temporal) << _TEMPORAL_SHIFT
+        # Enum conversion rejects out-of-range values that would spill into the next axis's bits.
+        return (
+            int(Role(role))
+            | int(Modality(modality)) << _MODALITY_SHIFT
+            | int(Temporal(temporal)) << _TEMPORAL_SHIFT
+        )
 
     @staticmethod
     def unpack(code: int) -> Tag:
@@ -118,7 +123,9 @@ def _enum_by_name(enum: type[IntEnum]) -> Any:
                 return enum[value.upper()]
             except KeyError:
                 names = [m.name.lower() for m in enum]
-                raise ValueError(f"unknown {enum.__name__.lower()} {value!r}; expected one of {names}") from None
+                raise ValueError(
+                    f"unknown {enum.__name__.lower()} {value!r}; expected one of {names}"
+                ) from None
         raise ValueError(f"{enum.__name__.lower()} must be a name string, got {value!r}")
 
     return Annotated[

@@ -15,7 +15,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from agentkv.annotation import MessageAnnotation, annotate_messages
 from agentkv.policies import FullCache, KVPolicy, Policy
@@ -43,8 +43,20 @@ class KVPayload(BaseModel):
     node: str | None = Field(None, description="graph node that made the call")
     policy: Policy = Field(default_factory=FullCache)
     messages: list[MessageAnnotation] | None = Field(
-        None, description="one annotation per request message, same order; None: server derives them"
+        None,
+        description="one annotation per request message, same order; None: server derives them",
     )
+
+    @field_validator("messages")
+    @classmethod
+    def _in_request_order(cls, v: list[MessageAnnotation] | None) -> list[MessageAnnotation] | None:
+        for i, a in enumerate(v or ()):
+            if a.index != i:
+                raise ValueError(
+                    f"messages[{i}].index is {a.index}; expected {i} "
+                    "(one annotation per request message, in request order)"
+                )
+        return v
 
 
 def build_payload(
@@ -69,17 +81,22 @@ def encode_payload(payload: KVPayload) -> str:
 
 def decode_payload(raw: str | bytes | Mapping[str, Any]) -> KVPayload:
     """Parse a payload (JSON string or dict). Raises :class:`PayloadError` with the field."""
-    if isinstance(raw, (str, bytes)):
+    if isinstance(raw, (str, bytes, bytearray)):
         try:
             data = json.loads(raw)
         except json.JSONDecodeError as e:
-            raise PayloadError(f"agentkv payload is not valid JSON: {e.msg} at char {e.pos}") from None
+            raise PayloadError(
+                f"agentkv payload is not valid JSON: {e.msg} at char {e.pos}"
+            ) from None
+        except (UnicodeDecodeError, RecursionError) as e:  # bad bytes, absurd nesting
+            raise PayloadError(f"agentkv payload is not valid JSON: {e}") from None
     else:
         data = raw
     if not isinstance(data, Mapping):
         raise PayloadError(f"agentkv payload must be a JSON object, got {type(data).__name__}")
     version = data.get("version")
-    if version != PROTOCOL_VERSION:
+    # type check: True == 1 and 1.0 == 1 in Python, but neither is protocol version 1.
+    if type(version) is not int or version != PROTOCOL_VERSION:
         raise PayloadError(
             f"unsupported agentkv protocol version {version!r}; this engine speaks version "
             f"{PROTOCOL_VERSION}",
@@ -89,12 +106,42 @@ def decode_payload(raw: str | bytes | Mapping[str, Any]) -> KVPayload:
         return KVPayload.model_validate(data)
     except ValidationError as e:
         err = e.errors()[0]
-        field = ".".join(str(p) for p in err["loc"])
+        field = _field_path(err["loc"], data)
         more = f" (and {e.error_count() - 1} more)" if e.error_count() > 1 else ""
-        raise PayloadError(f"agentkv payload field {field!r}: {err['msg']}{more}", field=field) from None
+        raise PayloadError(
+            f"agentkv payload field {field!r}: {err['msg']}{more}", field=field
+        ) from None
 
 
-def to_extra_body(payload: KVPayload, extra_body: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def _field_path(loc: Sequence[Any], data: Any) -> str:
+    """Dotted path of a pydantic error location in the payload, without union tags.
+
+    Pydantic puts the discriminator value into the location of errors inside a tagged union
+    (``policy.intentkv.budget``); the payload itself has no such key (``policy.budget``).
+    """
+    out: list[str] = []
+    cur = data
+    for i, seg in enumerate(loc):
+        if (
+            isinstance(cur, Mapping)
+            and isinstance(seg, str)
+            and cur.get("method") == seg
+            and (i + 1 < len(loc) or seg not in cur)
+        ):
+            continue
+        out.append(str(seg))
+        if isinstance(cur, Mapping):
+            cur = cur.get(seg)
+        elif isinstance(cur, list) and isinstance(seg, int) and 0 <= seg < len(cur):
+            cur = cur[seg]
+        else:
+            cur = None
+    return ".".join(out)
+
+
+def to_extra_body(
+    payload: KVPayload, extra_body: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
     """Merge the payload into an OpenAI SDK ``extra_body`` (keeps other custom_params)."""
     body = dict(extra_body or {})
     params = dict(body.get(CUSTOM_PARAMS) or {})
@@ -119,6 +166,7 @@ def payload_from_request(body: Mapping[str, Any]) -> KVPayload | None:
 def json_schema() -> dict[str, Any]:
     """JSON Schema of :class:`KVPayload` (the value inside the JSON string)."""
     schema = KVPayload.model_json_schema()
+    schema["required"] = sorted({*schema.get("required", []), "version"})
     schema["$id"] = "agentkv:wire-protocol-v1"
     return schema
 
@@ -131,3 +179,7 @@ def write_schema(path: str = SCHEMA_PATH) -> None:
     with open(path, "w") as f:
         json.dump(json_schema(), f, indent=2, sort_keys=True)
         f.write("\n")
+
+
+if __name__ == "__main__":  # python -m agentkv.wire  ->  the JSON Schema on stdout
+    print(json.dumps(json_schema(), indent=2, sort_keys=True))

@@ -1,0 +1,400 @@
+"""Radix-tree prefix cache over token ids, with per-session namespaces for holes.
+
+The counterpart of SGLang's ``RadixCache``: nodes hold a run of token ids (``key``) and the
+slots of those tokens (``value``); matches split nodes at the match end; in-flight requests
+lock their matched path (``lock_ref`` on the node and its ancestors) so LRU eviction skips it;
+``evict(n)`` deletes least-recently-used unlocked leaves.
+
+What differs, and why:
+
+- **Namespaces.** The *shared* namespace holds only un-evicted content (no DEAD, no mask):
+  any session whose prompt starts with those tokens may reuse it. Each session has its own
+  namespace whose nodes also carry DEAD entries and a per-(layer, head) ``keep_mask``: the
+  session's earlier eviction decisions, replayed exactly on its next turn. This is SGLang's
+  ``RadixKey.extra_key`` isolation with ``extra_key = session_id`` (here one root per
+  namespace, so ending a session drops one subtree).
+- **Counted references.** Each node holds one allocator reference on each non-DEAD slot of its
+  value; deleting a node drops them. Requests hold their own references (in their slot maps),
+  so a node and a request never "own" a slot on each other's behalf.
+- **Latest wins in a session.** Inserting into a session namespace over tokens already there
+  replaces the stored slots / mask with the new ones (the newer request saw and extended the
+  older holes). The shared namespace keeps the first stored copy, as SGLang does.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from agentkv.cache.dead_slot import DEAD, live_slots
+from agentkv.cache.slot_allocator import SlotAllocator
+
+
+@dataclass(eq=False)
+class TreeNode:
+    """One radix-tree node.
+
+    Attributes:
+        key: int64 ``[n]`` token ids (empty for a root).
+        value: int64 ``[n]`` slots of those tokens; DEAD only in session namespaces.
+        keep_mask: bool ``[L, Hkv, n]`` live bits, or ``None`` (all live except DEAD). Always
+            ``None`` in the shared namespace.
+        parent: parent node (``None`` for a root).
+        session_id: namespace: the session id, or ``None`` for the shared namespace.
+        children: first token id -> child.
+        lock_ref: in-flight requests whose matched path passes through this node.
+        last_access: logical clock of the last match / insert touching this node.
+    """
+
+    key: torch.Tensor
+    value: torch.Tensor
+    keep_mask: torch.Tensor | None = field(repr=False)
+    parent: TreeNode | None = field(repr=False)
+    session_id: str | None
+    children: dict[int, TreeNode] = field(default_factory=dict, repr=False)
+    lock_ref: int = 0
+    last_access: int = 0
+
+    def __len__(self) -> int:
+        return int(self.key.numel())
+
+    @property
+    def is_root(self) -> bool:
+        return self.parent is None
+
+
+@dataclass(frozen=True)
+class MatchResult:
+    """Longest cached prefix of a token sequence.
+
+    Attributes:
+        length: matched tokens ``m`` (holes included).
+        slots: int64 ``[m]`` slots of the matched positions; DEAD at the session's holes.
+        keep_mask: bool ``[L, Hkv, m]``, or ``None`` when no matched node carries one.
+        last_node: node where the match ends (lock it while the request runs).
+        from_session: whether the match came from the session's namespace (else shared).
+    """
+
+    length: int
+    slots: torch.Tensor
+    keep_mask: torch.Tensor | None
+    last_node: TreeNode
+    from_session: bool
+
+
+def _common_prefix_len(a: torch.Tensor, b: torch.Tensor) -> int:
+    n = min(int(a.numel()), int(b.numel()))
+    if n == 0:
+        return 0
+    neq = torch.nonzero(a[:n] != b[:n])
+    return n if neq.numel() == 0 else int(neq[0, 0])
+
+
+def _all_live(mask: torch.Tensor | None) -> bool:
+    return mask is None or bool(mask.all())
+
+
+def _slice(mask: torch.Tensor | None, a: int, b: int) -> torch.Tensor | None:
+    return None if mask is None else mask[:, :, a:b]
+
+
+def _norm_mask(mask: torch.Tensor | None, value: torch.Tensor) -> torch.Tensor | None:
+    """A copy of ``mask``, or ``None`` when it says no more than "live unless DEAD"."""
+    if mask is None or bool((mask == (value != DEAD).view(1, 1, -1)).all()):
+        return None
+    return mask.clone()
+
+
+class PrefixCache:
+    """Prefix cache with a shared namespace and one namespace per session.
+
+    Args:
+        allocator: the slot allocator whose references the nodes hold.
+        num_layers: ``L`` (shape of keep masks).
+        num_kv_heads: ``Hkv`` (shape of keep masks).
+    """
+
+    def __init__(self, allocator: SlotAllocator, num_layers: int, num_kv_heads: int) -> None:
+        self.allocator = allocator
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self._clock = itertools.count(1)
+        self._shared = self._new_root(None)
+        self._sessions: dict[str, TreeNode] = {}
+
+    # ------------------------------------------------------------- queries
+    def match(
+        self, session_id: str | None, token_ids: torch.Tensor, max_len: int | None = None
+    ) -> MatchResult:
+        """Longest prefix of ``token_ids`` (int64 ``[T]``, capped at ``max_len``) cached in the
+        session's namespace or the shared one; on a tie the session's wins. Splits the node
+        where the match ends and refreshes access times along the matched path."""
+        tokens = torch.as_tensor(token_ids, dtype=torch.int64).reshape(-1)
+        if max_len is not None:
+            tokens = tokens[: max(0, max_len)]
+        best_root, best_len, from_session = self._shared, self._peek(self._shared, tokens), False
+        root = self._sessions.get(session_id) if session_id is not None else None
+        if root is not None:
+            n = self._peek(root, tokens)
+            if n >= best_len and n > 0:
+                best_root, best_len, from_session = root, n, True
+        path = self._walk(best_root, tokens[:best_len])
+        last = path[-1] if path else best_root
+        if path:
+            slots = torch.cat([n.value for n in path])
+        else:
+            slots = torch.empty(0, dtype=torch.int64)
+        mask = None
+        if any(n.keep_mask is not None for n in path):
+            shape = (self.num_layers, self.num_kv_heads, -1)
+            mask = torch.cat(
+                [
+                    n.keep_mask
+                    if n.keep_mask is not None
+                    else (n.value != DEAD).view(1, 1, -1).expand(shape)
+                    for n in path
+                ],
+                dim=2,
+            )
+        return MatchResult(best_len, slots, mask, last, from_session)
+
+    def sessions(self) -> list[str]:
+        """Session ids that have a namespace now."""
+        return list(self._sessions)
+
+    def roots(self) -> list[TreeNode]:
+        """Current namespace roots: the shared one first, then one per session."""
+        return [self._shared, *self._sessions.values()]
+
+    def iter_nodes(self) -> Iterator[tuple[str | None, int, TreeNode]]:
+        """Every non-root node as ``(session_id or None, start position, node)``."""
+        roots = [(None, self._shared)] + list(self._sessions.items())
+        for sid, root in roots:
+            stack = [(0, c) for c in root.children.values()]
+            while stack:
+                start, node = stack.pop()
+                yield sid, start, node
+                stack.extend((start + len(node), c) for c in node.children.values())
+
+    @property
+    def num_nodes(self) -> int:
+        """Non-root nodes over all namespaces."""
+        return sum(1 for _ in self.iter_nodes())
+
+    @property
+    def cached_tokens(self) -> int:
+        """Token positions stored over all namespaces (holes included, shared slots counted
+        once per node holding them)."""
+        return sum(len(n) for _, _, n in self.iter_nodes())
+
+    # ----------------------------------------------------------- mutation
+    def insert(
+        self,
+        token_ids: torch.Tensor,
+        slots: torch.Tensor,
+        keep_mask: torch.Tensor | None = None,
+        session_id: str | None = None,
+    ) -> TreeNode:
+        """Store ``token_ids`` (int64 ``[T]``) -> ``slots`` (int64 ``[T]``) and, in a session
+        namespace, ``keep_mask`` (bool ``[L, Hkv, T]`` or ``None``).
+
+        ``session_id=None`` inserts into the shared namespace, which accepts only un-evicted
+        content (no DEAD, mask all live). Takes one reference per non-DEAD slot newly held by
+        a node. Returns the node where the inserted sequence ends (a root when ``T == 0``, creating
+        no namespace).
+        """
+        tokens = torch.as_tensor(token_ids, dtype=torch.int64).reshape(-1)
+        vals = torch.as_tensor(slots, dtype=torch.int64).reshape(-1)
+        n = int(tokens.numel())
+        if int(vals.numel()) != n:
+            raise ValueError(f"token_ids [{n}] and slots [{int(vals.numel())}] differ in length")
+        if keep_mask is not None and tuple(keep_mask.shape) != (
+            self.num_layers,
+            self.num_kv_heads,
+            n,
+        ):
+            raise ValueError(f"keep_mask must be [{self.num_layers}, {self.num_kv_heads}, {n}]")
+        shared = session_id is None
+        if n == 0:
+            return self._sessions.get(session_id, self._shared) if session_id else self._shared
+        if shared:
+            if bool((vals == DEAD).any()) or not _all_live(keep_mask):
+                raise ValueError("the shared namespace takes only un-evicted content")
+            keep_mask = None
+            root = self._shared
+        else:
+            assert session_id is not None
+            root = self._sessions.get(session_id)
+            if root is None:
+                root = self._sessions[session_id] = self._new_root(session_id)
+        now = next(self._clock)
+        node, pos = root, 0
+        while pos < n:
+            child = node.children.get(int(tokens[pos]))
+            if child is None:
+                child = TreeNode(
+                    key=tokens[pos:].clone(),
+                    value=vals[pos:].clone(),
+                    keep_mask=_norm_mask(_slice(keep_mask, pos, n), vals[pos:]),
+                    parent=node,
+                    session_id=session_id,
+                    last_access=now,
+                )
+                self.allocator.incref(live_slots(child.value))
+                node.children[int(tokens[pos])] = child
+                return child
+            m = _common_prefix_len(child.key, tokens[pos:])
+            if m < len(child):
+                child = self._split(child, m)
+            if not shared:
+                v = vals[pos : pos + m]
+                self._overwrite(child, v, _norm_mask(_slice(keep_mask, pos, pos + m), v))
+            child.last_access = now
+            node, pos = child, pos + m
+        return node
+
+    def lock(self, node: TreeNode) -> None:
+        """Protect ``node`` and its ancestors from LRU eviction (SGLang ``inc_lock_ref``)."""
+        while node is not None and not node.is_root:
+            node.lock_ref += 1
+            node = node.parent  # type: ignore[assignment]
+
+    def unlock(self, node: TreeNode) -> None:
+        """Undo one :meth:`lock` (SGLang ``dec_lock_ref``). Works on detached nodes too."""
+        while node is not None and not node.is_root:
+            if node.lock_ref <= 0:
+                raise RuntimeError("unlock of a prefix-cache node that is not locked")
+            node.lock_ref -= 1
+            node = node.parent  # type: ignore[assignment]
+
+    def evict(self, num_slots: int) -> int:
+        """Delete least-recently-used unlocked leaves, in every namespace, until ``num_slots``
+        slots went back to the free list or nothing evictable is left. Returns slots freed
+        (may exceed ``num_slots``; a node whose slots other holders still reference frees
+        fewer slots than its length)."""
+        if num_slots <= 0:
+            return 0
+        tie = itertools.count()
+        heap = [
+            (n.last_access, next(tie), n)
+            for _, _, n in self.iter_nodes()
+            if not n.children and n.lock_ref == 0
+        ]
+        heapq.heapify(heap)
+        freed = 0
+        while freed < num_slots and heap:
+            _, _, node = heapq.heappop(heap)
+            parent = node.parent
+            freed += self._delete_leaf(node)
+            if (
+                parent is not None
+                and not parent.is_root
+                and not parent.children
+                and parent.lock_ref == 0
+            ):
+                heapq.heappush(heap, (parent.last_access, next(tie), parent))
+        self._drop_empty_sessions()
+        return freed
+
+    def end_session(self, session_id: str) -> int:
+        """Drop the session's namespace (locked nodes too: in-flight requests keep their own
+        references). Returns slots freed."""
+        root = self._sessions.pop(session_id, None)
+        return 0 if root is None else self._drop_tree(root)
+
+    def flush(self) -> int:
+        """Drop every namespace, shared included (SGLang ``reset``). Returns slots freed."""
+        freed = sum(self._drop_tree(r) for r in self._sessions.values())
+        self._sessions.clear()
+        freed += self._drop_tree(self._shared)
+        self._shared = self._new_root(None)
+        return freed
+
+    # ------------------------------------------------------------ private
+    def _new_root(self, session_id: str | None) -> TreeNode:
+        empty = torch.empty(0, dtype=torch.int64)
+        return TreeNode(key=empty, value=empty, keep_mask=None, parent=None, session_id=session_id)
+
+    def _peek(self, root: TreeNode, tokens: torch.Tensor) -> int:
+        """Matched length, without changing the tree."""
+        node, pos, n = root, 0, int(tokens.numel())
+        while pos < n:
+            child = node.children.get(int(tokens[pos]))
+            if child is None:
+                break
+            m = _common_prefix_len(child.key, tokens[pos:])
+            pos += m
+            if m < len(child):
+                break
+            node = child
+        return pos
+
+    def _walk(self, root: TreeNode, tokens: torch.Tensor) -> list[TreeNode]:
+        """Nodes covering exactly ``tokens`` (known to be cached), splitting the last one."""
+        now = next(self._clock)
+        path: list[TreeNode] = []
+        node, pos, n = root, 0, int(tokens.numel())
+        while pos < n:
+            child = node.children[int(tokens[pos])]
+            m = _common_prefix_len(child.key, tokens[pos:])
+            if m < len(child):
+                child = self._split(child, m)
+            child.last_access = now
+            path.append(child)
+            node, pos = child, pos + m
+        return path
+
+    def _split(self, child: TreeNode, m: int) -> TreeNode:
+        """Split ``child`` after ``m`` tokens; returns the new upper node (holds no new refs)."""
+        parent = child.parent
+        assert parent is not None and 0 < m < len(child)
+        upper = TreeNode(
+            key=child.key[:m].clone(),
+            value=child.value[:m].clone(),
+            keep_mask=_norm_mask(
+                None if child.keep_mask is None else child.keep_mask[:, :, :m], child.value[:m]
+            ),
+            parent=parent,
+            session_id=child.session_id,
+            lock_ref=child.lock_ref,
+            last_access=child.last_access,
+        )
+        upper.children[int(child.key[m])] = child
+        parent.children[int(child.key[0])] = upper
+        child.key = child.key[m:].clone()
+        child.value = child.value[m:].clone()
+        if child.keep_mask is not None:
+            child.keep_mask = _norm_mask(child.keep_mask[:, :, m:], child.value)
+        child.parent = upper
+        return upper
+
+    def _overwrite(self, node: TreeNode, value: torch.Tensor, mask: torch.Tensor | None) -> None:
+        """Replace a session node's slots / mask (latest turn wins); references move along."""
+        self.allocator.incref(live_slots(value))
+        self.allocator.decref(live_slots(node.value))
+        node.value = value.clone()
+        node.keep_mask = mask
+
+    def _delete_leaf(self, node: TreeNode) -> int:
+        parent = node.parent
+        assert parent is not None and not node.children
+        del parent.children[int(node.key[0])]
+        return int(self.allocator.decref(live_slots(node.value)).numel())
+
+    def _drop_tree(self, root: TreeNode) -> int:
+        held: list[torch.Tensor] = []
+        stack = list(root.children.values())
+        while stack:
+            node = stack.pop()
+            held.append(live_slots(node.value))
+            stack.extend(node.children.values())
+        root.children = {}
+        return int(self.allocator.decref(torch.cat(held)).numel()) if held else 0
+
+    def _drop_empty_sessions(self) -> None:
+        for sid in [s for s, r in self._sessions.items() if not r.children]:
+            del self._sessions[sid]

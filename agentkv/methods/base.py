@@ -1,0 +1,203 @@
+"""The method protocol: observe prefill, then return a plan. Methods never touch storage.
+
+One registry maps a policy's ``method`` name to its implementation; engines call
+:func:`method_for` and never branch on method names.
+
+Shapes: ``L`` layers, ``Hq`` query heads, ``Hkv`` KV heads (GQA group ``g = Hq // Hkv``),
+``D`` head dim, ``T`` request tokens (logical positions ``0..T-1``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+from agentkv.policies import KVPolicy
+
+#: ``read_keys(layer) -> (k [n, Hkv, D], positions int64 [n], head_mask bool [Hkv, n] | None)``:
+#: post-RoPE keys of the positions the layer still attends to (DEAD dropped).
+KeyReader = Callable[[int], tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    num_layers: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+    @property
+    def group(self) -> int:
+        return self.num_q_heads // self.num_kv_heads
+
+
+@dataclass
+class PlanContext:
+    """What a method may look at when planning one request.
+
+    Attributes:
+        policy: the request's policy.
+        session_id: the request's session (``req:`` ids are request-local).
+        shape: model shape.
+        seq_len: ``T``, positions with KV after prefill.
+        live: bool ``[T]``, position not DEAD before the plan (holes of earlier turns are False).
+        forced: bool ``[T]``, must be kept (actionable query, generation-prompt tail, and the
+            protected system prefix when the policy protects it).
+        actionable: bool ``[T]``, the actionable query span.
+        tag_codes: uint8 ``[T]`` :class:`agentkv.tags.TagCode` per position.
+        read_keys: see :data:`KeyReader`.
+        observation: ``observer.result()`` of the method's prefill observer (or None).
+    """
+
+    policy: KVPolicy
+    session_id: str
+    shape: ModelShape
+    seq_len: int
+    live: torch.Tensor
+    forced: torch.Tensor
+    actionable: torch.Tensor
+    tag_codes: torch.Tensor
+    read_keys: KeyReader
+    observation: Any = None
+
+
+@dataclass
+class Plan:
+    """A method's decision for one request.
+
+    Attributes:
+        evict: int64 ``[k]`` positions evicted in every layer and head, or None.
+        keep_mask: bool ``[L, Hkv, T]`` per-(layer, KV head) keep decision (False = evict), or
+            None. Positions kept by no head become DEAD.
+        scores: optional float ``[T]`` (or ``[L, Hkv, T]``) scores, for telemetry and tests.
+        note: free text for telemetry (e.g. "below budget: nothing evicted").
+    """
+
+    evict: torch.Tensor | None = None
+    keep_mask: torch.Tensor | None = None
+    scores: torch.Tensor | None = None
+    note: str = ""
+
+    @property
+    def is_noop(self) -> bool:
+        return (self.evict is None or self.evict.numel() == 0) and self.keep_mask is None
+
+
+class PrefillObserver:
+    """Receives each layer's attention inputs during prefill (post-RoPE), chunk by chunk.
+
+    ``q``: ``[Hq, n_q, D]`` queries at int64 ``q_positions [n_q]``; ``k``: ``[Hkv, n_k, D]``
+    live keys at ``k_positions [n_k]`` (ascending, includes the chunk's own keys);
+    ``head_mask``: bool ``[Hkv, n_k]`` or None. Causality: query ``i`` sees key ``j`` iff
+    ``k_positions[j] <= q_positions[i]``.
+    """
+
+    def observe(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        q_positions: torch.Tensor,
+        k: torch.Tensor,
+        k_positions: torch.Tensor,
+        head_mask: torch.Tensor | None,
+    ) -> None:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def result(self) -> Any:
+        return None
+
+
+@dataclass
+class ObserveRequest:
+    """What a method wants to see during prefill, given the request's layout.
+
+    Attributes:
+        seq_len: ``T`` after prefill; ``num_cached``: positions reused from the prefix cache
+        (not recomputed); ``actionable``: bool ``[T]``.
+    """
+
+    seq_len: int
+    num_cached: int
+    actionable: torch.Tensor
+    shape: ModelShape
+
+
+class Method:
+    """Base class: a stateless-per-request scorer with optional per-session state."""
+
+    #: the policy ``method`` name this implementation serves.
+    name: ClassVar[str] = ""
+
+    def __init__(self, shape: ModelShape):
+        self.shape = shape
+
+    def observer(self, policy: KVPolicy, req: ObserveRequest) -> PrefillObserver | None:
+        """An observer for this request's prefill, or None if the method needs none."""
+        return None
+
+    def plan(self, ctx: PlanContext) -> Plan:
+        raise NotImplementedError
+
+    def end_session(self, session_id: str) -> None:
+        """Forget per-session state."""
+
+
+_REGISTRY: dict[str, type[Method]] = {}
+
+
+def register_method(cls: type[Method]) -> type[Method]:
+    """Class decorator: make ``cls`` the implementation of policies with ``method == cls.name``."""
+    if not cls.name:
+        raise ValueError(f"{cls.__name__} has no name")
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def registered_methods() -> dict[str, type[Method]]:
+    return dict(_REGISTRY)
+
+
+def method_class(method_name: str) -> type[Method]:
+    try:
+        return _REGISTRY[method_name]
+    except KeyError:
+        raise ValueError(
+            f"no implementation for policy method {method_name!r}; implemented: {sorted(_REGISTRY)}"
+        ) from None
+
+
+@dataclass
+class MethodSet:
+    """One long-lived instance per method for an engine (holds per-session state)."""
+
+    shape: ModelShape
+    _instances: dict[str, Method] = field(default_factory=dict)
+
+    def for_policy(self, policy: KVPolicy) -> Method:
+        inst = self._instances.get(policy.method)
+        if inst is None:
+            inst = self._instances[policy.method] = method_class(policy.method)(self.shape)
+        return inst
+
+    def end_session(self, session_id: str) -> None:
+        for inst in self._instances.values():
+            inst.end_session(session_id)
+
+
+def topk_positions(scores: torch.Tensor, candidates: torch.Tensor, k: int) -> torch.Tensor:
+    """Positions of the ``k`` highest ``scores`` among bool ``candidates [T]`` (ties: earlier)."""
+    idx = torch.nonzero(candidates).reshape(-1)
+    if k >= idx.numel():
+        return idx
+    if k <= 0:
+        return idx[:0]
+    top = torch.topk(scores[idx].float(), k, sorted=False).indices
+    return idx[top].sort().values
+
+
+def expand_kv_heads(k: torch.Tensor, group: int) -> torch.Tensor:
+    """``[Hkv, ...]`` -> ``[Hkv * group, ...]`` (KV heads expanded to query heads)."""
+    return k.repeat_interleave(group, dim=0)

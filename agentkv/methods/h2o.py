@@ -1,0 +1,72 @@
+"""H2O-style heavy hitters (kvpress ``ObservedAttentionPress``) + a recent window.
+
+Per layer: prefill attention summed over the queries computed in this request, each key's
+sum divided by the number of those queries that can see it, mean over the GQA group ->
+one score per KV head and position. The last ``recent`` positions are always kept; each
+(layer, KV head) keeps its top ``budget - recent`` other positions. Keys reused from the
+prefix cache are scored by the new queries only (they are not recomputed).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from agentkv.methods.attention_probe import attention_probs
+from agentkv.methods.base import (
+    Method,
+    ObserveRequest,
+    Plan,
+    PlanContext,
+    PrefillObserver,
+    register_method,
+)
+from agentkv.policies import H2O, KVPolicy
+
+
+class _ObservedAttention(PrefillObserver):
+    def __init__(self, req: ObserveRequest):
+        s = req.shape
+        self.sums = torch.zeros(s.num_layers, s.num_q_heads, req.seq_len)
+        self.counts = torch.zeros(s.num_layers, req.seq_len)
+
+    def observe(self, layer, q, q_positions, k, k_positions, head_mask):
+        probs = attention_probs(q, q_positions, k, k_positions, head_mask)
+        pos = k_positions.cpu()
+        self.sums[layer][:, pos] += probs.sum(dim=1).cpu()
+        visible = (k_positions[None, :] <= q_positions[:, None]).sum(dim=0)
+        self.counts[layer, pos] += visible.cpu().float()
+
+    def result(self):
+        return self
+
+
+@register_method
+class H2OMethod(Method):
+    name = "h2o"
+
+    def observer(self, policy: KVPolicy, req: ObserveRequest) -> PrefillObserver | None:
+        return _ObservedAttention(req)
+
+    def plan(self, ctx: PlanContext) -> Plan:
+        policy = ctx.policy
+        assert isinstance(policy, H2O)
+        obs: _ObservedAttention = ctx.observation
+        T, s = ctx.seq_len, self.shape
+        live = ctx.live
+        if int(live.sum()) <= policy.budget:
+            return Plan(note="below budget: nothing evicted")
+        live_idx = torch.nonzero(live).reshape(-1)
+        recent = torch.zeros(T, dtype=torch.bool)
+        recent[live_idx[max(live_idx.numel() - policy.recent, 0) :]] = True
+        budget_rest = max(policy.budget - int(recent.sum()), 0)
+        score = obs.sums / obs.counts.clamp_min(1)[:, None, :]  # [L, Hq, T]
+        score = score.view(s.num_layers, s.num_kv_heads, s.group, T).mean(dim=2)
+        keep = torch.zeros(s.num_layers, s.num_kv_heads, T, dtype=torch.bool)
+        cand = live & ~recent
+        idx = torch.nonzero(cand).reshape(-1)
+        k = min(budget_rest, idx.numel())
+        if k > 0:
+            top = torch.topk(score[:, :, idx], k, dim=-1).indices  # [L, Hkv, k]
+            keep.scatter_(2, idx[top], True)
+        keep[:, :, recent] = True
+        return Plan(keep_mask=keep, scores=score)

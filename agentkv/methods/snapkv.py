@@ -1,0 +1,85 @@
+"""SnapKV (kvpress ``SnapKVPress``): observation-window attention, pooled, top-k per KV head.
+
+Per layer: the last ``window`` prompt queries (post-RoPE) attend over all keys (causal);
+keep the part over keys before the window; mean over the window queries; ``avg_pool1d``
+(``kernel``, padding ``kernel // 2``, stride 1) along the key sequence; mean over the query
+heads of each GQA group -> one score per KV head and position. Window positions are always
+kept; each (layer, KV head) keeps its top ``budget - window`` other positions.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from agentkv.methods.attention_probe import attention_probs
+from agentkv.methods.base import (
+    Method,
+    ObserveRequest,
+    Plan,
+    PlanContext,
+    PrefillObserver,
+    register_method,
+)
+from agentkv.policies import KVPolicy, SnapKV
+
+
+class _WindowObserver(PrefillObserver):
+    def __init__(self, req: ObserveRequest, window_start: int):
+        s = req.shape
+        self.window_start = window_start
+        self.sums = torch.zeros(s.num_layers, s.num_q_heads, req.seq_len)
+        self.seen = torch.zeros(s.num_layers, req.seq_len, dtype=torch.bool)
+        self.num_queries = req.seq_len - window_start
+
+    def observe(self, layer, q, q_positions, k, k_positions, head_mask):
+        sel = q_positions >= self.window_start
+        if not bool(sel.any()):
+            return
+        probs = attention_probs(q[:, sel], q_positions[sel], k, k_positions, head_mask)
+        pos = k_positions.cpu()
+        self.sums[layer][:, pos] += probs.sum(dim=1).cpu()
+        self.seen[layer, pos] = True
+
+    def result(self):
+        return self
+
+
+@register_method
+class SnapKVMethod(Method):
+    name = "snapkv"
+
+    def observer(self, policy: KVPolicy, req: ObserveRequest) -> PrefillObserver | None:
+        assert isinstance(policy, SnapKV)
+        new = req.seq_len - req.num_cached
+        window = max(1, min(policy.window, new))
+        return _WindowObserver(req, req.seq_len - window)
+
+    def plan(self, ctx: PlanContext) -> Plan:
+        policy = ctx.policy
+        assert isinstance(policy, SnapKV)
+        obs: _WindowObserver = ctx.observation
+        T, s = ctx.seq_len, self.shape
+        live = ctx.live.clone()
+        if int(live.sum()) <= policy.budget:
+            return Plan(note="below budget: nothing evicted")
+        in_window = torch.arange(T) >= obs.window_start
+        budget_rest = max(policy.budget - int(in_window.sum()), 0)
+        mean = obs.sums / max(obs.num_queries, 1)  # [L, Hq, T]
+        keep = torch.zeros(s.num_layers, s.num_kv_heads, T, dtype=torch.bool)
+        scores_all = torch.zeros(s.num_layers, s.num_kv_heads, T)
+        for layer in range(s.num_layers):
+            cand = live & ~in_window & obs.seen[layer]
+            idx = torch.nonzero(cand).reshape(-1)
+            pooled = F.avg_pool1d(
+                mean[layer][:, idx][None], policy.kernel, stride=1, padding=policy.kernel // 2,
+                count_include_pad=False,
+            )[0]  # [Hq, n]
+            per_kv = pooled.view(s.num_kv_heads, s.group, -1).mean(dim=1)  # [Hkv, n]
+            scores_all[layer][:, idx] = per_kv
+            k = min(budget_rest, idx.numel())
+            top = torch.topk(per_kv, k, dim=-1).indices if k > 0 else None
+            if top is not None:
+                keep[layer].scatter_(1, idx[top], True)
+            keep[layer][:, in_window & live] = True
+        return Plan(keep_mask=keep, scores=scores_all)

@@ -1,0 +1,460 @@
+"""Decode-attention speed: agentkv's fused mixed-precision kernel vs bf16 SDPA and SGLang.
+
+Run on a GPU machine (not a test; never gates CI)::
+
+    python benchmarks/decode_attention.py --out docs/benchmarks/decode_attention.json
+
+For each shape (B requests, N context tokens; Hq=32, Hkv=8, D=128, one new query token)
+it times, with ``triton.testing.do_bench`` (median, L2 flushed before every run):
+
+* ``sdpa_bf16``   torch SDPA on contiguous [B, Hkv, N, D] bf16 K/V (the anchor);
+* ``sglang_bf16`` SGLang 0.5.17's Triton decode kernel over the *same* scattered bf16 pool
+  (``kv_indices`` = our slot map), best of several ``num_kv_splits`` (if importable);
+* ``bf16`` / ``int4`` / ``int2`` / ``mixed`` (75% INT2 + 25% INT4): ``agentkv.kernels.
+  decode_attention`` over a slot map, with 0% and 50% of positions DEAD (random).
+
+K/V are one set of random bf16 tensors; the pools are filled from it with the agentkv
+quantization kernels, so every output is also compared with SDPA's (``rel_err_vs_sdpa``).
+Token slots are a random permutation (scattered, as in a paged server); INT2 pages are
+scattered, rows inside a page in order. ``bytes`` counts what the kernel must read from
+device memory: live rows, their scales (32-byte sectors), the slot map; bandwidth =
+bytes / time. Results are written incrementally to the JSON file given by ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as dt
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+import traceback
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+try:  # installed package, or a checkout (kernels/ is mapped to agentkv.kernels)
+    from agentkv.kernels import (
+        DecodeConfig,
+        KVPools,
+        SegmentMaxLens,
+        decode_attention,
+        write_int2_pages,
+        write_int4,
+    )
+except ImportError:  # pragma: no cover - checkout without install
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "agentkv.kernels",
+        Path(__file__).resolve().parents[1] / "kernels" / "__init__.py",
+        submodule_search_locations=[str(Path(__file__).resolve().parents[1] / "kernels")],
+    )
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["agentkv.kernels"] = mod
+    spec.loader.exec_module(mod)
+    from agentkv.kernels import (  # noqa: E402
+        DecodeConfig,
+        KVPools,
+        SegmentMaxLens,
+        decode_attention,
+        write_int2_pages,
+        write_int4,
+    )
+
+HQ, HKV, D = 32, 8, 128
+IMPLS = ("bf16", "int4", "int2", "mixed")
+
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _bench(fn) -> float:
+    """Median time of ``fn`` in microseconds (CPU dry runs: one wall-clock call)."""
+    if DEVICE.type != "cuda":
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1e6
+    import triton
+
+    return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")) * 1e3
+
+
+class Shape:
+    """All tensors of one (B, N) shape: SDPA K/V, the three pools, slot maps, masks."""
+
+    def __init__(self, b: int, n: int, seed: int = 0) -> None:
+        dev = DEVICE
+        g = torch.Generator(device=dev).manual_seed(seed)
+        self.b, self.n = b, n
+        self.q = torch.randn(b, HQ, D, device=dev, dtype=torch.bfloat16, generator=g)
+        self.k = torch.randn(b, HKV, n, D, device=dev, dtype=torch.bfloat16, generator=g)
+        self.v = torch.randn(b, HKV, n, D, device=dev, dtype=torch.bfloat16, generator=g)
+        tokens = b * n
+        self.pools = KVPools.allocate(tokens + 1, tokens, tokens // 32, HKV, D, device=dev)
+        p = self.pools
+        # scattered token slots: full pool ids 1.., INT4 local ids 0..; INT2 pages scattered
+        full_ids = torch.randperm(tokens, device=dev, generator=g).int() + 1
+        int4_ids = torch.randperm(tokens, device=dev, generator=g).int()
+        pages = torch.randperm(tokens // 32, device=dev, generator=g).int()
+        self.slots_full = full_ids.view(b, n)
+        self.slots_int4 = (int4_ids + p.int4_base).view(b, n)
+        self.slots_int2 = p.int2_slot_ids(pages).reshape(b, n).int()
+        for r in range(b):
+            kr, vr = self.k[r].transpose(0, 1), self.v[r].transpose(0, 1)  # [n, Hkv, D] views
+            p.full.k[full_ids.view(b, n)[r].long()] = kr
+            p.full.v[full_ids.view(b, n)[r].long()] = vr
+            write_int4(p.int4, int4_ids.view(b, n)[r], kr, vr)
+            write_int2_pages(p.int2, pages.view(b, n // 32)[r], kr, vr)
+        n2 = (3 * n // 4) // 32 * 32
+        self.n2_mixed = n2
+        self.slots_mixed = torch.cat(
+            [self.slots_int2[:, :n2], self.slots_int4[:, n2:]], dim=1
+        ).contiguous()
+        self.dead_random = torch.rand(b, n, device=dev, generator=g) < 0.5
+        # clustered eviction (whole spans, e.g. old tool results): half of the 512-token runs
+        runs = n // 512
+        pick = torch.rand(b, runs, device=dev, generator=g).argsort(1) < runs // 2
+        self.dead_runs = pick.repeat_interleave(512, dim=1)
+        self.dead = self.dead_random
+        self.seq = torch.full((b,), n, device=dev, dtype=torch.int32)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+
+    def drop_sdpa_kv(self) -> None:
+        del self.k, self.v
+        torch.cuda.empty_cache()
+
+    def use_dead_pattern(self, pattern: str) -> None:
+        self.dead = self.dead_random if pattern == "random" else self.dead_runs
+
+    def inputs(self, impl: str, dead: bool) -> dict:
+        b, n = self.b, self.n
+        zero = torch.zeros(b, device=self.seq.device, dtype=torch.int32)
+        full_len = torch.full_like(zero, n)
+        if impl == "bf16":
+            sm, n2, n4, ml = self.slots_full, None, None, SegmentMaxLens(0, 0, n)
+        elif impl == "int4":
+            sm, n2, n4, ml = self.slots_int4, None, full_len, SegmentMaxLens(0, n, 0)
+        elif impl == "int2":
+            sm, n2, n4, ml = self.slots_int2, full_len, None, SegmentMaxLens(n, 0, 0)
+        else:
+            m = self.n2_mixed
+            sm = self.slots_mixed
+            n2 = torch.full_like(zero, m)
+            n4 = torch.full_like(zero, n - m)
+            ml = SegmentMaxLens(m, n - m, 0)
+        if dead:
+            sm = torch.where(self.dead, torch.zeros_like(sm), sm)
+        return dict(
+            slot_map=sm.contiguous(), seq_lens=self.seq, int2_lens=n2, int4_lens=n4, max_lens=ml
+        )
+
+    def bytes_read(self, impl: str, dead: bool) -> int:
+        """Bytes the kernel must read: live rows + touched scale sectors + slot map."""
+        b, n = self.b, self.n
+        live = ~self.dead if dead else torch.ones(b, n, dtype=torch.bool, device=self.dead.device)
+        total = b * n * 4  # slot map (int32), read for every position
+        if impl == "sdpa":
+            return 2 * b * HKV * n * D * 2
+        if impl in ("bf16", "sglang"):
+            return total + int(live.sum()) * 2 * HKV * D * 2
+        cols = torch.arange(n, device=live.device)[None, :].expand(b, n)
+        in2 = cols < (n if impl == "int2" else self.n2_mixed if impl == "mixed" else 0)
+        live4, live2 = live & ~in2, live & in2
+        ng = D // 32
+        # INT4: per token all heads' codes (Hkv*D/2 B) + scales/zeros (Hkv*ng*2 B each), K and V
+        total += int(live4.sum()) * 2 * HKV * (D // 2 + 2 * ng * 2)
+        if bool(live2.any()):
+            j = (self.slots_int2 - self.pools.int2_base).long()[live2]  # page*32 + row
+            total += j.numel() * 2 * HKV * (D // 4)  # K and V codes
+            pages = torch.unique(j // 32)
+            total += pages.numel() * HKV * D * 2 * 2  # K per-channel scale + zero per page
+            # V per-token scales / zeros: [page, head, row, ng] fp16 -> 32-byte sectors
+            rows_per_sector = max(1, 32 // (ng * 2))
+            sectors = torch.unique(j // rows_per_sector).numel()
+            total += 2 * HKV * sectors * max(32, ng * 2 * rows_per_sector)
+        return total
+
+
+def _sdpa(s: Shape):
+    q = s.q[:, :, None, :]
+
+    def fn():
+        return torch.nn.functional.scaled_dot_product_attention(q, s.k, s.v, enable_gqa=True)
+
+    return fn
+
+
+def _ours(s: Shape, impl: str, dead: bool, cfg: DecodeConfig):
+    kw = s.inputs(impl, dead)
+
+    def fn():
+        return decode_attention(s.q, s.pools, config=cfg, **kw)
+
+    return fn
+
+
+def _sglang(s: Shape, splits: int):
+    from sglang.kernels.ops.attention.decode_attention import decode_attention_fwd
+
+    b, n = s.b, s.n
+    dev = s.q.device
+    kv_indptr = torch.arange(0, (b + 1) * n, n, device=dev, dtype=torch.int32)
+    kv_indices = s.slots_full.reshape(-1).contiguous()
+    o = torch.empty(b, HQ, D, device=dev, dtype=torch.bfloat16)
+    logits = torch.empty(b, HQ, splits, D, device=dev, dtype=torch.float32)
+    lse = torch.empty(b, HQ, splits, device=dev, dtype=torch.float32)
+    nsplit = torch.full((b,), splits, device=dev, dtype=torch.int32)
+    k_buf, v_buf = s.pools.full.k, s.pools.full.v
+
+    def fn():
+        decode_attention_fwd(
+            s.q,
+            k_buf,
+            v_buf,
+            o,
+            kv_indptr,
+            kv_indices,
+            logits,
+            lse,
+            nsplit,
+            splits,
+            1.0 / math.sqrt(D),
+            1.0,
+            1.0,
+        )
+        return o
+
+    return fn
+
+
+def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((a.float() - ref.float()).norm() / ref.float().norm())
+
+
+TUNE_GRID = [
+    DecodeConfig(),
+    DecodeConfig(num_warps=8),
+    DecodeConfig(num_stages=3),
+    DecodeConfig(num_stages=1),
+    DecodeConfig(block_n_full=32, block_n_int4=32),
+    DecodeConfig(block_n_full=128, block_n_int4=128, num_warps=8),
+    DecodeConfig(programs_per_sm=8),
+    DecodeConfig(programs_per_sm=2),
+    DecodeConfig(programs_per_sm=16, num_warps=2),
+]
+
+
+class Recorder:
+    def __init__(self, path: Path, meta: dict) -> None:
+        self.path = path
+        self.doc = dict(meta, results=[], tuning=[], errors=[])
+
+    def add(self, key: str, row: dict) -> None:
+        self.doc[key].append(row)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.doc, indent=1))
+        tmp.replace(self.path)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default="docs/benchmarks/decode_attention.json")
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--lengths", default="4096,32768,131072")
+    ap.add_argument("--tune", action="store_true", help="sweep DecodeConfig at B=8, N=32k first")
+    ap.add_argument("--configs", default="", help="JSON {impl: DecodeConfig kwargs} to use")
+    ap.add_argument("--tune-shape", default="8,32768", help="B,N of the tuning sweep")
+    ap.add_argument("--sglang-splits", default="8,16,32")
+    ap.add_argument("--no-sglang", action="store_true")
+    args = ap.parse_args()
+
+    dev = torch.cuda.get_device_name() if DEVICE.type == "cuda" else "cpu (dry run)"
+    try:
+        import triton
+
+        tv = triton.__version__
+    except ImportError:  # pragma: no cover
+        tv = "?"
+    sgl_err = None
+    sgl_ver = None
+    if not args.no_sglang:
+        try:
+            import sglang
+            from sglang.kernels.ops.attention.decode_attention import (  # noqa: F401
+                decode_attention_fwd,
+            )
+
+            sgl_ver = sglang.__version__
+        except Exception as e:  # noqa: BLE001
+            sgl_err = f"{type(e).__name__}: {e}"
+    rec = Recorder(
+        Path(args.out),
+        {
+            "gpu": dev,
+            "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "command": "python " + " ".join(sys.argv),
+            "torch": torch.__version__,
+            "triton": tv,
+            "sglang": sgl_ver,
+            "sglang_import_error": sgl_err,
+            "shape": {"Hq": HQ, "Hkv": HKV, "D": D, "dtype": "bfloat16"},
+            "timing": "triton.testing.do_bench median, warmup 25 ms, rep 100 ms, L2 flushed",
+            "dead_pattern": "dead_fraction 0.5: 'random' = each position DEAD with p=0.5; "
+            "'runs' = half of the 512-token runs of each request DEAD; masked by slot id 0",
+        },
+    )
+    print(
+        f"gpu={dev} torch={torch.__version__} triton={tv} sglang={sgl_ver} err={sgl_err}",
+        flush=True,
+    )
+    cfgs = {impl: DecodeConfig() for impl in IMPLS}
+    if args.configs:
+        for impl, kw in json.loads(args.configs).items():
+            cfgs[impl] = DecodeConfig(**kw)
+
+    if args.tune:
+        t0 = time.time()
+        tb, tn = (int(x) for x in args.tune_shape.split(","))
+        s = Shape(tb, tn)
+        for impl in IMPLS:
+            best = None
+            for cfg in TUNE_GRID:
+                try:
+                    us = _bench(_ours(s, impl, False, cfg))
+                except Exception as e:  # noqa: BLE001
+                    rec.add(
+                        "errors",
+                        {
+                            "phase": "tune",
+                            "impl": impl,
+                            "config": asdict(cfg),
+                            "error": f"{type(e).__name__}: {e}",
+                        },
+                    )
+                    continue
+                rec.add(
+                    "tuning", {"impl": impl, "B": tb, "N": tn, "config": asdict(cfg), "time_us": us}
+                )
+                print(f"tune {impl:6s} {us:9.1f} us {asdict(cfg)}", flush=True)
+                if best is None or us < best[0]:
+                    best = (us, cfg)
+            if best is not None:
+                cfgs[impl] = best[1]
+        del s
+        torch.cuda.empty_cache()
+        print(f"tuning took {time.time() - t0:.0f} s", flush=True)
+    rec.doc["configs"] = {k: asdict(v) for k, v in cfgs.items()}
+
+    for b in [int(x) for x in args.batches.split(",")]:
+        for n in [int(x) for x in args.lengths.split(",")]:
+            try:
+                s = Shape(b, n)
+            except Exception as e:  # noqa: BLE001
+                rec.add("errors", {"B": b, "N": n, "phase": "alloc", "error": repr(e)})
+                torch.cuda.empty_cache()
+                continue
+            rows = []
+
+            def emit(impl, dead, us, nbytes, sdpa_us, extra=None, b=b, n=n, rows=rows):
+                row = {
+                    "impl": impl,
+                    "B": b,
+                    "N": n,
+                    "dead_fraction": dead,
+                    "time_us": us,
+                    "bytes": nbytes,
+                    "bandwidth_TBps": nbytes / (us * 1e-6) / 1e12,
+                    "speedup_vs_sdpa": sdpa_us / us if sdpa_us else None,
+                }
+                row.update(extra or {})
+                rec.add("results", row)
+                rows.append(row)
+
+            try:
+                ref = _sdpa(s)()[:, :, 0]
+                sdpa_us = _bench(_sdpa(s))
+                emit("sdpa_bf16", 0.0, sdpa_us, s.bytes_read("sdpa", False), sdpa_us)
+            except Exception as e:  # noqa: BLE001
+                sdpa_us, ref = None, None
+                rec.add("errors", {"B": b, "N": n, "impl": "sdpa_bf16", "error": repr(e)})
+            s.drop_sdpa_kv()
+            if sgl_err is None and not args.no_sglang:
+                best = None
+                for sp in [int(x) for x in args.sglang_splits.split(",")]:
+                    try:
+                        us = _bench(_sglang(s, sp))
+                    except Exception as e:  # noqa: BLE001
+                        rec.add(
+                            "errors",
+                            {"B": b, "N": n, "impl": "sglang_bf16", "splits": sp, "error": repr(e)},
+                        )
+                        continue
+                    if best is None or us < best[0]:
+                        best = (us, sp)
+                if best is not None:
+                    out = _sglang(s, best[1])()
+                    emit(
+                        "sglang_bf16",
+                        0.0,
+                        best[0],
+                        s.bytes_read("sglang", False),
+                        sdpa_us,
+                        {
+                            "num_kv_splits": best[1],
+                            "rel_err_vs_sdpa": _rel(out, ref) if ref is not None else None,
+                        },
+                    )
+            for impl in IMPLS:
+                for dead, pattern in ((False, None), (True, "random"), (True, "runs")):
+                    s.use_dead_pattern(pattern or "random")
+                    try:
+                        fn = _ours(s, impl, dead, cfgs[impl])
+                        out = fn()
+                        us = _bench(fn)
+                        extra = {"dead_pattern": pattern}
+                        if not dead and ref is not None:
+                            extra["rel_err_vs_sdpa"] = _rel(out, ref)
+                        emit(
+                            impl, 0.5 if dead else 0.0, us, s.bytes_read(impl, dead), sdpa_us, extra
+                        )
+                    except Exception as e:  # noqa: BLE001
+                        rec.add(
+                            "errors",
+                            {
+                                "B": b,
+                                "N": n,
+                                "impl": impl,
+                                "dead": dead,
+                                "error": repr(e),
+                                "tb": traceback.format_exc()[-800:],
+                            },
+                        )
+                        torch.cuda.empty_cache()
+            for r in rows:
+                print(
+                    f"B={b:3d} N={n:7d} {r['impl']:12s} dead={r['dead_fraction']:.1f} "
+                    f"{(r.get('dead_pattern') or ''):6s} "
+                    f"{r['time_us']:9.1f} us {r['bandwidth_TBps']:5.2f} TB/s "
+                    f"x{(r['speedup_vs_sdpa'] or 0):5.2f} err={r.get('rel_err_vs_sdpa')}",
+                    flush=True,
+                )
+            del s
+            torch.cuda.empty_cache()
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    with contextlib.suppress(OSError):
+        subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,clocks.sm,clocks.mem", "--format=csv"], check=False
+        )
+    main()

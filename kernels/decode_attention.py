@@ -1,0 +1,476 @@
+"""Fused mixed-precision, dead-slot-aware flash-decoding attention (Triton).
+
+Input contract (one layer, one new query token per request):
+
+* ``slot_map[b, :seq_lens[b]]`` lists the request's unified slot ids (:mod:`pools`) in
+  three precision-homogeneous segments: positions ``[0, int2_lens[b])`` are INT2 rows,
+  ``[int2_lens[b], int2_lens[b] + int4_lens[b])`` INT4 rows, the rest full-precision rows.
+  Any position may instead hold ``dead_id`` (evicted): it is masked by id, never read.
+* The INT2 segment is whole pages: ``int2_lens[b]`` is a multiple of 32 and each aligned
+  group of 32 positions holds rows of one INT2 page (any row order) or DEAD.
+* Attention is order-free over keys (RoPE is already in K), so this reordering is free.
+
+Kernel: grid (split, kv_head, request). A split covers ``split_len`` positions of one
+segment, so it reads one pool; all ``Hq / Hkv`` query heads of the GQA group share the
+program and read each K/V row once. Rows are unpacked and dequantized in registers,
+scores use ``tl.dot`` on [16, D] x [D, BLOCK_N] tiles, online softmax in base 2. INT2 keys
+fold the page's per-channel scale into the query (``(q * s) . code + q . zero``). A second
+kernel merges the splits by log-sum-exp.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .backend import Backend, resolve_backend, triton_interpreting
+from .decode_attention_reference import decode_attention_ref
+from .packing import unpack_int2_f32, unpack_int4_f32
+from .pools import DEAD, INT2_PAGE, KVPools
+
+_LOG2E = 1.4426950408889634
+
+
+@dataclass(frozen=True)
+class SegmentMaxLens:
+    """Host-side upper bounds (positions) of each segment over the batch. They size the
+    grid without a device sync; a zero bound skips that pool's code entirely."""
+
+    int2: int
+    int4: int
+    full: int
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Tuning knobs. block_n_*: positions per inner iteration (INT2 is one 32-token page);
+    programs_per_sm: target grid size per SM when choosing ``split_len``."""
+
+    block_n_full: int = 64
+    block_n_int4: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+    programs_per_sm: int = 4
+    min_split_len: int = 256
+    merge_block_s: int = 32
+
+
+@triton.jit
+def _mma(a, b, IEEE_F32: tl.constexpr):
+    # The CPU interpreter of Triton 3.9 mis-computes bf16 dots: use exact fp32 there.
+    if IEEE_F32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
+def _softmax_step(qk, v, m_i, l_i, acc, IEEE_F32: tl.constexpr):
+    """Online-softmax update. qk: [BH, BN] log2-scaled scores (-inf = masked);
+    v: [BN, D] in the dot dtype; m_i, l_i: [BH]; acc: [BH, D] fp32."""
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + _mma(p.to(v.dtype), v, IEEE_F32)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _live_positions(slot_row_ptr, hm_row_ptr, offs_n, end, dead_id, HAS_HEAD_MASK: tl.constexpr):
+    inb = offs_n < end
+    slot = tl.load(slot_row_ptr + offs_n, mask=inb, other=dead_id).to(tl.int64)
+    live = inb & (slot != dead_id)
+    if HAS_HEAD_MASK:
+        live = live & (tl.load(hm_row_ptr + offs_n, mask=inb, other=0) != 0)
+    return slot, live
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr,
+    stride_qb,
+    stride_qh,
+    slot_ptr,
+    stride_sb,
+    seq_lens_ptr,
+    int2_lens_ptr,
+    int4_lens_ptr,
+    hm_ptr,
+    stride_hb,
+    stride_hh,
+    fk_ptr,
+    fv_ptr,
+    stride_fs,
+    stride_fh,
+    q4k_ptr,
+    q4v_ptr,
+    q4ks_ptr,
+    q4kz_ptr,
+    q4vs_ptr,
+    q4vz_ptr,
+    q2k_ptr,
+    q2v_ptr,
+    q2ks_ptr,
+    q2kz_ptr,
+    q2vs_ptr,
+    q2vz_ptr,
+    po_ptr,
+    plse_ptr,
+    qk_scale,
+    dead_id,
+    int4_base,
+    int2_base,
+    Hkv,
+    split_len,
+    S2,
+    S4,
+    S_total,
+    G: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    D: tl.constexpr,
+    BN_FULL: tl.constexpr,
+    BN_INT4: tl.constexpr,
+    HAS_FULL: tl.constexpr,
+    HAS_INT4: tl.constexpr,
+    HAS_INT2: tl.constexpr,
+    HAS_HEAD_MASK: tl.constexpr,
+    IEEE_F32: tl.constexpr,
+):
+    NG: tl.constexpr = D // 32
+    s = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+
+    seq_len = tl.load(seq_lens_ptr + b)
+    n2 = 0
+    n4 = 0
+    if HAS_INT2:
+        n2 = tl.load(int2_lens_ptr + b)
+    if HAS_INT4:
+        n4 = tl.load(int4_lens_ptr + b)
+    is2 = s < S2
+    is4 = (s >= S2) & (s < S2 + S4)
+    seg_start = tl.where(is2, 0, tl.where(is4, n2, n2 + n4))
+    seg_end = tl.where(is2, n2, tl.where(is4, n2 + n4, seq_len))
+    local = tl.where(is2, s, tl.where(is4, s - S2, s - S2 - S4))
+    start = seg_start + local * split_len
+    end = tl.minimum(start + split_len, seg_end)
+
+    offs_h = tl.arange(0, BLOCK_H)
+    hmask = offs_h < G
+    offs_d = tl.arange(0, D)
+    offs_g = tl.arange(0, NG)
+    q = tl.load(
+        q_ptr + b * stride_qb + (h * G + offs_h)[:, None] * stride_qh + offs_d[None, :],
+        mask=hmask[:, None],
+        other=0.0,
+    )
+    slot_row = slot_ptr + b.to(tl.int64) * stride_sb
+    hm_row = hm_ptr + b.to(tl.int64) * stride_hb + h * stride_hh
+
+    m_i = tl.full([BLOCK_H], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, D], tl.float32)
+
+    # constexpr guard outside, runtime branch inside: Triton must not fuse the two
+    if HAS_INT2:  # noqa: SIM102
+        if is2:
+            qf = q.to(tl.float32)
+            offs_c = tl.arange(0, D // 4)
+            for start_n in range(start, end, 32):
+                offs_n = start_n + tl.arange(0, 32)
+                slot, live = _live_positions(slot_row, hm_row, offs_n, end, dead_id, HAS_HEAD_MASK)
+                j = tl.where(live, slot - int2_base, -1)
+                page = tl.maximum(tl.max(j, 0), 0) // 32
+                ph = page * Hkv + h
+                ks = tl.load(q2ks_ptr + ph * D + offs_d).to(tl.float32)
+                kz = tl.load(q2kz_ptr + ph * D + offs_d).to(tl.float32)
+                qs = (qf * ks[None, :]).to(q.dtype)
+                qz = tl.sum(qf * kz[None, :], 1)
+                row = ph * 32 + tl.where(live, j % 32, 0)
+                co = row[:, None] * (D // 4) + offs_c[None, :]
+                ku = unpack_int2_f32(tl.load(q2k_ptr + co, mask=live[:, None], other=0))
+                qk = (_mma(qs, tl.trans(ku.to(q.dtype)), IEEE_F32) + qz[:, None]) * qk_scale
+                qk = tl.where(live[None, :], qk, float("-inf"))
+                vu = unpack_int2_f32(tl.load(q2v_ptr + co, mask=live[:, None], other=0))
+                so = row[:, None] * NG + offs_g[None, :]
+                vs = tl.load(q2vs_ptr + so, mask=live[:, None], other=0.0).to(tl.float32)
+                vz = tl.load(q2vz_ptr + so, mask=live[:, None], other=0.0).to(tl.float32)
+                vq = tl.reshape(vu, [32, NG, 32]) * vs[:, :, None] + vz[:, :, None]
+                v = tl.reshape(vq, [32, D]).to(q.dtype)
+                m_i, l_i, acc = _softmax_step(qk, v, m_i, l_i, acc, IEEE_F32)
+    if HAS_INT4:  # noqa: SIM102
+        if is4:
+            offs_c = tl.arange(0, D // 2)
+            for start_n in range(start, end, BN_INT4):
+                offs_n = start_n + tl.arange(0, BN_INT4)
+                slot, live = _live_positions(slot_row, hm_row, offs_n, end, dead_id, HAS_HEAD_MASK)
+                row = tl.where(live, slot - int4_base, 0) * Hkv + h
+                lm = live[:, None]
+                co = row[:, None] * (D // 2) + offs_c[None, :]
+                so = row[:, None] * NG + offs_g[None, :]
+                ku = unpack_int4_f32(tl.load(q4k_ptr + co, mask=lm, other=0))
+                ks = tl.load(q4ks_ptr + so, mask=lm, other=0.0).to(tl.float32)
+                kz = tl.load(q4kz_ptr + so, mask=lm, other=0.0).to(tl.float32)
+                kq = tl.reshape(ku, [BN_INT4, NG, 32]) * ks[:, :, None] + kz[:, :, None]
+                k = tl.reshape(kq, [BN_INT4, D]).to(q.dtype)
+                qk = _mma(q, tl.trans(k), IEEE_F32) * qk_scale
+                qk = tl.where(live[None, :], qk, float("-inf"))
+                vu = unpack_int4_f32(tl.load(q4v_ptr + co, mask=lm, other=0))
+                vs = tl.load(q4vs_ptr + so, mask=lm, other=0.0).to(tl.float32)
+                vz = tl.load(q4vz_ptr + so, mask=lm, other=0.0).to(tl.float32)
+                vq = tl.reshape(vu, [BN_INT4, NG, 32]) * vs[:, :, None] + vz[:, :, None]
+                v = tl.reshape(vq, [BN_INT4, D]).to(q.dtype)
+                m_i, l_i, acc = _softmax_step(qk, v, m_i, l_i, acc, IEEE_F32)
+    if HAS_FULL:  # noqa: SIM102
+        if s >= S2 + S4:
+            for start_n in range(start, end, BN_FULL):
+                offs_n = start_n + tl.arange(0, BN_FULL)
+                slot, live = _live_positions(slot_row, hm_row, offs_n, end, dead_id, HAS_HEAD_MASK)
+                fo = slot[:, None] * stride_fs + h * stride_fh + offs_d[None, :]
+                k = tl.load(fk_ptr + fo, mask=live[:, None], other=0.0).to(q.dtype)
+                qk = _mma(q, tl.trans(k), IEEE_F32) * qk_scale
+                qk = tl.where(live[None, :], qk, float("-inf"))
+                v = tl.load(fv_ptr + fo, mask=live[:, None], other=0.0).to(q.dtype)
+                m_i, l_i, acc = _softmax_step(qk, v, m_i, l_i, acc, IEEE_F32)
+
+    has = l_i > 0.0
+    out = acc / tl.where(has, l_i, 1.0)[:, None]
+    lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+    row_o = (b * (Hkv * G) + h * G + offs_h).to(tl.int64) * S_total + s
+    tl.store(po_ptr + row_o[:, None] * D + offs_d[None, :], out, mask=hmask[:, None])
+    tl.store(plse_ptr + row_o, lse, mask=hmask)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    po_ptr,
+    plse_ptr,
+    o_ptr,
+    stride_ob,
+    stride_oh,
+    Hq,
+    S_total,
+    D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    """One program per (request, query head): log-sum-exp merge of the split partials."""
+    pid = tl.program_id(0)
+    b = pid // Hq
+    hq = pid % Hq
+    offs_d = tl.arange(0, D)
+    m = tl.full([1], -1.0e30, tl.float32)
+    den = tl.zeros([1], tl.float32)
+    acc = tl.zeros([D], tl.float32)
+    base = pid.to(tl.int64) * S_total
+    for s0 in range(0, S_total, BLOCK_S):
+        offs_s = s0 + tl.arange(0, BLOCK_S)
+        sm = offs_s < S_total
+        lse = tl.load(plse_ptr + base + offs_s, mask=sm, other=float("-inf"))
+        m_new = tl.maximum(m, tl.max(lse, 0))
+        alpha = tl.exp2(m - m_new)
+        w = tl.exp2(lse - m_new)
+        po = tl.load(
+            po_ptr + (base + offs_s)[:, None] * D + offs_d[None, :],
+            mask=(sm & (lse > float("-inf")))[:, None],
+            other=0.0,
+        )
+        acc = acc * alpha + tl.sum(w[:, None] * po, 0)
+        den = den * alpha + tl.sum(w, 0)
+        m = m_new
+    out = acc / tl.where(den > 0.0, den, 1.0)
+    tl.store(o_ptr + b * stride_ob + hq * stride_oh + offs_d, out.to(o_ptr.dtype.element_ty))
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def plan_split_len(
+    batch: int, num_kv_heads: int, total_len: int, device: torch.device, config: DecodeConfig
+) -> int:
+    """Positions per split (a multiple of 64, hence of the INT2 page): enough splits to give
+    about ``programs_per_sm`` programs per SM, none shorter than ``min_split_len``."""
+    target = config.programs_per_sm * _num_sms(device)
+    n_splits = max(1, -(-target // max(1, batch * num_kv_heads)))
+    per = -(-max(1, total_len) // n_splits)
+    per = -(-per // 64) * 64
+    return max(per, config.min_split_len)
+
+
+def validate_decode_inputs(
+    pools: KVPools,
+    slot_map: torch.Tensor,
+    seq_lens: torch.Tensor,
+    int2_lens: torch.Tensor | None = None,
+    int4_lens: torch.Tensor | None = None,
+    dead_id: int = DEAD,
+) -> None:
+    """Check the segment contract of the module docstring (device sync; for tests and
+    debugging, not for the hot path). Raises ValueError on the first violation."""
+    b, length = slot_map.shape
+    z = torch.zeros(b, dtype=torch.long, device=slot_map.device)
+    n2 = int2_lens.long() if int2_lens is not None else z
+    n4 = int4_lens.long() if int4_lens is not None else z
+    n = seq_lens.long()
+    if bool((n2 % INT2_PAGE != 0).any()):
+        raise ValueError("int2_lens must be multiples of 32")
+    if bool((n2 + n4 > n).any()) or bool((n > length).any()):
+        raise ValueError("int2_lens + int4_lens <= seq_lens <= slot_map.shape[1] violated")
+    s = slot_map.long()
+    pos = torch.arange(length, device=s.device)[None, :]
+    live = (s != dead_id) & (pos < n[:, None])
+    in2 = pos < n2[:, None]
+    in4 = (pos >= n2[:, None]) & (pos < (n2 + n4)[:, None])
+    is2 = s >= pools.int2_base
+    is4 = (s >= pools.int4_base) & ~is2
+    if bool((live & (in2 != is2)).any()) or bool((live & (in4 != is4)).any()):
+        raise ValueError("a live slot lies outside the segment of its precision")
+    if bool((s[live] >= pools.num_unified_slots).any()) or bool((s[live] < 0).any()):
+        raise ValueError("slot id out of range")
+    page = torch.where(live & in2, (s - pools.int2_base) // INT2_PAGE, -1)
+    blocks = page[:, : (length // INT2_PAGE) * INT2_PAGE].reshape(b, -1, INT2_PAGE)
+    hi = blocks.max(-1).values
+    lo = torch.where(blocks < 0, hi[..., None], blocks).min(-1).values
+    if bool((hi != lo).any()):
+        raise ValueError("an aligned 32-position INT2 block mixes pages")
+
+
+def decode_attention(
+    q: torch.Tensor,
+    pools: KVPools,
+    slot_map: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    int2_lens: torch.Tensor | None = None,
+    int4_lens: torch.Tensor | None = None,
+    head_mask: torch.Tensor | None = None,
+    sm_scale: float | None = None,
+    dead_id: int = DEAD,
+    max_lens: SegmentMaxLens | None = None,
+    split_len: int | None = None,
+    config: DecodeConfig | None = None,
+    backend: Backend = "auto",
+) -> torch.Tensor:
+    """Decode attention of one query token per request over mixed-precision, holed KV.
+
+    q: [B, Hq, D] bf16/fp16 (Hq a multiple of Hkv). pools: the layer's :class:`KVPools`.
+    slot_map: [B, L] int32 unified slot ids (segment contract in the module docstring).
+    seq_lens: [B] int32 positions used. int2_lens / int4_lens: [B] int32 segment lengths
+    (None = empty). head_mask: [B, Hkv, L] bool, True = attend (per-head eviction).
+    sm_scale: defaults to 1/sqrt(D). dead_id: the DEAD slot id (default 0), masked by id.
+    max_lens: host bounds of the segment lengths (default: L for each present segment).
+    split_len: positions per split (multiple of 64; default from :func:`plan_split_len`).
+    Returns [B, Hq, D] in q's dtype; a request with nothing live gets zeros.
+    """
+    b, hq, d = q.shape
+    hkv = pools.num_kv_heads
+    if d != pools.head_dim or hq % hkv:
+        raise ValueError(f"q {tuple(q.shape)} does not match pools (Hkv={hkv}, D={pools.head_dim})")
+    if slot_map.dim() != 2 or slot_map.shape[0] != b:
+        raise ValueError(f"slot_map must be [B={b}, L], got {tuple(slot_map.shape)}")
+    if head_mask is not None and head_mask.shape != (b, hkv, slot_map.shape[1]):
+        raise ValueError(f"head_mask must be [B, Hkv, L], got {tuple(head_mask.shape)}")
+    scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)
+    if resolve_backend(backend, q.device) == "torch":
+        return decode_attention_ref(q, pools, slot_map, seq_lens, head_mask, scale, dead_id)
+
+    cfg = config or DecodeConfig()
+    length = slot_map.shape[1]
+    has2 = int2_lens is not None and pools.int2 is not None
+    has4 = int4_lens is not None and pools.int4 is not None
+    if max_lens is None:
+        max_lens = SegmentMaxLens(length if has2 else 0, length if has4 else 0, length)
+    m2 = max_lens.int2 if has2 else 0
+    m4 = max_lens.int4 if has4 else 0
+    mf = max_lens.full
+    if split_len is None:
+        split_len = plan_split_len(b, hkv, m2 + m4 + mf, q.device, cfg)
+    if split_len % 64:
+        raise ValueError("split_len must be a multiple of 64")
+    s2, s4, sf = (-(-m // split_len) for m in (m2, m4, mf))
+    s_total = max(1, s2 + s4 + sf)
+
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    f, p4, p2 = pools.full, pools.int4, pools.int2
+    if f.k.stride() != f.v.stride() or f.k.stride(-1) != 1:
+        raise ValueError("full pool k and v need equal strides and a contiguous last dim")
+    dummy = slot_map
+    q4 = [dummy] * 6 if not has4 else [p4.k, p4.v, p4.k_scale, p4.k_zero, p4.v_scale, p4.v_zero]
+    q2 = [dummy] * 6 if not has2 else [p2.k, p2.v, p2.k_scale, p2.k_zero, p2.v_scale, p2.v_zero]
+    if not all(t.is_contiguous() for t in q4 + q2):
+        raise ValueError("quantized pools must be contiguous")
+    hm = dummy
+    if head_mask is not None:
+        hm = head_mask.to(torch.uint8) if head_mask.dtype == torch.bool else head_mask
+        if hm.stride(-1) != 1:
+            hm = hm.contiguous()
+    n2 = int2_lens if has2 else seq_lens
+    n4 = int4_lens if has4 else seq_lens
+
+    part_o = torch.empty(b, hq, s_total, d, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(b, hq, s_total, dtype=torch.float32, device=q.device)
+    out = torch.empty(b, hq, d, dtype=q.dtype, device=q.device)
+    g = hq // hkv
+    _decode_split_kernel[(s_total, hkv, b)](
+        q,
+        q.stride(0),
+        q.stride(1),
+        slot_map,
+        slot_map.stride(0),
+        seq_lens,
+        n2,
+        n4,
+        hm,
+        hm.stride(0) if head_mask is not None else 0,
+        hm.stride(1) if head_mask is not None else 0,
+        f.k,
+        f.v,
+        f.k.stride(0),
+        f.k.stride(1),
+        *q4,
+        *q2,
+        part_o,
+        part_lse,
+        scale * _LOG2E,
+        dead_id,
+        pools.int4_base,
+        pools.int2_base,
+        hkv,
+        split_len,
+        s2,
+        s4,
+        s_total,
+        G=g,
+        BLOCK_H=max(16, triton.next_power_of_2(g)),
+        D=d,
+        BN_FULL=cfg.block_n_full,
+        BN_INT4=cfg.block_n_int4,
+        HAS_FULL=mf > 0,
+        HAS_INT4=m4 > 0,
+        HAS_INT2=m2 > 0,
+        HAS_HEAD_MASK=head_mask is not None,
+        IEEE_F32=triton_interpreting(),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    _merge_splits_kernel[(b * hq,)](
+        part_o,
+        part_lse,
+        out,
+        out.stride(0),
+        out.stride(1),
+        hq,
+        s_total,
+        D=d,
+        BLOCK_S=cfg.merge_block_s,
+        num_warps=4,
+    )
+    return out

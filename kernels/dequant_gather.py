@@ -1,0 +1,204 @@
+"""Gather + dequantize KV rows of mixed precision into a dense buffer (prefill over a
+cached prefix: the result feeds a standard prefill attention).
+
+Each unified slot id picks its pool by comparison against ``KVPools.int4_base`` /
+``int2_base``; DEAD slots (and nothing else) come out as zero rows.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .backend import Backend, resolve_backend
+from .packing import unpack_int2, unpack_int2_f32, unpack_int4_f32
+from .pools import DEAD, INT2_PAGE, KVPools
+from .quant_int4 import dequantize_int4_ref
+from .quant_token_groups import dequantize_token_groups_ref
+
+
+def dequant_gather_ref(
+    pools: KVPools,
+    slots: torch.Tensor,
+    dead_id: int = DEAD,
+    out_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch reference of :func:`dequant_gather`."""
+    s = slots.reshape(-1).long()
+    n, h, d = s.numel(), pools.num_kv_heads, pools.head_dim
+    k = torch.zeros(n, h, d, dtype=torch.float32, device=s.device)
+    v = torch.zeros_like(k)
+    full = (s < pools.int4_base) & (s != dead_id)
+    k[full] = pools.full.k[s[full]].float()
+    v[full] = pools.full.v[s[full]].float()
+    if pools.int4 is not None:
+        sel = (s >= pools.int4_base) & (s < pools.int2_base)
+        i = s[sel] - pools.int4_base
+        p4 = pools.int4
+        k[sel] = dequantize_int4_ref(p4.k[i], p4.k_scale[i], p4.k_zero[i])
+        v[sel] = dequantize_int4_ref(p4.v[i], p4.v_scale[i], p4.v_zero[i])
+    if pools.int2 is not None:
+        sel = s >= pools.int2_base
+        j = s[sel] - pools.int2_base
+        page, row = j // INT2_PAGE, j % INT2_PAGE
+        p2 = pools.int2
+        codes = unpack_int2(p2.k[page, :, row]).float()  # [n, H, D]
+        k[sel] = codes * p2.k_scale[page].float() + p2.k_zero[page].float()
+        v[sel] = dequantize_token_groups_ref(
+            p2.v[page, :, row], p2.v_scale[page, :, row], p2.v_zero[page, :, row], 2
+        )
+    dt = out_dtype or pools.dtype
+    shape = (*slots.shape, h, d)
+    return k.to(dt).reshape(shape), v.to(dt).reshape(shape)
+
+
+@triton.jit
+def _dequant_gather_kernel(
+    slots_ptr,
+    T,
+    dead_id,
+    int4_base,
+    int2_base,
+    H,
+    fk_ptr,
+    fv_ptr,
+    stride_fs,
+    stride_fh,
+    q4k_ptr,
+    q4v_ptr,
+    q4ks_ptr,
+    q4kz_ptr,
+    q4vs_ptr,
+    q4vz_ptr,
+    q2k_ptr,
+    q2v_ptr,
+    q2ks_ptr,
+    q2kz_ptr,
+    q2vs_ptr,
+    q2vz_ptr,
+    ok_ptr,
+    ov_ptr,
+    stride_ot,
+    stride_oh,
+    D: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    HAS_INT4: tl.constexpr,
+    HAS_INT2: tl.constexpr,
+):
+    NG: tl.constexpr = D // 32
+    pid = tl.program_id(0)
+    h = tl.program_id(1)
+    t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    tm = t < T
+    s = tl.load(slots_ptr + t, mask=tm, other=dead_id).to(tl.int64)
+    offs_d = tl.arange(0, D)
+    offs_g = tl.arange(0, NG)
+    is_full = tm & (s != dead_id) & (s < int4_base)
+    fo = s[:, None] * stride_fs + h * stride_fh + offs_d[None, :]
+    k = tl.load(fk_ptr + fo, mask=is_full[:, None], other=0.0).to(tl.float32)
+    v = tl.load(fv_ptr + fo, mask=is_full[:, None], other=0.0).to(tl.float32)
+    if HAS_INT4:
+        is4 = tm & (s >= int4_base) & (s < int2_base)
+        row = tl.where(is4, s - int4_base, 0) * H + h
+        m4 = is4[:, None]
+        co = row[:, None] * (D // 2) + tl.arange(0, D // 2)[None, :]
+        so = row[:, None] * NG + offs_g[None, :]
+        ku = tl.reshape(unpack_int4_f32(tl.load(q4k_ptr + co, mask=m4, other=0)), [BLOCK_T, NG, 32])
+        ks = tl.load(q4ks_ptr + so, mask=m4, other=0.0).to(tl.float32)
+        kz = tl.load(q4kz_ptr + so, mask=m4, other=0.0).to(tl.float32)
+        k4 = tl.reshape(ku * ks[:, :, None] + kz[:, :, None], [BLOCK_T, D])
+        k = tl.where(m4, k4, k)
+        vu = tl.reshape(unpack_int4_f32(tl.load(q4v_ptr + co, mask=m4, other=0)), [BLOCK_T, NG, 32])
+        vs = tl.load(q4vs_ptr + so, mask=m4, other=0.0).to(tl.float32)
+        vz = tl.load(q4vz_ptr + so, mask=m4, other=0.0).to(tl.float32)
+        v4 = tl.reshape(vu * vs[:, :, None] + vz[:, :, None], [BLOCK_T, D])
+        v = tl.where(m4, v4, v)
+    if HAS_INT2:
+        is2 = tm & (s >= int2_base)
+        j = tl.where(is2, s - int2_base, 0)
+        ph = (j // 32) * H + h
+        row = ph * 32 + j % 32
+        m2 = is2[:, None]
+        co = row[:, None] * (D // 4) + tl.arange(0, D // 4)[None, :]
+        ku = unpack_int2_f32(tl.load(q2k_ptr + co, mask=m2, other=0))
+        kso = ph[:, None] * D + offs_d[None, :]
+        ks = tl.load(q2ks_ptr + kso, mask=m2, other=0.0).to(tl.float32)
+        kz = tl.load(q2kz_ptr + kso, mask=m2, other=0.0).to(tl.float32)
+        k = tl.where(m2, ku * ks + kz, k)
+        vu = tl.reshape(unpack_int2_f32(tl.load(q2v_ptr + co, mask=m2, other=0)), [BLOCK_T, NG, 32])
+        so = row[:, None] * NG + offs_g[None, :]
+        vs = tl.load(q2vs_ptr + so, mask=m2, other=0.0).to(tl.float32)
+        vz = tl.load(q2vz_ptr + so, mask=m2, other=0.0).to(tl.float32)
+        v2 = tl.reshape(vu * vs[:, :, None] + vz[:, :, None], [BLOCK_T, D])
+        v = tl.where(m2, v2, v)
+    oo = t[:, None].to(tl.int64) * stride_ot + h * stride_oh + offs_d[None, :]
+    tl.store(ok_ptr + oo, k.to(ok_ptr.dtype.element_ty), mask=tm[:, None])
+    tl.store(ov_ptr + oo, v.to(ov_ptr.dtype.element_ty), mask=tm[:, None])
+
+
+def dequant_gather(
+    pools: KVPools,
+    slots: torch.Tensor,
+    dead_id: int = DEAD,
+    out_dtype: torch.dtype | None = None,
+    backend: Backend = "auto",
+    block_t: int = 32,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gather and dequantize the K and V rows of ``slots``.
+
+    pools: one layer's :class:`KVPools`. slots: [...] int32/int64 unified slot ids, any
+    mix of precisions. Returns (k, v), each [..., Hkv, D] of ``out_dtype`` (default the
+    full pool's dtype); rows whose slot is ``dead_id`` are zero.
+    """
+    dt = out_dtype or pools.dtype
+    if resolve_backend(backend, slots.device) == "torch":
+        return dequant_gather_ref(pools, slots, dead_id, dt)
+    flat = slots.reshape(-1)
+    n, h, d = flat.numel(), pools.num_kv_heads, pools.head_dim
+    k = torch.empty(n, h, d, dtype=dt, device=slots.device)
+    v = torch.empty_like(k)
+    if n:
+        p4, p2, f = pools.int4, pools.int2, pools.full
+        if f.k.stride() != f.v.stride() or f.k.stride(-1) != 1:
+            raise ValueError("full pool k and v need equal strides and a contiguous last dim")
+        dummy = f.k  # placeholder pointer for absent pools (never dereferenced)
+        q4 = (
+            [dummy] * 6
+            if p4 is None
+            else [p4.k, p4.v, p4.k_scale, p4.k_zero, p4.v_scale, p4.v_zero]
+        )
+        q2 = (
+            [dummy] * 6
+            if p2 is None
+            else [p2.k, p2.v, p2.k_scale, p2.k_zero, p2.v_scale, p2.v_zero]
+        )
+        for t in q4 + q2:
+            if not t.is_contiguous():
+                raise ValueError("quantized pools must be contiguous")
+        grid = (triton.cdiv(n, block_t), h)
+        _dequant_gather_kernel[grid](
+            flat,
+            n,
+            dead_id,
+            pools.int4_base,
+            pools.int2_base,
+            h,
+            f.k,
+            f.v,
+            f.k.stride(0),
+            f.k.stride(1),
+            *q4,
+            *q2,
+            k,
+            v,
+            k.stride(0),
+            k.stride(1),
+            D=d,
+            BLOCK_T=block_t,
+            HAS_INT4=p4 is not None,
+            HAS_INT2=p2 is not None,
+            num_warps=4,
+        )
+    shape = (*slots.shape, h, d)
+    return k.reshape(shape), v.reshape(shape)

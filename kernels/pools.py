@@ -1,0 +1,245 @@
+"""Mixed-precision KV pool layout for one attention layer: bf16/fp16, INT4 and INT2 pools.
+
+One address space of *unified slot ids* covers the three pools of a layer::
+
+    [0, int4_base)                      full-precision pool (bf16 / fp16) token slots
+    [int4_base, int2_base)              INT4 pool token slots        (int4_base = full.num_slots)
+    [int2_base, int2_base + 32 * P2)    INT2 pool: page * 32 + row   (int2_base = int4_base + S4)
+
+so the precision of a slot is one comparison against the bases. Slot ``DEAD`` (0 by
+convention, a slot of the full pool) is the eviction sentinel: slot maps point evicted
+positions at it and every kernel masks it *by id*; it is never read.
+
+Quantization is asymmetric with groups of ``GROUP_SIZE`` = 32 and dequantizes as
+``x = code * scale + zero`` (``zero`` is the group minimum, stored as fp16):
+
+* INT4 keys and values: per token, groups of 32 channels. Codes 0..15, two per byte:
+  byte ``j`` of a row holds channel ``2j`` in its low nibble and ``2j+1`` in its high nibble.
+* INT2 keys: per channel over a page of ``INT2_PAGE`` = 32 tokens (one scale / zero per
+  page, head and channel). INT2 values: per token, groups of 32 channels. Codes 0..3, four
+  per byte: byte ``j`` holds channels ``4j .. 4j+3`` at bits 0-1, 2-3, 4-5, 6-7.
+
+All tensors of a pool live on one device; this module holds no kernels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+DEAD: int = 0
+"""Default id of the dead slot (slot 0 of the full-precision pool), masked by id."""
+
+GROUP_SIZE: int = 32
+"""Channels per quantization group (INT4 keys/values, INT2 values)."""
+
+INT2_PAGE: int = 32
+"""Tokens per INT2 page (INT2 keys share one scale / zero per channel over a page)."""
+
+SCALE_DTYPE = torch.float16
+"""dtype of every scale and zero tensor."""
+
+
+def _check_head_dim(head_dim: int) -> None:
+    if head_dim % GROUP_SIZE or head_dim & (head_dim - 1):
+        raise ValueError(f"head_dim must be a power of two and a multiple of 32, got {head_dim}")
+
+
+@dataclass
+class FullPool:
+    """Full-precision token pool.
+
+    k, v: [num_slots, Hkv, D] bf16 or fp16. Slot ``DEAD`` (0) is reserved and never read.
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+
+    @property
+    def num_slots(self) -> int:
+        return self.k.shape[0]
+
+
+@dataclass
+class Int4Pool:
+    """INT4 token pool, keys and values quantized per token in groups of 32 channels.
+
+    k, v: [num_slots, Hkv, D // 2] uint8 (two 4-bit codes per byte).
+    k_scale, k_zero, v_scale, v_zero: [num_slots, Hkv, D // 32] fp16.
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+    k_scale: torch.Tensor
+    k_zero: torch.Tensor
+    v_scale: torch.Tensor
+    v_zero: torch.Tensor
+
+    @property
+    def num_slots(self) -> int:
+        return self.k.shape[0]
+
+    @classmethod
+    def allocate(
+        cls, num_slots: int, num_kv_heads: int, head_dim: int, device: torch.device | str = "cpu"
+    ) -> Int4Pool:
+        """Zero-filled pool of ``num_slots`` token slots."""
+        _check_head_dim(head_dim)
+        ng = head_dim // GROUP_SIZE
+
+        def u8() -> torch.Tensor:
+            return torch.zeros(
+                num_slots, num_kv_heads, head_dim // 2, dtype=torch.uint8, device=device
+            )
+
+        def sc() -> torch.Tensor:
+            return torch.zeros(num_slots, num_kv_heads, ng, dtype=SCALE_DTYPE, device=device)
+
+        return cls(u8(), u8(), sc(), sc(), sc(), sc())
+
+
+@dataclass
+class Int2Pool:
+    """INT2 paged pool; a page holds ``INT2_PAGE`` = 32 tokens.
+
+    k, v: [num_pages, Hkv, 32, D // 4] uint8 (four 2-bit codes per byte).
+    k_scale, k_zero: [num_pages, Hkv, D] fp16 (keys: per channel over the page).
+    v_scale, v_zero: [num_pages, Hkv, 32, D // 32] fp16 (values: per token, 32-channel groups).
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+    k_scale: torch.Tensor
+    k_zero: torch.Tensor
+    v_scale: torch.Tensor
+    v_zero: torch.Tensor
+
+    @property
+    def num_pages(self) -> int:
+        return self.k.shape[0]
+
+    @classmethod
+    def allocate(
+        cls, num_pages: int, num_kv_heads: int, head_dim: int, device: torch.device | str = "cpu"
+    ) -> Int2Pool:
+        """Zero-filled pool of ``num_pages`` pages of 32 tokens."""
+        _check_head_dim(head_dim)
+        ng = head_dim // GROUP_SIZE
+        shape = (num_pages, num_kv_heads, INT2_PAGE, head_dim // 4)
+
+        def u8() -> torch.Tensor:
+            return torch.zeros(shape, dtype=torch.uint8, device=device)
+
+        def ksc() -> torch.Tensor:
+            return torch.zeros(num_pages, num_kv_heads, head_dim, dtype=SCALE_DTYPE, device=device)
+
+        def vsc() -> torch.Tensor:
+            return torch.zeros(
+                num_pages, num_kv_heads, INT2_PAGE, ng, dtype=SCALE_DTYPE, device=device
+            )
+
+        return cls(u8(), u8(), ksc(), ksc(), vsc(), vsc())
+
+
+@dataclass
+class KVPools:
+    """The three pools of one layer and their unified slot-id address space.
+
+    ``int4`` / ``int2`` may be None when a layer has no such pool (no kernel is launched
+    for it). ``full`` always exists: it holds the DEAD slot.
+    """
+
+    full: FullPool
+    int4: Int4Pool | None = None
+    int2: Int2Pool | None = None
+
+    def __post_init__(self) -> None:
+        _check_head_dim(self.head_dim)
+        if self.full.k.shape != self.full.v.shape:
+            raise ValueError("full.k and full.v must have the same shape")
+        if self.full.k.dtype not in (torch.bfloat16, torch.float16):
+            raise ValueError(f"full pool dtype must be bf16 or fp16, got {self.full.k.dtype}")
+        for name, pool in (("int4", self.int4), ("int2", self.int2)):
+            if pool is None:
+                continue
+            if pool.k.shape[1] != self.num_kv_heads:
+                raise ValueError(f"{name} pool has {pool.k.shape[1]} kv heads")
+            if pool.k.dtype != torch.uint8 or pool.k_scale.dtype != SCALE_DTYPE:
+                raise ValueError(f"{name} pool must be uint8 codes with fp16 scales")
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.full.k.shape[1]
+
+    @property
+    def head_dim(self) -> int:
+        return self.full.k.shape[2]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.full.k.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.full.k.device
+
+    @property
+    def int4_base(self) -> int:
+        """First unified slot id of the INT4 pool (= number of full-precision slots)."""
+        return self.full.num_slots
+
+    @property
+    def int2_base(self) -> int:
+        """First unified slot id of the INT2 pool."""
+        return self.int4_base + (self.int4.num_slots if self.int4 is not None else 0)
+
+    @property
+    def num_unified_slots(self) -> int:
+        return self.int2_base + (INT2_PAGE * self.int2.num_pages if self.int2 is not None else 0)
+
+    def int4_slot_ids(self, local_slots: torch.Tensor) -> torch.Tensor:
+        """Unified ids of INT4 pool slots ``local_slots`` (any int shape)."""
+        return local_slots + self.int4_base
+
+    def int2_slot_ids(self, pages: torch.Tensor) -> torch.Tensor:
+        """Unified ids of every row of INT2 ``pages`` [P] -> [P, 32] (rows in order)."""
+        rows = torch.arange(INT2_PAGE, device=pages.device, dtype=pages.dtype)
+        return self.int2_base + pages[:, None] * INT2_PAGE + rows[None, :]
+
+    @classmethod
+    def allocate(
+        cls,
+        num_full_slots: int,
+        num_int4_slots: int,
+        num_int2_pages: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.bfloat16,
+        device: torch.device | str = "cpu",
+    ) -> KVPools:
+        """Zero-filled pools; a pool with zero capacity is None. Slot 0 of ``full`` is DEAD."""
+        full = FullPool(
+            torch.zeros(num_full_slots, num_kv_heads, head_dim, dtype=dtype, device=device),
+            torch.zeros(num_full_slots, num_kv_heads, head_dim, dtype=dtype, device=device),
+        )
+        int4 = (
+            Int4Pool.allocate(num_int4_slots, num_kv_heads, head_dim, device)
+            if num_int4_slots
+            else None
+        )
+        int2 = (
+            Int2Pool.allocate(num_int2_pages, num_kv_heads, head_dim, device)
+            if num_int2_pages
+            else None
+        )
+        return cls(full, int4, int2)
+
+    def bytes_per_token(self) -> dict[str, float]:
+        """Bytes one token (K and V, all kv heads) occupies in each pool, scales included."""
+        h, d = self.num_kv_heads, self.head_dim
+        ng = d // GROUP_SIZE
+        full = 2 * h * d * self.full.k.element_size()
+        int4 = 2 * h * (d // 2 + 2 * ng * 2)
+        int2 = h * (d // 4 + 2 * d * 2 / INT2_PAGE) + h * (d // 4 + 2 * ng * 2)
+        return {"full": float(full), "int4": float(int4), "int2": float(int2)}

@@ -1,0 +1,282 @@
+"""Fused mixed-precision decode attention (kernels/decode_attention.py) against the torch
+reference (kernels/decode_attention_reference.py), and the reference against plain SDPA."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from agentkv.kernels import (
+    DecodeConfig,
+    KVPools,
+    SegmentMaxLens,
+    decode_attention,
+    decode_attention_ref,
+    dequant_gather_ref,
+    plan_split_len,
+    validate_decode_inputs,
+)
+from conftest import build_mixed_batch  # noqa: E402  (plain module: tests/kernels has no package)
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+# relative L2 error budget of the fused kernel against the fp32 reference
+TOL = {torch.float16: 3e-3, torch.bfloat16: 3e-2}
+
+
+def _run(mb, dtype, **kw) -> tuple[torch.Tensor, torch.Tensor]:
+    out = decode_attention(
+        mb.q,
+        mb.pools,
+        mb.slot_map,
+        mb.seq_lens,
+        int2_lens=mb.int2_lens,
+        int4_lens=mb.int4_lens,
+        head_mask=mb.head_mask,
+        backend="triton",
+        **kw,
+    )
+    ref = decode_attention_ref(mb.q, mb.pools, mb.slot_map, mb.seq_lens, mb.head_mask)
+    assert out.shape == mb.q.shape and out.dtype == mb.q.dtype
+    assert bool(torch.isfinite(out).all())
+    rel = float((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-6))
+    assert rel < TOL[dtype], rel
+    return out, ref
+
+
+CASES = [
+    # id: (lens [(int2 pages, int4 tokens, full tokens)], hq, hkv, d, dead, pattern, head_mask)
+    ("full_only_mha", [(0, 0, 150)], 4, 4, 64, 0.0, "random", 0.0),
+    ("int4_only_gqa4", [(0, 130, 0), (0, 70, 0)], 8, 2, 64, 0.0, "random", 0.0),
+    ("int2_only_gqa8", [(4, 0, 0), (2, 0, 0)], 8, 1, 128, 0.0, "random", 0.0),
+    ("mixed_gqa2_dead_random", [(2, 40, 30), (1, 90, 5)], 4, 2, 64, 0.5, "random", 0.0),
+    ("mixed_gqa16_dead_run", [(3, 20, 20)], 32, 2, 64, 0.4, "run", 0.0),
+    ("mixed_gqa32_headmask", [(1, 33, 17), (0, 0, 64), (2, 0, 0)], 32, 1, 32, 0.2, "random", 0.3),
+    ("mixed_d256", [(1, 10, 10)], 2, 1, 256, 0.1, "random", 0.0),
+    ("short_and_long", [(0, 1, 0), (0, 0, 1), (3, 65, 100)], 4, 1, 64, 0.0, "random", 0.0),
+    ("gqa5_odd_group", [(1, 20, 20)], 10, 2, 64, 0.3, "random", 0.2),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("lens", "hq", "hkv", "d", "dead", "pattern", "hm"),
+    [c[1:] for c in CASES],
+    ids=[c[0] for c in CASES],
+)
+def test_matches_reference(lens, hq, hkv, d, dead, pattern, hm, dtype) -> None:
+    mb = build_mixed_batch(
+        lens,
+        hq=hq,
+        hkv=hkv,
+        d=d,
+        dtype=dtype,
+        dead_fraction=dead,
+        dead_pattern=pattern,
+        head_mask_fraction=hm,
+        pad=7,
+        seed=hq * 31 + d,
+    )
+    validate_decode_inputs(mb.pools, mb.slot_map, mb.seq_lens, mb.int2_lens, mb.int4_lens)
+    _run(mb, dtype, split_len=64)
+
+
+@given(
+    n_req=st.integers(1, 3),
+    group=st.sampled_from([1, 2, 4, 8]),
+    hkv=st.integers(1, 2),
+    d=st.sampled_from([32, 64, 128]),
+    dead=st.sampled_from([0.0, 0.25, 0.5, 0.9]),
+    pattern=st.sampled_from(["random", "run"]),
+    split_len=st.sampled_from([64, 128, 256]),
+    seed=st.integers(0, 10_000),
+    data=st.data(),
+)
+@settings(max_examples=12, deadline=None)
+def test_matches_reference_random(n_req, group, hkv, d, dead, pattern, split_len, seed, data):
+    lens = [
+        (data.draw(st.integers(0, 3)), data.draw(st.integers(0, 90)), data.draw(st.integers(0, 90)))
+        for _ in range(n_req)
+    ]
+    mb = build_mixed_batch(
+        lens,
+        hq=group * hkv,
+        hkv=hkv,
+        d=d,
+        dtype=torch.float16,
+        dead_fraction=dead,
+        dead_pattern=pattern,
+        head_mask_fraction=data.draw(st.sampled_from([0.0, 0.3])),
+        pad=data.draw(st.integers(0, 40)),
+        seed=seed,
+    )
+    if (
+        float(
+            decode_attention_ref(mb.q, mb.pools, mb.slot_map, mb.seq_lens, mb.head_mask)
+            .float()
+            .norm()
+        )
+        == 0.0
+    ):
+        lens[0] = (0, 0, 1)  # keep one live row so the relative error is defined
+        mb = build_mixed_batch(lens, hq=group * hkv, hkv=hkv, d=d, seed=seed)
+    _run(mb, torch.float16, split_len=split_len)
+
+
+def test_reference_equals_sdpa_on_full_pool(device) -> None:
+    g = torch.Generator().manual_seed(0)
+    b, hq, hkv, d, n = 2, 8, 2, 64, 50
+    pools = KVPools.allocate(2 * n + 1, 0, 0, hkv, d, torch.float32 if False else torch.float16)
+    pools.full.k.copy_(torch.randn(pools.full.k.shape, generator=g).half())
+    pools.full.v.copy_(torch.randn(pools.full.v.shape, generator=g).half())
+    slot_map = torch.stack([torch.randperm(2 * n, generator=g)[:n] + 1 for _ in range(b)]).int()
+    seq = torch.full((b,), n, dtype=torch.int32)
+    q = torch.randn(b, hq, d, generator=g).half()
+    ref = decode_attention_ref(q, pools, slot_map, seq)
+    k = pools.full.k[slot_map.long()].float().permute(0, 2, 1, 3)  # [B, Hkv, N, D]
+    v = pools.full.v[slot_map.long()].float().permute(0, 2, 1, 3)
+    k = k.repeat_interleave(hq // hkv, 1)
+    v = v.repeat_interleave(hq // hkv, 1)
+    sdpa = torch.nn.functional.scaled_dot_product_attention(q.float()[:, :, None], k, v)[:, :, 0]
+    torch.testing.assert_close(ref.float(), sdpa, atol=2e-3, rtol=2e-3)
+
+
+def test_dead_masking_equals_dropping_dead_positions(device) -> None:
+    mb = build_mixed_batch([(2, 30, 30)], hq=4, hkv=2, d=64, dead_fraction=0.5, seed=3)
+    out = decode_attention(
+        mb.q,
+        mb.pools,
+        mb.slot_map,
+        mb.seq_lens,
+        int2_lens=mb.int2_lens,
+        int4_lens=mb.int4_lens,
+        split_len=64,
+        backend="triton",
+    )
+    live = mb.slot_map[0, : int(mb.seq_lens[0])]
+    live = live[live != 0]
+    k, v = dequant_gather_ref(mb.pools, live, out_dtype=torch.float32)  # [n, Hkv, D]
+    q = mb.q.float().reshape(1, 2, 2, 64)
+    p = torch.softmax(torch.einsum("bhgd,nhd->bhgn", q, k) / math.sqrt(64), -1)
+    want = torch.einsum("bhgn,nhd->bhgd", p, v).reshape(1, 4, 64)
+    torch.testing.assert_close(out.float(), want, atol=3e-3, rtol=3e-3)
+
+
+def test_dead_slot_and_padding_are_never_read() -> None:
+    mb = build_mixed_batch([(1, 20, 20), (0, 5, 50)], hq=4, hkv=2, d=64, dead_fraction=0.4, seed=5)
+    mb.pools.full.k[0] = float("nan")  # the DEAD slot
+    mb.pools.full.v[0] = float("nan")
+    sm = mb.slot_map.clone()
+    for r in range(sm.shape[0]):  # out-of-range garbage after seq_len
+        sm[r, int(mb.seq_lens[r]) :] = 1 << 30
+    mb.slot_map = sm
+    out, _ = _run(mb, torch.float16, split_len=64)
+    assert bool(torch.isfinite(out).all())
+
+
+def test_all_dead_and_empty_requests_give_zeros() -> None:
+    mb = build_mixed_batch([(1, 10, 10), (0, 0, 5), (0, 3, 3)], hq=2, hkv=1, d=32, seed=6)
+    sm = mb.slot_map.clone()
+    sm[0] = 0  # every position DEAD
+    mb.slot_map = sm
+    mb.seq_lens = mb.seq_lens.clone()
+    mb.seq_lens[1] = 0
+    mb.int2_lens = mb.int2_lens.clone()
+    mb.int4_lens = mb.int4_lens.clone()
+    mb.int4_lens[1] = 0
+    out = decode_attention(
+        mb.q,
+        mb.pools,
+        mb.slot_map,
+        mb.seq_lens,
+        int2_lens=mb.int2_lens,
+        int4_lens=mb.int4_lens,
+        split_len=64,
+        backend="triton",
+    )
+    assert bool((out[0] == 0).all()) and bool((out[1] == 0).all())
+    assert bool((out[2] != 0).any())
+    ref = decode_attention_ref(mb.q, mb.pools, mb.slot_map, mb.seq_lens)
+    assert bool((ref[:2] == 0).all())
+
+
+def test_head_mask_changes_only_masked_heads() -> None:
+    mb = build_mixed_batch([(1, 40, 40)], hq=4, hkv=2, d=64, seed=8)
+    hm = torch.ones(1, 2, mb.slot_map.shape[1], dtype=torch.bool, device=mb.slot_map.device)
+    hm[0, 1, ::2] = False
+    base = decode_attention(
+        mb.q,
+        mb.pools,
+        mb.slot_map,
+        mb.seq_lens,
+        int2_lens=mb.int2_lens,
+        int4_lens=mb.int4_lens,
+        split_len=64,
+        backend="triton",
+    )
+    masked = decode_attention(
+        mb.q,
+        mb.pools,
+        mb.slot_map,
+        mb.seq_lens,
+        int2_lens=mb.int2_lens,
+        int4_lens=mb.int4_lens,
+        head_mask=hm,
+        split_len=64,
+        backend="triton",
+    )
+    assert torch.equal(base[:, :2], masked[:, :2])  # kv head 0 = query heads 0, 1
+    assert not torch.allclose(base[:, 2:], masked[:, 2:])
+
+
+def test_host_hints_and_auto_split_agree() -> None:
+    mb = build_mixed_batch([(2, 50, 0), (1, 70, 0)], hq=4, hkv=2, d=64, seed=9)
+    base, _ = _run(mb, torch.float16, split_len=64)
+    hinted, _ = _run(
+        mb,
+        torch.float16,
+        max_lens=SegmentMaxLens(int2=64, int4=70, full=0),
+        config=DecodeConfig(block_n_int4=32, min_split_len=64),
+    )
+    torch.testing.assert_close(base, hinted, atol=2e-3, rtol=2e-3)
+
+
+def test_plan_split_len() -> None:
+    cfg = DecodeConfig()
+    cpu = torch.device("cpu")
+    assert plan_split_len(1, 1, 10, cpu, cfg) == cfg.min_split_len
+    s = plan_split_len(1, 1, 100_000, cpu, cfg)
+    assert s % 64 == 0 and s * (cfg.programs_per_sm * 4) >= 100_000
+
+
+def test_torch_backend_is_the_reference() -> None:
+    mb = build_mixed_batch([(1, 9, 9)], hq=2, hkv=1, d=32, seed=10)
+    out = decode_attention(
+        mb.q,
+        mb.pools,
+        mb.slot_map,
+        mb.seq_lens,
+        int2_lens=mb.int2_lens,
+        int4_lens=mb.int4_lens,
+        sm_scale=0.3,
+        backend="torch",
+    )
+    ref = decode_attention_ref(mb.q, mb.pools, mb.slot_map, mb.seq_lens, sm_scale=0.3)
+    assert torch.equal(out, ref)
+
+
+def test_validate_rejects_broken_layouts() -> None:
+    mb = build_mixed_batch([(2, 10, 10)], hq=2, hkv=1, d=32, seed=11)
+    p, sm = mb.pools, mb.slot_map
+    validate_decode_inputs(p, sm, mb.seq_lens, mb.int2_lens, mb.int4_lens)
+    swapped = sm.clone()
+    swapped[0, [0, 70]] = swapped[0, [70, 0]]  # an INT4 row inside the INT2 segment
+    with pytest.raises(ValueError):
+        validate_decode_inputs(p, swapped, mb.seq_lens, mb.int2_lens, mb.int4_lens)
+    mixed = sm.clone()
+    mixed[0, [5, 40]] = mixed[0, [40, 5]]  # two INT2 pages in one 32-position block
+    with pytest.raises(ValueError):
+        validate_decode_inputs(p, mixed, mb.seq_lens, mb.int2_lens, mb.int4_lens)
+    with pytest.raises(ValueError):
+        validate_decode_inputs(p, sm, mb.seq_lens, mb.int2_lens - 1, mb.int4_lens)

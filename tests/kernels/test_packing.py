@@ -1,0 +1,101 @@
+"""Bit packing (kernels/packing.py) and the asymmetric rule (kernels/asymmetric_quant.py)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from agentkv.kernels.asymmetric_quant import asym_codes, asym_dequant, asym_params
+from agentkv.kernels.packing import (
+    pack_int2,
+    pack_int2_u8,
+    pack_int4,
+    pack_int4_u8,
+    unpack_int2,
+    unpack_int2_f32,
+    unpack_int4,
+    unpack_int4_f32,
+)
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+
+@given(rows=st.integers(1, 5), groups=st.integers(1, 4), seed=st.integers(0, 2**16))
+@settings(max_examples=30, deadline=None)
+def test_torch_pack_roundtrip(rows: int, groups: int, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    c4 = torch.randint(0, 16, (rows, 32 * groups), generator=g, dtype=torch.uint8)
+    c2 = torch.randint(0, 4, (rows, 32 * groups), generator=g, dtype=torch.uint8)
+    assert torch.equal(unpack_int4(pack_int4(c4)), c4)
+    assert torch.equal(unpack_int2(pack_int2(c2)), c2)
+    assert pack_int4(c4).shape[-1] == 16 * groups and pack_int2(c2).shape[-1] == 8 * groups
+
+
+def test_pack_layout_is_documented_one() -> None:
+    c = torch.tensor([[1, 2, 3, 0, 3, 3, 0, 1]], dtype=torch.uint8)
+    assert pack_int4(c)[0, 0] == 1 | (2 << 4)
+    assert pack_int2(c)[0, 0] == 1 | (2 << 2) | (3 << 4) | (0 << 6)
+    assert pack_int2(c)[0, 1] == 3 | (3 << 2) | (0 << 4) | (1 << 6)
+
+
+@triton.jit
+def _roundtrip_kernel(
+    p4_ptr, p2_ptr, u4_ptr, u2_ptr, r4_ptr, r2_ptr, R: tl.constexpr, D: tl.constexpr
+):
+    r = tl.arange(0, R)
+    b4 = tl.load(p4_ptr + r[:, None] * (D // 2) + tl.arange(0, D // 2)[None, :])
+    b2 = tl.load(p2_ptr + r[:, None] * (D // 4) + tl.arange(0, D // 4)[None, :])
+    f4 = unpack_int4_f32(b4)
+    f2 = unpack_int2_f32(b2)
+    od = r[:, None] * D + tl.arange(0, D)[None, :]
+    tl.store(u4_ptr + od, f4)
+    tl.store(u2_ptr + od, f2)
+    tl.store(
+        r4_ptr + r[:, None] * (D // 2) + tl.arange(0, D // 2)[None, :],
+        pack_int4_u8(f4.to(tl.int32), R, D),
+    )
+    tl.store(
+        r2_ptr + r[:, None] * (D // 4) + tl.arange(0, D // 4)[None, :],
+        pack_int2_u8(f2.to(tl.int32), R, D),
+    )
+
+
+def test_triton_unpack_and_pack_match_torch(device: torch.device) -> None:
+    g = torch.Generator().manual_seed(1)
+    rows, d = 4, 64
+    p4 = torch.randint(0, 256, (rows, d // 2), generator=g, dtype=torch.uint8).to(device)
+    p2 = torch.randint(0, 256, (rows, d // 4), generator=g, dtype=torch.uint8).to(device)
+    u4 = torch.empty(rows, d, device=device)
+    u2 = torch.empty_like(u4)
+    r4, r2 = torch.empty_like(p4), torch.empty_like(p2)
+    _roundtrip_kernel[(1,)](p4, p2, u4, u2, r4, r2, R=rows, D=d)
+    assert torch.equal(u4, unpack_int4(p4).float())
+    assert torch.equal(u2, unpack_int2(p2).float())
+    assert torch.equal(r4, p4) and torch.equal(r2, p2)
+
+
+@given(
+    bits=st.sampled_from([2, 4]),
+    scale=st.floats(1e-3, 1e2),
+    seed=st.integers(0, 2**16),
+)
+@settings(max_examples=40, deadline=None)
+def test_asymmetric_error_within_half_step(bits: int, scale: float, seed: int) -> None:
+    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(seed)) * scale
+    qmax = (1 << bits) - 1
+    s, z = asym_params(x.amin(-1), x.amax(-1), qmax)
+    codes = asym_codes(x, s[:, None], z[:, None], qmax)
+    assert int(codes.max()) <= qmax
+    xh = asym_dequant(codes, s[:, None], z[:, None])
+    step = s.float()[:, None]
+    # half a step, plus the fp16 rounding of scale (x qmax) and of the zero point
+    slack = step * (0.5 + qmax * 2**-10) + z.float().abs()[:, None] * 2**-10 + 1e-6
+    assert bool(((x - xh).abs() <= slack).all())
+
+
+def test_constant_group_dequantizes_to_its_value() -> None:
+    x = torch.full((2, 32), 0.75)
+    s, z = asym_params(x.amin(-1), x.amax(-1), 15)
+    codes = asym_codes(x, s[:, None], z[:, None], 15)
+    assert torch.equal(codes, torch.zeros_like(codes))
+    assert torch.equal(asym_dequant(codes, s[:, None], z[:, None]), x)
