@@ -65,6 +65,7 @@ __all__ = [
     "encode_payload",
     "parse_policy",
     "parse_policy_spec",
+    "payload_from_request",
     "resolve_session_id",
     "to_extra_body",
 ]

@@ -131,8 +131,11 @@ class PrefixCache:
         self, session_id: str | None, token_ids: torch.Tensor, max_len: int | None = None
     ) -> MatchResult:
         """Longest prefix of ``token_ids`` (int64 ``[T]``, capped at ``max_len``) cached in the
-        session's namespace or the shared one; on a tie the session's wins. Splits the node
-        where the match ends and refreshes access times along the matched path."""
+        session's namespace or the shared one; on a tie the session's wins, and so it does
+        whenever its match holds one of the session's holes (DEAD positions or evicted heads):
+        a longer shared match would heal evictions the session already decided (e.g. when
+        another session cached the same conversation unevicted). Splits the node where the
+        match ends and refreshes access times along the matched path."""
         tokens = torch.as_tensor(token_ids, dtype=torch.int64).reshape(-1)
         if max_len is not None:
             tokens = tokens[: max(0, max_len)]
@@ -140,7 +143,7 @@ class PrefixCache:
         root = self._sessions.get(session_id) if session_id is not None else None
         if root is not None:
             n = self._peek(root, tokens)
-            if n >= best_len and n > 0:
+            if n > 0 and (n >= best_len or self._has_hole(self._walk(root, tokens[:n]))):
                 best_root, best_len, from_session = root, n, True
         path = self._walk(best_root, tokens[:best_len])
         last = path[-1] if path else best_root
@@ -161,6 +164,13 @@ class PrefixCache:
                 dim=2,
             )
         return MatchResult(best_len, slots, mask, last, from_session)
+
+    @staticmethod
+    def _has_hole(path: list[TreeNode]) -> bool:
+        return any(
+            bool((n.value == DEAD).any()) or (n.keep_mask is not None and not bool(n.keep_mask.all()))
+            for n in path
+        )
 
     def sessions(self) -> list[str]:
         """Session ids that have a namespace now."""

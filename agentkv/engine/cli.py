@@ -40,7 +40,7 @@ def demo(
     max_messages: Annotated[int, typer.Option(help="replay the first N messages of the trajectory")] = 14,
 ) -> None:
     """A wrapped LangGraph graph on the embedded engine: per-node KV telemetry per policy."""
-    from agentkv.engine.demo import run_demo
+    from agentkv.bench.demo import run_demo
 
     run_demo(model=model, device=device, budgets=[int(b) for b in budgets.split(",") if b],
              trace_index=trace, max_messages=max_messages)

@@ -27,7 +27,7 @@ from agentkv.annotation import MessageAnnotation, annotate_messages
 from agentkv.cache import DEAD, KVStore, RequestKV
 from agentkv.engine.chat_template import ChatRenderer
 from agentkv.engine.model_loader import load_model
-from agentkv.engine.store_cache import CACHE_KWARG, StoreCache
+from agentkv.engine.store_cache import CACHE_KWARG, LiveView, StoreCache
 from agentkv.engine.telemetry import KVUsage, SessionMetrics
 from agentkv.engine.tool_calls import parse_tool_calls
 from agentkv.methods import MethodSet, ModelShape, ObserveRequest, Plan, PlanContext
@@ -199,7 +199,7 @@ class Engine:
                 positions = torch.arange(n, n + len(target_ids) - 1)
                 if positions.numel():
                     slots = self.store.extend(req, target_ids[:-1])
-                    cache = StoreCache(self.store, req, slots, positions)
+                    cache = StoreCache(LiveView(self.store, req), positions, slots)
                     tail_logits = self._forward(target_ids[:-1], positions, cache, keep=positions.numel())
                     live_before = cache.attended_keys / self.shape.num_layers - positions.numel()
                     all_logits = torch.cat([logits[None], tail_logits], dim=0)
@@ -285,10 +285,11 @@ class Engine:
             slots = self.store.extend(req)
             start = req.num_cached
             logits = None
+            view = LiveView(self.store, req)
             for c0 in range(start, T, self.chunk_size):
                 c1 = min(c0 + self.chunk_size, T)
                 positions = torch.arange(c0, c1)
-                cache = StoreCache(self.store, req, slots[c0 - start : c1 - start], positions, observer)
+                cache = StoreCache(view, positions, slots[c0 - start : c1 - start], observer)
                 logits = self._forward(tags.token_ids[c0:c1], positions, cache, keep=1)[-1]
             assert logits is not None
             ctx = PlanContext(
@@ -335,6 +336,7 @@ class Engine:
         raw = eff = 0
         finish = "length"
         emitted = ""
+        view = LiveView(self.store, req)
         for _ in range(gen.max_tokens):
             tok = self._sample(logits, gen, generator)
             if tok in self._stop_ids:
@@ -353,7 +355,7 @@ class Engine:
                 break
             pos = req.seq_len
             slots = self.store.extend(req, [tok])
-            cache = StoreCache(self.store, req, slots, torch.tensor([pos]))
+            cache = StoreCache(view, torch.tensor([pos]), slots)
             logits = self._forward([tok], torch.tensor([pos]), cache, keep=1)[-1]
             raw += pos + 1
             eff += int(round(cache.attended_keys / self.shape.num_layers))

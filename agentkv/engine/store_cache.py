@@ -3,9 +3,9 @@
 One forward pass of the embedded engine computes ``n`` new positions of one request:
 
 - :class:`StoreCache.update` (called by every attention layer with the new post-RoPE K/V)
-  writes them into the request's slots in the pool, then returns the K/V of every position the
-  layer still attends to (DEAD dropped, keys past the chunk cut off), remembering their
-  logical positions and per-head mask;
+  writes them into the request's slots in the pool and returns the K/V of every position the
+  layer still attends to (DEAD dropped), from the request's :class:`LiveView`, remembering
+  their logical positions and per-head mask;
 - :func:`agentkv_attention` (registered with transformers' ``AttentionInterface`` as
   ``"agentkv"``) builds the causal mask from logical positions, not from indices, so holes
   left by eviction are invisible, applies per-KV-head masks, and feeds the method's prefill
@@ -28,14 +28,52 @@ ATTN_NAME = "agentkv"
 CACHE_KWARG = "agentkv_cache"
 
 
+class LiveView:
+    """The K/V one request attends to, per layer: gathered from the store once (DEAD dropped),
+    then appended to as the request computes new positions.
+
+    Valid while the request's slot map only grows (prefill chunks, decode steps, teacher
+    forcing, forks); build a new view after applying a plan. Saves re-gathering every live
+    key at every step.
+    """
+
+    def __init__(self, store: KVStore, req: RequestKV):
+        self.store = store
+        self.req = req
+        self._layers: dict[int, list[Any]] = {}
+
+    def _base(self, layer: int, before: int) -> list[Any]:
+        view = self._layers.get(layer)
+        if view is None:
+            k, v, pos, head_mask = self.store.read_kv(self.req, layer)
+            end = int(torch.searchsorted(pos, torch.tensor(before, device=pos.device)))
+            hm = None if head_mask is None else head_mask[:, :end]
+            view = self._layers[layer] = [k[:end], v[:end], pos[:end], hm]
+        return view
+
+    def extend(
+        self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Append ``k_new``/``v_new`` ``[n, Hkv, D]`` at ``positions`` ``[n]``; returns the
+        whole view ``(k [m, Hkv, D], v, positions [m], head_mask [Hkv, m] | None)``."""
+        view = self._base(layer, int(positions[0]))
+        k, v, pos, hm = view
+        view[0] = torch.cat([k, k_new.to(k.dtype)])
+        view[1] = torch.cat([v, v_new.to(v.dtype)])
+        view[2] = torch.cat([pos, positions.to(pos.device)])
+        if hm is not None:
+            view[3] = torch.cat([hm, hm.new_ones(hm.shape[0], positions.numel())], dim=1)
+        return view[0], view[1], view[2], view[3]
+
+
 class StoreCache(Cache):
     """A transformers ``Cache`` for one forward pass over the KV store.
 
     Args:
-        store: the engine's KV store.
-        req: the request being computed.
-        write_slots: int64 ``[n]`` slots of the new positions (from ``KVStore.extend``).
+        view: the request's :class:`LiveView` (the keys attended, extended by this pass).
         positions: int64 ``[n]`` logical positions of the new tokens (ascending).
+        write_slots: int64 ``[n]`` slots of the new positions (from ``KVStore.extend``); None
+            for a fork whose K/V lives only in the view (nothing written to the store).
         observer: the method's prefill observer, or None.
     """
 
@@ -43,21 +81,21 @@ class StoreCache(Cache):
 
     def __init__(
         self,
-        store: KVStore,
-        req: RequestKV,
-        write_slots: torch.Tensor,
+        view: LiveView,
         positions: torch.Tensor,
+        write_slots: torch.Tensor | None = None,
         observer: PrefillObserver | None = None,
     ):
         super().__init__(layers=[])
-        self.store = store
-        self.req = req
-        self.write_slots = write_slots.to(store.pool.device)
-        self.positions = positions.to(store.pool.device)
+        self.view = view
+        self.store = view.store
+        device = self.store.pool.device
+        self.write_slots = None if write_slots is None else write_slots.to(device)
+        self.positions = positions.to(device)
         self.observer = observer
         self.key_positions: dict[int, torch.Tensor] = {}
         self.head_masks: dict[int, torch.Tensor | None] = {}
-        #: keys each layer attended (summed over layers), for the effective-reads metric.
+        #: keys attended per layer, summed over layers (mask-weighted), for the reads metric.
         self.attended_keys = 0.0
 
     def update(
@@ -70,15 +108,12 @@ class StoreCache(Cache):
         """``key_states``/``value_states`` ``[1, Hkv, n, D]`` -> attended K/V ``[1, Hkv, m, D]``."""
         k_new = key_states[0].transpose(0, 1)
         v_new = value_states[0].transpose(0, 1)
-        self.store.write_kv(layer_idx, self.write_slots, k_new, v_new)
-        k, v, pos, head_mask = self.store.read_kv(self.req, layer_idx)
-        end = int(torch.searchsorted(pos, self.positions[-1], right=True))
-        k, v, pos = k[:end], v[:end], pos[:end]
-        if head_mask is not None:
-            head_mask = head_mask[:, :end]
-            self.attended_keys += float(head_mask.float().mean()) * end
-        else:
-            self.attended_keys += end
+        self.view._base(layer_idx, int(self.positions[0]))  # gather before writing
+        if self.write_slots is not None:
+            self.store.write_kv(layer_idx, self.write_slots, k_new, v_new)
+        k, v, pos, head_mask = self.view.extend(layer_idx, k_new, v_new, self.positions)
+        m = pos.numel()
+        self.attended_keys += m if head_mask is None else float(head_mask.float().mean()) * m
         self.key_positions[layer_idx] = pos
         self.head_masks[layer_idx] = head_mask
         return k.transpose(0, 1)[None], v.transpose(0, 1)[None]
@@ -113,22 +148,23 @@ def agentkv_attention(
     layer = module.layer_idx
     k_pos = cache.key_positions[layer]
     head_mask = cache.head_masks[layer]
-    hq, hkv = query.shape[1], key.shape[1]
+    q_pos = cache.positions
+    _, hq, n, d = query.shape
+    hkv = key.shape[1]
     group = hq // hkv
-    mask = k_pos[None, :] <= cache.positions[:, None]  # [n, m]
-    if head_mask is not None:
-        mask = mask[None] & head_mask.repeat_interleave(group, dim=0)[:, None, :]  # [Hq, n, m]
     if cache.observer is not None:
-        cache.observer.observe(layer, query[0], cache.positions, key[0], k_pos, head_mask)
-    out = F.scaled_dot_product_attention(
-        query,
-        key,
-        value,
-        attn_mask=mask if mask.ndim == 3 else mask[None],
-        scale=scaling,
-        enable_gqa=group > 1,
-    )
-    return out.transpose(1, 2).contiguous(), None
+        cache.observer.observe(layer, query[0], q_pos, key[0], k_pos, head_mask)
+    # GQA as extra query rows: the `group` query heads of a KV head attend together, so K/V are
+    # read once and never expanded ([1, Hkv, group * n, D] queries).
+    qg = query.reshape(1, hkv, group * n, d)
+    mask = None
+    if n > 1 or bool(k_pos[-1] > q_pos[0]):
+        mask = (k_pos[None, :] <= q_pos[:, None]).repeat(group, 1)[None, None]
+    if head_mask is not None:
+        hm = head_mask[None, :, None, :]
+        mask = hm if mask is None else mask & hm
+    out = F.scaled_dot_product_attention(qg, key, value, attn_mask=mask, scale=scaling)
+    return out.reshape(1, hq, n, d).transpose(1, 2).contiguous(), None
 
 
 def register_attention() -> None:

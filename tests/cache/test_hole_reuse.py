@@ -107,3 +107,25 @@ def test_session_eviction_does_not_free_slots_other_sessions_share():
         st.end_session(s)
     st.flush_prefix_cache()
     assert st.stats().free_slots == st.stats().capacity
+
+
+def test_session_holes_win_over_a_longer_unevicted_shared_copy():
+    """Another session caching the same conversation unevicted must not heal A's holes."""
+    st = KVStore(L, H, D, num_slots=256)
+    prompt1 = SYSTEM + [1, 2, 3, 4]
+    a1 = turn(st, "A", prompt1, [20, 21])
+    st.evict(a1, [7])
+    seq1 = list(a1.token_ids)
+    st.finish_request(a1)
+    # Session B replays the same conversation further, with no eviction: the shared
+    # namespace now matches A's next prompt longer than A's own namespace does.
+    prompt2 = seq1 + [30, 31]
+    b = turn(st, "B", prompt2 + [32], [33])
+    st.finish_request(b)
+    assert st.prefix_cache.match(None, torch.tensor(prompt2)).length > len(seq1)
+    a2 = st.begin_request("A", prompt2)
+    assert a2.prefix_from_session and a2.num_cached == len(seq1)
+    assert int(a2.slot_map.slots[7]) == DEAD
+    fill(st, a2, st.extend(a2))
+    st.finish_request(a2)
+    st.check_invariants()

@@ -6,7 +6,6 @@ import asyncio
 from typing import Any
 
 import pytest
-from agentkv.integrations.langchain import KVPolicyMiddleware
 from langchain.agents import create_agent
 from langchain_core.messages import HumanMessage, ToolMessage
 from langchain_core.tools import tool
@@ -14,6 +13,7 @@ from langchain_openai import ChatOpenAI
 from langgraph.checkpoint.memory import InMemorySaver
 
 from agentkv import FullCache, IntentKV, Role, resolve_session_id
+from agentkv.integrations.langchain import KVPolicyMiddleware
 
 POLICY = IntentKV(budget=512)
 SYSTEM = "You are a travel assistant."

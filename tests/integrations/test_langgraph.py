@@ -10,8 +10,6 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Annotated, Any
 
 import pytest
-from agentkv.integrations import openai as kv_openai
-from agentkv.integrations.langgraph import graph_node_names, policy_for_path, with_kv_policy
 from langchain_core.callbacks import BaseCallbackHandler
 from langchain_core.messages import AnyMessage, HumanMessage, SystemMessage
 from langchain_core.runnables import RunnableConfig
@@ -31,6 +29,8 @@ from agentkv import (
     UnknownNodeError,
     resolve_session_id,
 )
+from agentkv.integrations import openai as kv_openai
+from agentkv.integrations.langgraph import graph_node_names, policy_for_path, with_kv_policy
 
 DEFAULT = IntentKV(budget=8192)
 NODES = {"browse": KVzap(threshold=-4), "act": TriAxialKV(avg_bits=2.7)}

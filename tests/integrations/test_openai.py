@@ -8,9 +8,9 @@ from typing import Any
 
 import openai
 import pytest
-from agentkv.integrations.openai import kv_client
 
 from agentkv import IntentKV, KVzap, build_payload, encode_payload, resolve_session_id
+from agentkv.integrations.openai import kv_client
 
 POLICY = IntentKV(budget=512)
 MESSAGES = [

@@ -7,6 +7,10 @@ import math
 
 import pytest
 import torch
+from conftest import build_mixed_batch  # noqa: E402  (plain module: tests/kernels has no package)
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from agentkv.kernels import (
     DecodeConfig,
     KVPools,
@@ -17,9 +21,6 @@ from agentkv.kernels import (
     plan_split_len,
     validate_decode_inputs,
 )
-from conftest import build_mixed_batch  # noqa: E402  (plain module: tests/kernels has no package)
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 # relative L2 error budget of the fused kernel against the fp32 reference
 TOL = {torch.float16: 3e-3, torch.bfloat16: 3e-2}

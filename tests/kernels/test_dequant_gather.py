@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from agentkv.kernels import (
     dequant_gather,
     dequant_gather_ref,

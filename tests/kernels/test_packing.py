@@ -5,6 +5,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from agentkv.kernels.asymmetric_quant import asym_codes, asym_dequant, asym_params
 from agentkv.kernels.packing import (
     pack_int2,
@@ -16,8 +19,6 @@ from agentkv.kernels.packing import (
     unpack_int4,
     unpack_int4_f32,
 )
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 
 @given(rows=st.integers(1, 5), groups=st.integers(1, 4), seed=st.integers(0, 2**16))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from agentkv.kernels import DEAD, KVPools, resolve_backend
 from agentkv.kernels.backend import triton_interpreting
 

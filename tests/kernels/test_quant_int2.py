@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from agentkv.kernels import (
     Int2Pool,
     dequantize_int2_keys_ref,
@@ -14,8 +17,6 @@ from agentkv.kernels import (
     write_int2_pages,
     write_int2_pages_ref,
 )
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 FIELDS = ("k", "v", "k_scale", "k_zero", "v_scale", "v_zero")

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from agentkv.kernels import (
     Int4Pool,
     dequantize_int4_ref,
@@ -13,8 +16,6 @@ from agentkv.kernels import (
     write_int4_ref,
 )
 from agentkv.kernels.quant_token_groups import quantize_token_groups_ref
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 FIELDS = ("k", "v", "k_scale", "k_zero", "v_scale", "v_zero")
