@@ -239,16 +239,11 @@ def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 TUNE_GRID = [
-    DecodeConfig(),
-    DecodeConfig(num_warps=8),
-    DecodeConfig(num_stages=3),
-    DecodeConfig(num_stages=1),
-    DecodeConfig(block_n_full=32, block_n_int4=32),
-    DecodeConfig(block_n_full=128, block_n_int4=128, num_warps=8),
-    DecodeConfig(programs_per_sm=8),
-    DecodeConfig(programs_per_sm=2),
-    DecodeConfig(programs_per_sm=16, num_warps=2),
-]
+    DecodeConfig(num_warps=w, prefetch=pf, programs_per_sm=pps)
+    for w in (2, 4, 8)
+    for pf in (True, False)
+    for pps in (8, 16, 32)
+] + [DecodeConfig(num_warps=8, block_n_int4=64, prefetch=False), DecodeConfig(block_n_full=32)]
 
 
 class Recorder:
@@ -272,6 +267,7 @@ def main() -> None:
     ap.add_argument("--tune", action="store_true", help="sweep DecodeConfig at B=8, N=32k first")
     ap.add_argument("--configs", default="", help="JSON {impl: DecodeConfig kwargs} to use")
     ap.add_argument("--tune-shape", default="8,32768", help="B,N of the tuning sweep")
+    ap.add_argument("--tune-impls", default=",".join(IMPLS))
     ap.add_argument("--sglang-splits", default="8,16,32")
     ap.add_argument("--no-sglang", action="store_true")
     args = ap.parse_args()
@@ -324,9 +320,11 @@ def main() -> None:
         t0 = time.time()
         tb, tn = (int(x) for x in args.tune_shape.split(","))
         s = Shape(tb, tn)
-        for impl in IMPLS:
+        for impl in args.tune_impls.split(","):
             best = None
             for cfg in TUNE_GRID:
+                if impl == "bf16" and not cfg.prefetch:
+                    continue  # the bf16 path has no manual prefetch
                 try:
                     us = _bench(_ours(s, impl, False, cfg))
                 except Exception as e:  # noqa: BLE001

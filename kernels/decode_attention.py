@@ -29,7 +29,7 @@ import triton.language as tl
 
 from .backend import Backend, resolve_backend, triton_interpreting
 from .decode_attention_reference import decode_attention_ref
-from .packing import unpack_int2_f32, unpack_int4_f32
+from .packing import dequant_int2_quads, dequant_int4_pairs, int2_code_quads
 from .pools import DEAD, INT2_PAGE, KVPools
 
 _LOG2E = 1.4426950408889634
@@ -51,12 +51,13 @@ class DecodeConfig:
     programs_per_sm: target grid size per SM when choosing ``split_len``."""
 
     block_n_full: int = 64
-    block_n_int4: int = 64
-    num_warps: int = 4
+    block_n_int4: int = 32
+    num_warps: int = 2
     num_stages: int = 2
-    programs_per_sm: int = 4
+    programs_per_sm: int = 16
     min_split_len: int = 256
     merge_block_s: int = 32
+    prefetch: bool = True
 
 
 @triton.jit
@@ -69,15 +70,12 @@ def _mma(a, b, IEEE_F32: tl.constexpr):
 
 
 @triton.jit
-def _softmax_step(qk, v, m_i, l_i, acc, IEEE_F32: tl.constexpr):
-    """Online-softmax update. qk: [BH, BN] log2-scaled scores (-inf = masked);
-    v: [BN, D] in the dot dtype; m_i, l_i: [BH]; acc: [BH, D] fp32."""
+def _online_softmax(qk, m_i, l_i):
+    """qk: [BH, BN] log2-scaled scores (-inf = masked). Returns (p, alpha, m_new, l_new)."""
     m_new = tl.maximum(m_i, tl.max(qk, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(qk - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + _mma(p.to(v.dtype), v, IEEE_F32)
-    return m_new, l_i, acc
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
 
 
 @triton.jit
@@ -88,6 +86,110 @@ def _live_positions(slot_row_ptr, hm_row_ptr, offs_n, end, dead_id, HAS_HEAD_MAS
     if HAS_HEAD_MASK:
         live = live & (tl.load(hm_row_ptr + offs_n, mask=inb, other=0) != 0)
     return slot, live
+
+
+@triton.jit
+def _rows_of(slot, live, base, Hkv, h):
+    """Row index (slot * Hkv + head) of each live position in a pool starting at ``base``."""
+    return tl.where(live, slot - base, 0) * Hkv + h
+
+
+@triton.jit
+def _bcast_groups(x, R: tl.constexpr, NG: tl.constexpr, W: tl.constexpr):
+    """[R, NG] -> [R, NG * W], each group value repeated W times."""
+    return tl.reshape(tl.broadcast_to(x[:, :, None], (R, NG, W)), (R, NG * W))
+
+
+@triton.jit
+def _int4_block(
+    slot,
+    live,
+    int4_base,
+    Hkv,
+    h,
+    k_ptr,
+    v_ptr,
+    ks_ptr,
+    kz_ptr,
+    vs_ptr,
+    vz_ptr,
+    D: tl.constexpr,
+    NG: tl.constexpr,
+):
+    """Raw loads of one block of INT4 rows (DEAD / out-of-range rows are not read)."""
+    row = tl.where(live, slot - int4_base, 0) * Hkv + h
+    lm = live[:, None]
+    co = row[:, None] * (D // 2) + tl.arange(0, D // 2)[None, :]
+    so = row[:, None] * NG + tl.arange(0, NG)[None, :]
+    kb = tl.load(k_ptr + co, mask=lm, other=0)
+    vb = tl.load(v_ptr + co, mask=lm, other=0)
+    ks = tl.load(ks_ptr + so, mask=lm, other=0.0)
+    kz = tl.load(kz_ptr + so, mask=lm, other=0.0)
+    vs = tl.load(vs_ptr + so, mask=lm, other=0.0)
+    vz = tl.load(vz_ptr + so, mask=lm, other=0.0)
+    return kb, vb, ks, kz, vs, vz
+
+
+@triton.jit
+def _int2_page_loads(
+    slot,
+    live,
+    int2_base,
+    Hkv,
+    h,
+    k_ptr,
+    v_ptr,
+    ks_ptr,
+    kz_ptr,
+    vs_ptr,
+    vz_ptr,
+    BLOCK_H: tl.constexpr,
+    D: tl.constexpr,
+):
+    """Raw loads of one 32-position block (one INT2 page): code bytes, per-row value scales
+    of the group of each planar channel block, and the page's key scales / zeros per block
+    (ks_i, kz_i: [BLOCK_H, D // 4], rows identical, in the query's layout)."""
+    NG: tl.constexpr = D // 32
+    Q: tl.constexpr = D // 4
+    j = tl.where(live, slot - int2_base, -1)
+    page = tl.maximum(tl.max(j, 0), 0) // 32
+    ph = page * Hkv + h
+    row = ph * 32 + tl.where(live, j % 32, 0)
+    co = row[:, None] * Q + tl.arange(0, Q)[None, :]
+    kb = tl.load(k_ptr + co, mask=live[:, None], other=0)
+    vb = tl.load(v_ptr + co, mask=live[:, None], other=0)
+    so = row * NG
+    vs0 = tl.load(vs_ptr + so + (0 * Q) // 32, mask=live, other=0.0)
+    vz0 = tl.load(vz_ptr + so + (0 * Q) // 32, mask=live, other=0.0)
+    vs1 = tl.load(vs_ptr + so + (1 * Q) // 32, mask=live, other=0.0)
+    vz1 = tl.load(vz_ptr + so + (1 * Q) // 32, mask=live, other=0.0)
+    vs2 = tl.load(vs_ptr + so + (2 * Q) // 32, mask=live, other=0.0)
+    vz2 = tl.load(vz_ptr + so + (2 * Q) // 32, mask=live, other=0.0)
+    vs3 = tl.load(vs_ptr + so + (3 * Q) // 32, mask=live, other=0.0)
+    vz3 = tl.load(vz_ptr + so + (3 * Q) // 32, mask=live, other=0.0)
+    kc = ph * D + tl.arange(0, Q)[None, :]  # [1, Q]: broadcast over heads at use
+    ks0 = tl.load(ks_ptr + kc)
+    ks1 = tl.load(ks_ptr + kc + Q)
+    ks2 = tl.load(ks_ptr + kc + 2 * Q)
+    ks3 = tl.load(ks_ptr + kc + 3 * Q)
+    kz0 = tl.load(kz_ptr + kc)
+    kz1 = tl.load(kz_ptr + kc + Q)
+    kz2 = tl.load(kz_ptr + kc + 2 * Q)
+    kz3 = tl.load(kz_ptr + kc + 3 * Q)
+    return kb, vb, vs0, vz0, vs1, vz1, vs2, vz2, vs3, vz3, ks0, ks1, ks2, ks3, kz0, kz1, kz2, kz3
+
+
+@triton.jit
+def _bcast_rows(x, like):
+    """[R] -> like.shape [R, C] in like's dtype, each row constant."""
+    return tl.broadcast_to(x.to(like.dtype)[:, None], like.shape)
+
+
+@triton.jit
+def _store_partial(po_ptr, row_o, cols, acc, l_i, hmask, D: tl.constexpr):
+    """Normalised partial output acc / l_i [BH, C] into columns ``cols`` of the split row."""
+    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    tl.store(po_ptr + row_o[:, None] * D + cols[None, :], out, mask=hmask[:, None])
 
 
 @triton.jit
@@ -140,8 +242,11 @@ def _decode_split_kernel(
     HAS_INT2: tl.constexpr,
     HAS_HEAD_MASK: tl.constexpr,
     IEEE_F32: tl.constexpr,
+    USE_ASM: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     NG: tl.constexpr = D // 32
+    Q: tl.constexpr = D // 4
     s = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2)
@@ -164,86 +269,331 @@ def _decode_split_kernel(
     offs_h = tl.arange(0, BLOCK_H)
     hmask = offs_h < G
     offs_d = tl.arange(0, D)
-    offs_g = tl.arange(0, NG)
-    q = tl.load(
-        q_ptr + b * stride_qb + (h * G + offs_h)[:, None] * stride_qh + offs_d[None, :],
-        mask=hmask[:, None],
-        other=0.0,
-    )
+    q_rows = q_ptr + b * stride_qb + (h * G + offs_h)[:, None] * stride_qh
     slot_row = slot_ptr + b.to(tl.int64) * stride_sb
     hm_row = hm_ptr + b.to(tl.int64) * stride_hb + h * stride_hh
+    row_o = (b * (Hkv * G) + h * G + offs_h).to(tl.int64) * S_total + s
+    dt = q_ptr.dtype.element_ty
 
     m_i = tl.full([BLOCK_H], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, D], tl.float32)
 
+    # Quantized pools: raw loads are double-buffered by hand (slots two blocks ahead, data
+    # one block ahead) because the compiler's pipeliner does not prefetch non-dot loads.
+    # Every dequantized tile is a contiguous run of code bytes per row whose scale is one
+    # value per row, so it unpacks in registers with packed 16-bit math (see packing.py).
     # constexpr guard outside, runtime branch inside: Triton must not fuse the two
     if HAS_INT2:  # noqa: SIM102
         if is2:
-            qf = q.to(tl.float32)
-            offs_c = tl.arange(0, D // 4)
+            cq = tl.arange(0, Q)
+            hq = hmask[:, None]
+            qf0 = tl.load(q_rows + cq[None, :], mask=hq, other=0.0).to(tl.float32)
+            qf1 = tl.load(q_rows + cq[None, :] + Q, mask=hq, other=0.0).to(tl.float32)
+            qf2 = tl.load(q_rows + cq[None, :] + 2 * Q, mask=hq, other=0.0).to(tl.float32)
+            qf3 = tl.load(q_rows + cq[None, :] + 3 * Q, mask=hq, other=0.0).to(tl.float32)
+            a0 = tl.zeros([BLOCK_H, Q], tl.float32)
+            a1 = tl.zeros([BLOCK_H, Q], tl.float32)
+            a2 = tl.zeros([BLOCK_H, Q], tl.float32)
+            a3 = tl.zeros([BLOCK_H, Q], tl.float32)
+            ar = tl.arange(0, 32)
+            if PREFETCH:
+                slot_c, live = _live_positions(
+                    slot_row, hm_row, start + ar, end, dead_id, HAS_HEAD_MASK
+                )
+                (
+                    kb,
+                    vb,
+                    vs0,
+                    vz0,
+                    vs1,
+                    vz1,
+                    vs2,
+                    vz2,
+                    vs3,
+                    vz3,
+                    ks0,
+                    ks1,
+                    ks2,
+                    ks3,
+                    kz0,
+                    kz1,
+                    kz2,
+                    kz3,
+                ) = _int2_page_loads(
+                    slot_c,
+                    live,
+                    int2_base,
+                    Hkv,
+                    h,
+                    q2k_ptr,
+                    q2v_ptr,
+                    q2ks_ptr,
+                    q2kz_ptr,
+                    q2vs_ptr,
+                    q2vz_ptr,
+                    BLOCK_H,
+                    D,
+                )
+                slot_n, live_n = _live_positions(
+                    slot_row, hm_row, start + 32 + ar, end, dead_id, HAS_HEAD_MASK
+                )
             for start_n in range(start, end, 32):
-                offs_n = start_n + tl.arange(0, 32)
-                slot, live = _live_positions(slot_row, hm_row, offs_n, end, dead_id, HAS_HEAD_MASK)
-                j = tl.where(live, slot - int2_base, -1)
-                page = tl.maximum(tl.max(j, 0), 0) // 32
-                ph = page * Hkv + h
-                ks = tl.load(q2ks_ptr + ph * D + offs_d).to(tl.float32)
-                kz = tl.load(q2kz_ptr + ph * D + offs_d).to(tl.float32)
-                qs = (qf * ks[None, :]).to(q.dtype)
-                qz = tl.sum(qf * kz[None, :], 1)
-                row = ph * 32 + tl.where(live, j % 32, 0)
-                co = row[:, None] * (D // 4) + offs_c[None, :]
-                ku = unpack_int2_f32(tl.load(q2k_ptr + co, mask=live[:, None], other=0))
-                qk = (_mma(qs, tl.trans(ku.to(q.dtype)), IEEE_F32) + qz[:, None]) * qk_scale
+                if PREFETCH:
+                    slot_nn, live_nn = _live_positions(
+                        slot_row, hm_row, start_n + 64 + ar, end, dead_id, HAS_HEAD_MASK
+                    )
+                    (
+                        nkb,
+                        nvb,
+                        nvs0,
+                        nvz0,
+                        nvs1,
+                        nvz1,
+                        nvs2,
+                        nvz2,
+                        nvs3,
+                        nvz3,
+                        nks0,
+                        nks1,
+                        nks2,
+                        nks3,
+                        nkz0,
+                        nkz1,
+                        nkz2,
+                        nkz3,
+                    ) = _int2_page_loads(
+                        slot_n,
+                        live_n,
+                        int2_base,
+                        Hkv,
+                        h,
+                        q2k_ptr,
+                        q2v_ptr,
+                        q2ks_ptr,
+                        q2kz_ptr,
+                        q2vs_ptr,
+                        q2vz_ptr,
+                        BLOCK_H,
+                        D,
+                    )
+                else:
+                    slot_c, live = _live_positions(
+                        slot_row, hm_row, start_n + ar, end, dead_id, HAS_HEAD_MASK
+                    )
+                    (
+                        kb,
+                        vb,
+                        vs0,
+                        vz0,
+                        vs1,
+                        vz1,
+                        vs2,
+                        vz2,
+                        vs3,
+                        vz3,
+                        ks0,
+                        ks1,
+                        ks2,
+                        ks3,
+                        kz0,
+                        kz1,
+                        kz2,
+                        kz3,
+                    ) = _int2_page_loads(
+                        slot_c,
+                        live,
+                        int2_base,
+                        Hkv,
+                        h,
+                        q2k_ptr,
+                        q2v_ptr,
+                        q2ks_ptr,
+                        q2kz_ptr,
+                        q2vs_ptr,
+                        q2vz_ptr,
+                        BLOCK_H,
+                        D,
+                    )
+                # keys: the page's per-channel scale folded into q, its zero into a row bias
+                qz = tl.sum(
+                    qf0 * kz0.to(tl.float32)
+                    + qf1 * kz1.to(tl.float32)
+                    + qf2 * kz2.to(tl.float32)
+                    + qf3 * kz3.to(tl.float32),
+                    1,
+                )
+                u0, u1, u2, u3 = int2_code_quads(kb, dt, USE_ASM)
+                qk = _mma((qf0 * ks0.to(tl.float32)).to(dt), tl.trans(u0), IEEE_F32)
+                qk += _mma((qf1 * ks1.to(tl.float32)).to(dt), tl.trans(u1), IEEE_F32)
+                qk += _mma((qf2 * ks2.to(tl.float32)).to(dt), tl.trans(u2), IEEE_F32)
+                qk += _mma((qf3 * ks3.to(tl.float32)).to(dt), tl.trans(u3), IEEE_F32)
+                qk = (qk + qz[:, None]) * qk_scale
                 qk = tl.where(live[None, :], qk, float("-inf"))
-                vu = unpack_int2_f32(tl.load(q2v_ptr + co, mask=live[:, None], other=0))
-                so = row[:, None] * NG + offs_g[None, :]
-                vs = tl.load(q2vs_ptr + so, mask=live[:, None], other=0.0).to(tl.float32)
-                vz = tl.load(q2vz_ptr + so, mask=live[:, None], other=0.0).to(tl.float32)
-                vq = tl.reshape(vu, [32, NG, 32]) * vs[:, :, None] + vz[:, :, None]
-                v = tl.reshape(vq, [32, D]).to(q.dtype)
-                m_i, l_i, acc = _softmax_step(qk, v, m_i, l_i, acc, IEEE_F32)
+                p, alpha, m_i, l_i = _online_softmax(qk, m_i, l_i)
+                pb = p.to(dt)
+                v0, v1, v2, v3 = dequant_int2_quads(
+                    vb,
+                    _bcast_rows(vs0, u0),
+                    _bcast_rows(vz0, u0),
+                    _bcast_rows(vs1, u0),
+                    _bcast_rows(vz1, u0),
+                    _bcast_rows(vs2, u0),
+                    _bcast_rows(vz2, u0),
+                    _bcast_rows(vs3, u0),
+                    _bcast_rows(vz3, u0),
+                    USE_ASM,
+                )
+                a0 = a0 * alpha[:, None] + _mma(pb, v0, IEEE_F32)
+                a1 = a1 * alpha[:, None] + _mma(pb, v1, IEEE_F32)
+                a2 = a2 * alpha[:, None] + _mma(pb, v2, IEEE_F32)
+                a3 = a3 * alpha[:, None] + _mma(pb, v3, IEEE_F32)
+                if PREFETCH:
+                    live = live_n
+                    kb, vb = nkb, nvb
+                    vs0, vz0, vs1, vz1, vs2, vz2, vs3, vz3 = (
+                        nvs0,
+                        nvz0,
+                        nvs1,
+                        nvz1,
+                        nvs2,
+                        nvz2,
+                        nvs3,
+                        nvz3,
+                    )
+                    ks0, ks1, ks2, ks3, kz0, kz1, kz2, kz3 = (
+                        nks0,
+                        nks1,
+                        nks2,
+                        nks3,
+                        nkz0,
+                        nkz1,
+                        nkz2,
+                        nkz3,
+                    )
+                    slot_n, live_n = slot_nn, live_nn
+            _store_partial(po_ptr, row_o, cq, a0, l_i, hmask, D)
+            _store_partial(po_ptr, row_o, cq + Q, a1, l_i, hmask, D)
+            _store_partial(po_ptr, row_o, cq + 2 * Q, a2, l_i, hmask, D)
+            _store_partial(po_ptr, row_o, cq + 3 * Q, a3, l_i, hmask, D)
     if HAS_INT4:  # noqa: SIM102
         if is4:
-            offs_c = tl.arange(0, D // 2)
+            c2 = 2 * tl.arange(0, D // 2)
+            hm2 = hmask[:, None]
+            qe = tl.load(q_rows + c2[None, :], mask=hm2, other=0.0)
+            qo = tl.load(q_rows + c2[None, :] + 1, mask=hm2, other=0.0)
+            ae = tl.zeros([BLOCK_H, D // 2], tl.float32)
+            ao = tl.zeros([BLOCK_H, D // 2], tl.float32)
+            ar = tl.arange(0, BN_INT4)
+            if PREFETCH:
+                slot_c, live_c = _live_positions(
+                    slot_row, hm_row, start + ar, end, dead_id, HAS_HEAD_MASK
+                )
+                kb, vb, ks, kz, vs, vz = _int4_block(
+                    slot_c,
+                    live_c,
+                    int4_base,
+                    Hkv,
+                    h,
+                    q4k_ptr,
+                    q4v_ptr,
+                    q4ks_ptr,
+                    q4kz_ptr,
+                    q4vs_ptr,
+                    q4vz_ptr,
+                    D,
+                    NG,
+                )
+                slot_n, live_n = _live_positions(
+                    slot_row, hm_row, start + BN_INT4 + ar, end, dead_id, HAS_HEAD_MASK
+                )
             for start_n in range(start, end, BN_INT4):
-                offs_n = start_n + tl.arange(0, BN_INT4)
-                slot, live = _live_positions(slot_row, hm_row, offs_n, end, dead_id, HAS_HEAD_MASK)
-                row = tl.where(live, slot - int4_base, 0) * Hkv + h
-                lm = live[:, None]
-                co = row[:, None] * (D // 2) + offs_c[None, :]
-                so = row[:, None] * NG + offs_g[None, :]
-                ku = unpack_int4_f32(tl.load(q4k_ptr + co, mask=lm, other=0))
-                ks = tl.load(q4ks_ptr + so, mask=lm, other=0.0).to(tl.float32)
-                kz = tl.load(q4kz_ptr + so, mask=lm, other=0.0).to(tl.float32)
-                kq = tl.reshape(ku, [BN_INT4, NG, 32]) * ks[:, :, None] + kz[:, :, None]
-                k = tl.reshape(kq, [BN_INT4, D]).to(q.dtype)
-                qk = _mma(q, tl.trans(k), IEEE_F32) * qk_scale
-                qk = tl.where(live[None, :], qk, float("-inf"))
-                vu = unpack_int4_f32(tl.load(q4v_ptr + co, mask=lm, other=0))
-                vs = tl.load(q4vs_ptr + so, mask=lm, other=0.0).to(tl.float32)
-                vz = tl.load(q4vz_ptr + so, mask=lm, other=0.0).to(tl.float32)
-                vq = tl.reshape(vu, [BN_INT4, NG, 32]) * vs[:, :, None] + vz[:, :, None]
-                v = tl.reshape(vq, [BN_INT4, D]).to(q.dtype)
-                m_i, l_i, acc = _softmax_step(qk, v, m_i, l_i, acc, IEEE_F32)
+                if PREFETCH:
+                    slot_nn, live_nn = _live_positions(
+                        slot_row,
+                        hm_row,
+                        start_n + 2 * BN_INT4 + ar,
+                        end,
+                        dead_id,
+                        HAS_HEAD_MASK,
+                    )
+                    nkb, nvb, nks, nkz, nvs, nvz = _int4_block(
+                        slot_n,
+                        live_n,
+                        int4_base,
+                        Hkv,
+                        h,
+                        q4k_ptr,
+                        q4v_ptr,
+                        q4ks_ptr,
+                        q4kz_ptr,
+                        q4vs_ptr,
+                        q4vz_ptr,
+                        D,
+                        NG,
+                    )
+                else:
+                    slot_c, live_c = _live_positions(
+                        slot_row, hm_row, start_n + ar, end, dead_id, HAS_HEAD_MASK
+                    )
+                    kb, vb, ks, kz, vs, vz = _int4_block(
+                        slot_c,
+                        live_c,
+                        int4_base,
+                        Hkv,
+                        h,
+                        q4k_ptr,
+                        q4v_ptr,
+                        q4ks_ptr,
+                        q4kz_ptr,
+                        q4vs_ptr,
+                        q4vz_ptr,
+                        D,
+                        NG,
+                    )
+                ke, ko = dequant_int4_pairs(
+                    kb,
+                    _bcast_groups(ks.to(dt), BN_INT4, NG, 16),
+                    _bcast_groups(kz.to(dt), BN_INT4, NG, 16),
+                    USE_ASM,
+                )
+                qk = _mma(qe, tl.trans(ke), IEEE_F32) + _mma(qo, tl.trans(ko), IEEE_F32)
+                qk = qk * qk_scale
+                qk = tl.where(live_c[None, :], qk, float("-inf"))
+                p, alpha, m_i, l_i = _online_softmax(qk, m_i, l_i)
+                pb = p.to(dt)
+                ve, vo = dequant_int4_pairs(
+                    vb,
+                    _bcast_groups(vs.to(dt), BN_INT4, NG, 16),
+                    _bcast_groups(vz.to(dt), BN_INT4, NG, 16),
+                    USE_ASM,
+                )
+                ae = ae * alpha[:, None] + _mma(pb, ve, IEEE_F32)
+                ao = ao * alpha[:, None] + _mma(pb, vo, IEEE_F32)
+                if PREFETCH:
+                    live_c = live_n
+                    kb, vb, ks, kz, vs, vz = nkb, nvb, nks, nkz, nvs, nvz
+                    slot_n, live_n = slot_nn, live_nn
+            c2h = 2 * tl.arange(0, D // 2)
+            _store_partial(po_ptr, row_o, c2h, ae, l_i, hmask, D)
+            _store_partial(po_ptr, row_o, c2h + 1, ao, l_i, hmask, D)
     if HAS_FULL:  # noqa: SIM102
         if s >= S2 + S4:
+            q = tl.load(q_rows + offs_d[None, :], mask=hmask[:, None], other=0.0)
+            acc = tl.zeros([BLOCK_H, D], tl.float32)
             for start_n in range(start, end, BN_FULL):
                 offs_n = start_n + tl.arange(0, BN_FULL)
                 slot, live = _live_positions(slot_row, hm_row, offs_n, end, dead_id, HAS_HEAD_MASK)
                 fo = slot[:, None] * stride_fs + h * stride_fh + offs_d[None, :]
-                k = tl.load(fk_ptr + fo, mask=live[:, None], other=0.0).to(q.dtype)
+                k = tl.load(fk_ptr + fo, mask=live[:, None], other=0.0).to(dt)
                 qk = _mma(q, tl.trans(k), IEEE_F32) * qk_scale
                 qk = tl.where(live[None, :], qk, float("-inf"))
-                v = tl.load(fv_ptr + fo, mask=live[:, None], other=0.0).to(q.dtype)
-                m_i, l_i, acc = _softmax_step(qk, v, m_i, l_i, acc, IEEE_F32)
+                p, alpha, m_i, l_i = _online_softmax(qk, m_i, l_i)
+                v = tl.load(fv_ptr + fo, mask=live[:, None], other=0.0).to(dt)
+                acc = acc * alpha[:, None] + _mma(p.to(dt), v, IEEE_F32)
+            _store_partial(po_ptr, row_o, offs_d, acc, l_i, hmask, D)
 
     has = l_i > 0.0
-    out = acc / tl.where(has, l_i, 1.0)[:, None]
     lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-    row_o = (b * (Hkv * G) + h * G + offs_h).to(tl.int64) * S_total + s
-    tl.store(po_ptr + row_o[:, None] * D + offs_d[None, :], out, mask=hmask[:, None])
     tl.store(plse_ptr + row_o, lse, mask=hmask)
 
 
@@ -381,6 +731,10 @@ def decode_attention(
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)
     if resolve_backend(backend, q.device) == "torch":
         return decode_attention_ref(q, pools, slot_map, seq_lens, head_mask, scale, dead_id)
+    if d not in (64, 128):
+        raise ValueError(
+            "the Triton decode kernel supports head_dim 64 or 128 (use backend='torch')"
+        )
 
     cfg = config or DecodeConfig()
     length = slot_map.shape[1]
@@ -458,6 +812,8 @@ def decode_attention(
         HAS_INT2=m2 > 0,
         HAS_HEAD_MASK=head_mask is not None,
         IEEE_F32=triton_interpreting(),
+        USE_ASM=not triton_interpreting(),
+        PREFETCH=cfg.prefetch,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

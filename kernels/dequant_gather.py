@@ -114,27 +114,120 @@ def _dequant_gather_kernel(
         vz = tl.load(q4vz_ptr + so, mask=m4, other=0.0).to(tl.float32)
         v4 = tl.reshape(vu * vs[:, :, None] + vz[:, :, None], [BLOCK_T, D])
         v = tl.where(m4, v4, v)
+    oo = t[:, None].to(tl.int64) * stride_ot + h * stride_oh
+    keep = tm
+    if HAS_INT2:
+        keep = tm & (s < int2_base)
+    tl.store(ok_ptr + oo + offs_d[None, :], k.to(ok_ptr.dtype.element_ty), mask=keep[:, None])
+    tl.store(ov_ptr + oo + offs_d[None, :], v.to(ov_ptr.dtype.element_ty), mask=keep[:, None])
     if HAS_INT2:
         is2 = tm & (s >= int2_base)
         j = tl.where(is2, s - int2_base, 0)
         ph = (j // 32) * H + h
         row = ph * 32 + j % 32
         m2 = is2[:, None]
-        co = row[:, None] * (D // 4) + tl.arange(0, D // 4)[None, :]
-        ku = unpack_int2_f32(tl.load(q2k_ptr + co, mask=m2, other=0))
-        kso = ph[:, None] * D + offs_d[None, :]
-        ks = tl.load(q2ks_ptr + kso, mask=m2, other=0.0).to(tl.float32)
-        kz = tl.load(q2kz_ptr + kso, mask=m2, other=0.0).to(tl.float32)
-        k = tl.where(m2, ku * ks + kz, k)
-        vu = tl.reshape(unpack_int2_f32(tl.load(q2v_ptr + co, mask=m2, other=0)), [BLOCK_T, NG, 32])
-        so = row[:, None] * NG + offs_g[None, :]
-        vs = tl.load(q2vs_ptr + so, mask=m2, other=0.0).to(tl.float32)
-        vz = tl.load(q2vz_ptr + so, mask=m2, other=0.0).to(tl.float32)
-        v2 = tl.reshape(vu * vs[:, :, None] + vz[:, :, None], [BLOCK_T, D])
-        v = tl.where(m2, v2, v)
-    oo = t[:, None].to(tl.int64) * stride_ot + h * stride_oh + offs_d[None, :]
-    tl.store(ok_ptr + oo, k.to(ok_ptr.dtype.element_ty), mask=tm[:, None])
-    tl.store(ov_ptr + oo, v.to(ov_ptr.dtype.element_ty), mask=tm[:, None])
+        cq = tl.arange(0, D // 4)[None, :]
+        co = row[:, None] * (D // 4) + cq
+        k0, k1, k2, k3 = unpack_int2_f32(tl.load(q2k_ptr + co, mask=m2, other=0))
+        v0, v1, v2, v3 = unpack_int2_f32(tl.load(q2v_ptr + co, mask=m2, other=0))
+        _int2_store_block(
+            0,
+            k0,
+            v0,
+            ph,
+            row,
+            m2,
+            cq,
+            oo,
+            q2ks_ptr,
+            q2kz_ptr,
+            q2vs_ptr,
+            q2vz_ptr,
+            ok_ptr,
+            ov_ptr,
+            D,
+        )
+        _int2_store_block(
+            1,
+            k1,
+            v1,
+            ph,
+            row,
+            m2,
+            cq,
+            oo,
+            q2ks_ptr,
+            q2kz_ptr,
+            q2vs_ptr,
+            q2vz_ptr,
+            ok_ptr,
+            ov_ptr,
+            D,
+        )
+        _int2_store_block(
+            2,
+            k2,
+            v2,
+            ph,
+            row,
+            m2,
+            cq,
+            oo,
+            q2ks_ptr,
+            q2kz_ptr,
+            q2vs_ptr,
+            q2vz_ptr,
+            ok_ptr,
+            ov_ptr,
+            D,
+        )
+        _int2_store_block(
+            3,
+            k3,
+            v3,
+            ph,
+            row,
+            m2,
+            cq,
+            oo,
+            q2ks_ptr,
+            q2kz_ptr,
+            q2vs_ptr,
+            q2vz_ptr,
+            ok_ptr,
+            ov_ptr,
+            D,
+        )
+
+
+@triton.jit
+def _int2_store_block(
+    i: tl.constexpr,
+    kc,
+    vc,
+    ph,
+    row,
+    m2,
+    cq,
+    oo,
+    ks_ptr,
+    kz_ptr,
+    vs_ptr,
+    vz_ptr,
+    ok_ptr,
+    ov_ptr,
+    D: tl.constexpr,
+):
+    """Dequantize and store channel block i (``[i * D/4, (i+1) * D/4)``) of INT2 rows."""
+    NG: tl.constexpr = D // 32
+    c = i * (D // 4) + cq
+    ks = tl.load(ks_ptr + ph[:, None] * D + c, mask=m2, other=0.0).to(tl.float32)
+    kz = tl.load(kz_ptr + ph[:, None] * D + c, mask=m2, other=0.0).to(tl.float32)
+    g = (i * (D // 4)) // 32 + cq // 32  # the group of each channel of the block
+    vs = tl.load(vs_ptr + row[:, None] * NG + g, mask=m2, other=0.0).to(tl.float32)
+    vz = tl.load(vz_ptr + row[:, None] * NG + g, mask=m2, other=0.0).to(tl.float32)
+    tl.store(ok_ptr + oo + c, (kc * ks + kz).to(ok_ptr.dtype.element_ty), mask=m2)
+    tl.store(ov_ptr + oo + c, (vc * vs + vz).to(ov_ptr.dtype.element_ty), mask=m2)
 
 
 def dequant_gather(

@@ -1,7 +1,9 @@
 """Bit layouts of packed INT4 / INT2 codes in uint8 buffers (torch and Triton versions).
 
 INT4: byte ``j`` holds channel ``2j`` (low nibble) and ``2j+1`` (high nibble).
-INT2: byte ``j`` holds channels ``4j + i`` at bits ``2i .. 2i+1`` for i = 0..3.
+INT2 (planar): byte ``j`` of a D-channel row holds channel ``j + i * D / 4`` at bits
+``2i .. 2i+1`` for i = 0..3, so unpacking bit pair i of every byte yields the contiguous
+channel block ``[i * D / 4, (i + 1) * D / 4)``.
 
 The Triton helpers unpack in registers and convert codes to float32 with the
 ``(code | 0x4B000000) as float - 2**23`` trick (two integer/float ALU ops instead of the
@@ -27,15 +29,20 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
 
 
 def pack_int2(codes: torch.Tensor) -> torch.Tensor:
-    """[..., D] integer codes in 0..3 -> [..., D // 4] uint8."""
+    """[..., D] integer codes in 0..3 -> [..., D // 4] uint8 (planar layout)."""
     c = codes.to(torch.uint8)
-    return c[..., 0::4] | (c[..., 1::4] << 2) | (c[..., 2::4] << 4) | (c[..., 3::4] << 6)
+    q = c.shape[-1] // 4
+    return (
+        c[..., :q]
+        | (c[..., q : 2 * q] << 2)
+        | (c[..., 2 * q : 3 * q] << 4)
+        | (c[..., 3 * q :] << 6)
+    )
 
 
 def unpack_int2(packed: torch.Tensor) -> torch.Tensor:
-    """[..., D // 4] uint8 -> [..., D] uint8 codes in 0..3."""
-    parts = [(packed >> s) & 3 for s in (0, 2, 4, 6)]
-    return torch.stack(parts, dim=-1).flatten(-2)
+    """[..., D // 4] uint8 -> [..., D] uint8 codes in 0..3 (planar layout)."""
+    return torch.cat([(packed >> s) & 3 for s in (0, 2, 4, 6)], dim=-1)
 
 
 @triton.jit
@@ -53,10 +60,15 @@ def unpack_int4_f32(b):
 
 @triton.jit
 def unpack_int2_f32(b):
-    """[R, D // 4] uint8 -> [R, D] float32 codes (natural channel order)."""
+    """[R, D // 4] uint8 -> four [R, D // 4] float32 code blocks: channels
+    ``[i * D / 4, (i + 1) * D / 4)`` for i = 0..3."""
     x = b.to(tl.int32)
-    u = tl.interleave(tl.interleave(x & 3, (x >> 4) & 3), tl.interleave((x >> 2) & 3, x >> 6))
-    return codes_to_f32(u)
+    return (
+        codes_to_f32(x & 3),
+        codes_to_f32((x >> 2) & 3),
+        codes_to_f32((x >> 4) & 3),
+        codes_to_f32(x >> 6),
+    )
 
 
 @triton.jit
@@ -68,8 +80,186 @@ def pack_int4_u8(u, R: tl.constexpr, D: tl.constexpr):
 
 @triton.jit
 def pack_int2_u8(u, R: tl.constexpr, D: tl.constexpr):
-    """[R, D] int32 codes in 0..3 -> [R, D // 4] uint8."""
-    e0, e1 = tl.split(tl.reshape(u, [R, D // 4, 2, 2]))
-    c0, c2 = tl.split(e0)
-    c1, c3 = tl.split(e1)
+    """[R, D] int32 codes in 0..3 -> [R, D // 4] uint8 (planar layout)."""
+    t = tl.permute(tl.reshape(u, [R, 2, 2, D // 4]), (0, 3, 2, 1))  # [r, j, i0, i1]
+    e0, e1 = tl.split(t)  # i1 = 0 -> blocks 0, 1; i1 = 1 -> blocks 2, 3
+    c0, c1 = tl.split(e0)
+    c2, c3 = tl.split(e1)
     return (c0 | (c1 << 2) | (c2 << 4) | (c3 << 6)).to(tl.uint8)
+
+
+# --- packed register dequantization for the decode kernel ------------------------------------
+# Codes become 16-bit floats with the magic-exponent trick: (code | 0x4300) as bf16 is
+# 128 + code (0x6400 as fp16: 1024 + code), the offset is removed exactly by one fma, and a
+# second fma applies scale and zero: two elements per instruction (bf16x2 / f16x2). The torch
+# layout stays the one documented above; outputs come as channel subsets (even / odd
+# channels for INT4, channels 4j+i for INT2) so no shuffle is needed before a tl.dot.
+
+
+def _int4_pairs_asm(fp: str, magic: str, one: str, neg: str) -> str:
+    # $0,$1 even-channel pairs; $2,$3 odd-channel pairs; $4 four code bytes;
+    # $5,$6 scale pairs; $7,$8 zero pairs (pack = 4 elements per call).
+    return f"""{{
+    .reg .b32 zz, t01, t23, u0, u1, u2, u3, k1, kn;
+    mov.b32 zz, 0;
+    mov.b32 k1, {one};
+    mov.b32 kn, {neg};
+    prmt.b32 t01, $4, zz, 0x4140;
+    prmt.b32 t23, $4, zz, 0x4342;
+    lop3.b32 u0, t01, 0x000F000F, {magic}, 0xEA;
+    lop3.b32 u1, t23, 0x000F000F, {magic}, 0xEA;
+    shr.b32 t01, t01, 4;
+    shr.b32 t23, t23, 4;
+    lop3.b32 u2, t01, 0x000F000F, {magic}, 0xEA;
+    lop3.b32 u3, t23, 0x000F000F, {magic}, 0xEA;
+    fma.rn.{fp} u0, u0, k1, kn;
+    fma.rn.{fp} u1, u1, k1, kn;
+    fma.rn.{fp} u2, u2, k1, kn;
+    fma.rn.{fp} u3, u3, k1, kn;
+    fma.rn.{fp} $0, u0, $5, $7;
+    fma.rn.{fp} $1, u1, $6, $8;
+    fma.rn.{fp} $2, u2, $5, $7;
+    fma.rn.{fp} $3, u3, $6, $8;
+    }}"""
+
+
+def _int2_quads_asm(fp: str, magic: str, one: str, neg: str, dequant: bool) -> str:
+    # $2i,$2i+1: pairs of output i (bits 2i..2i+1 of each byte); $8 four code bytes;
+    # with dequant, output i uses scale pairs $9+4i,$10+4i and zero pairs $11+4i,$12+4i.
+    lines = [
+        "{",
+        ".reg .b32 zz, t01, t23, u0, u1, k1, kn;",
+        "mov.b32 zz, 0;",
+        f"mov.b32 k1, {one};",
+        f"mov.b32 kn, {neg};",
+        "prmt.b32 t01, $8, zz, 0x4140;",
+        "prmt.b32 t23, $8, zz, 0x4342;",
+    ]
+    for i in range(4):
+        lines += [
+            f"lop3.b32 u0, t01, 0x00030003, {magic}, 0xEA;",
+            f"lop3.b32 u1, t23, 0x00030003, {magic}, 0xEA;",
+        ]
+        if dequant:
+            s0, s1, z0, z1 = 9 + 4 * i, 10 + 4 * i, 11 + 4 * i, 12 + 4 * i
+            lines += [
+                f"fma.rn.{fp} u0, u0, k1, kn;",
+                f"fma.rn.{fp} u1, u1, k1, kn;",
+                f"fma.rn.{fp} ${2 * i}, u0, ${s0}, ${z0};",
+                f"fma.rn.{fp} ${2 * i + 1}, u1, ${s1}, ${z1};",
+            ]
+        else:
+            lines += [
+                f"fma.rn.{fp} ${2 * i}, u0, k1, kn;",
+                f"fma.rn.{fp} ${2 * i + 1}, u1, k1, kn;",
+            ]
+        if i < 3:
+            lines += ["shr.b32 t01, t01, 2;", "shr.b32 t23, t23, 2;"]
+    lines.append("}")
+    return "\n".join(lines)
+
+
+_BF16 = ("bf16x2", "0x43004300", "0x3F803F80", "0xC300C300")
+_FP16 = ("f16x2", "0x64006400", "0x3C003C00", "0xE400E400")
+INT4_PAIRS_BF16 = tl.constexpr(_int4_pairs_asm(*_BF16))
+INT4_PAIRS_FP16 = tl.constexpr(_int4_pairs_asm(*_FP16))
+INT2_CODES_BF16 = tl.constexpr(_int2_quads_asm(*_BF16, dequant=False))
+INT2_CODES_FP16 = tl.constexpr(_int2_quads_asm(*_FP16, dequant=False))
+INT2_QUADS_BF16 = tl.constexpr(_int2_quads_asm(*_BF16, dequant=True))
+INT2_QUADS_FP16 = tl.constexpr(_int2_quads_asm(*_FP16, dequant=True))
+
+
+@triton.jit
+def dequant_int4_pairs(b, s, z, USE_ASM: tl.constexpr):
+    """b: [R, C] uint8 INT4 bytes; s, z: [R, C] bf16 or fp16 scale / zero of each byte's
+    group. Returns (even, odd) channel values ``code * s + z``, each [R, C] in s's dtype."""
+    if USE_ASM:
+        if s.dtype == tl.bfloat16:
+            return tl.inline_asm_elementwise(
+                INT4_PAIRS_BF16,
+                "=r,=r,=r,=r,r,r,r,r,r",
+                [b, s, z],
+                dtype=(tl.bfloat16, tl.bfloat16),
+                is_pure=True,
+                pack=4,
+            )
+        else:
+            return tl.inline_asm_elementwise(
+                INT4_PAIRS_FP16,
+                "=r,=r,=r,=r,r,r,r,r,r",
+                [b, s, z],
+                dtype=(tl.float16, tl.float16),
+                is_pure=True,
+                pack=4,
+            )
+    else:
+        x = b.to(tl.int32)
+        sf = s.to(tl.float32)
+        zf = z.to(tl.float32)
+        even = (codes_to_f32(x & 15) * sf + zf).to(s.dtype)
+        odd = (codes_to_f32(x >> 4) * sf + zf).to(s.dtype)
+        return even, odd
+
+
+@triton.jit
+def int2_code_quads(b, OUT: tl.constexpr, USE_ASM: tl.constexpr):
+    """b: [R, C] uint8 INT2 bytes -> 4 tensors [R, C] of dtype OUT (bf16 / fp16) holding the
+    exact codes of channels 4j+0 .. 4j+3."""
+    if USE_ASM:
+        if OUT == tl.bfloat16:  # noqa: SIM300
+            return tl.inline_asm_elementwise(
+                INT2_CODES_BF16,
+                "=r,=r,=r,=r,=r,=r,=r,=r,r",
+                [b],
+                dtype=(tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16),
+                is_pure=True,
+                pack=4,
+            )
+        else:
+            return tl.inline_asm_elementwise(
+                INT2_CODES_FP16,
+                "=r,=r,=r,=r,=r,=r,=r,=r,r",
+                [b],
+                dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+                is_pure=True,
+                pack=4,
+            )
+    else:
+        x = b.to(tl.int32)
+        c0 = codes_to_f32(x & 3).to(OUT)
+        c1 = codes_to_f32((x >> 2) & 3).to(OUT)
+        c2 = codes_to_f32((x >> 4) & 3).to(OUT)
+        c3 = codes_to_f32(x >> 6).to(OUT)
+        return c0, c1, c2, c3
+
+
+@triton.jit
+def dequant_int2_quads(b, s0, z0, s1, z1, s2, z2, s3, z3, USE_ASM: tl.constexpr):
+    """b: [R, C] uint8 INT2 bytes (planar); s_i, z_i: [R, C] bf16 / fp16 scale / zero for
+    output i -> 4 tensors [R, C]: ``code_i * s_i + z_i`` (channel block i)."""
+    if USE_ASM:
+        if s0.dtype == tl.bfloat16:
+            return tl.inline_asm_elementwise(
+                INT2_QUADS_BF16,
+                "=r,=r,=r,=r,=r,=r,=r,=r," + "r," * 16 + "r",
+                [b, s0, z0, s1, z1, s2, z2, s3, z3],
+                dtype=(tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16),
+                is_pure=True,
+                pack=4,
+            )
+        else:
+            return tl.inline_asm_elementwise(
+                INT2_QUADS_FP16,
+                "=r,=r,=r,=r,=r,=r,=r,=r," + "r," * 16 + "r",
+                [b, s0, z0, s1, z1, s2, z2, s3, z3],
+                dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+                is_pure=True,
+                pack=4,
+            )
+    else:
+        x = b.to(tl.int32)
+        v0 = (codes_to_f32(x & 3) * s0.to(tl.float32) + z0.to(tl.float32)).to(s0.dtype)
+        v1 = (codes_to_f32((x >> 2) & 3) * s1.to(tl.float32) + z1.to(tl.float32)).to(s0.dtype)
+        v2 = (codes_to_f32((x >> 4) & 3) * s2.to(tl.float32) + z2.to(tl.float32)).to(s0.dtype)
+        v3 = (codes_to_f32(x >> 6) * s3.to(tl.float32) + z3.to(tl.float32)).to(s0.dtype)
+        return v0, v1, v2, v3

@@ -7,13 +7,30 @@ template with Qwen-style ``<tool_call>`` JSON (templates/chatml_tools.jinja).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from importlib import resources
 from typing import Any
 
 from agentkv.annotation import MessageAnnotation, openai_view
-from agentkv.token_tagger import IMAGE_PLACEHOLDER, TokenTags, tag_tokens
+from agentkv.tags import Role
+from agentkv.token_tagger import (
+    IMAGE_PLACEHOLDER,
+    Slot,
+    TokenTags,
+    align_pieces,
+    marker,
+    message_parts,
+    message_text_pieces,
+    tag_tokens,
+)
+
+__all__ = [
+    "IMAGE_PLACEHOLDER",
+    "ChatRenderer",
+    "bundled_template",
+    "normalise_message",
+    "template_renders_tools",
+]
 
 TOOLS_TEMPLATE = "chatml_tools.jinja"
 
@@ -24,48 +41,46 @@ def bundled_template(name: str = TOOLS_TEMPLATE) -> str:
 
 def template_renders_tools(template: str | None) -> bool:
     """True when a chat template handles tools, tool calls and tool results."""
-    return bool(template) and all(k in template for k in ("tools", "tool_calls")) and (
-        "'tool'" in template or '"tool"' in template
+    return (
+        bool(template)
+        and all(k in template for k in ("tools", "tool_calls"))
+        and ("'tool'" in template or '"tool"' in template)
     )
 
 
-def normalise_message(message: Any) -> dict[str, Any]:
-    """An OpenAI-format dict a Jinja chat template can render (content always a string)."""
+def normalise_message(message: Any, marks: Mapping[Slot, str] | None = None) -> dict[str, Any]:
+    """An OpenAI-format dict a Jinja chat template can render (content always a string).
+
+    Content blocks are joined (images as :data:`IMAGE_PLACEHOLDER`); reasoning (blocks, or
+    ``<think>...</think>`` inline in an assistant's content) moves to ``reasoning_content``;
+    tool-call arguments become JSON strings. ``marks`` replaces the text of the given piece
+    slots (see :func:`agentkv.token_tagger.message_text_pieces`), for locating pieces.
+    """
     view = openai_view(message)
-    content = view.get("content")
-    if isinstance(content, list):
-        texts = []
-        for block in content:
-            if isinstance(block, str):
-                texts.append(block)
-            elif block.get("type") in {"image_url", "image", "input_image"}:
-                texts.append(IMAGE_PLACEHOLDER)
-            elif block.get("type") in {"reasoning", "thinking"}:
-                view["reasoning_content"] = block.get("reasoning") or block.get("thinking") or ""
-            else:
-                texts.append(str(block.get("text", "")))
-        content = "".join(texts)
-    out: dict[str, Any] = {"role": view["role"], "content": content or ""}
+    reasoning, blocks, calls = message_parts(view)
+    marks = marks or {}
+    reasoning = marks.get(("reasoning", 0), reasoning)
+    texts = [marks.get(("content", b), text) for b, (text, _) in enumerate(blocks)]
+    if not texts and ("content", 0) in marks:
+        texts = [marks[("content", 0)]]
+    out: dict[str, Any] = {"role": view["role"], "content": "".join(texts)}
     if view.get("name"):
         out["name"] = view["name"]
-    if view.get("reasoning_content"):
-        out["reasoning_content"] = view["reasoning_content"]
-    calls = []
-    for call in view.get("tool_calls") or []:
-        fn = call.get("function") or {"name": call.get("name"), "arguments": call.get("args", {})}
-        args = fn.get("arguments", {})
-        calls.append(
+    if reasoning:
+        out["reasoning_content"] = reasoning
+    originals = view.get("tool_calls") or []
+    if calls:
+        out["tool_calls"] = [
             {
-                "id": call.get("id", ""),
+                "id": originals[c].get("id", "") or "",
                 "type": "function",
                 "function": {
-                    "name": fn.get("name", ""),
-                    "arguments": args if isinstance(args, str) else json.dumps(args),
+                    "name": marks.get(("name", c), name),
+                    "arguments": marks.get(("arguments", c), args),
                 },
             }
-        )
-    if calls:
-        out["tool_calls"] = calls
+            for c, (name, args) in enumerate(calls)
+        ]
     if view.get("tool_call_id"):
         out["tool_call_id"] = view["tool_call_id"]
     return out
@@ -103,10 +118,73 @@ class ChatRenderer:
         add_generation_prompt: bool = True,
     ) -> TokenTags:
         """Render, tokenize and tag a request (``messages``: OpenAI dicts or LangChain)."""
-        norm = [normalise_message(m) for m in messages]
+        views = [openai_view(m) for m in messages]
+        norm = [normalise_message(v) for v in views]
         text = self.render(norm, tools, add_generation_prompt)
         messages_end = None
         if add_generation_prompt:
             bare = self.render(norm, tools, add_generation_prompt=False)
             messages_end = len(bare) if text.startswith(bare) else None
-        return tag_tokens(text, norm, self.tokenizer, annotations, messages_end=messages_end)
+        return tag_tokens(
+            text,
+            views,
+            self.tokenizer,
+            annotations,
+            messages_end=messages_end,
+            spans=self._locate(views, text, tools, add_generation_prompt),
+            system_end=self._system_end(norm, text, tools),
+        )
+
+    def _locate(
+        self,
+        views: Sequence[Mapping[str, Any]],
+        text: str,
+        tools: Sequence[Mapping[str, Any]] | None,
+        add_generation_prompt: bool,
+    ) -> list[list[list[tuple[int, int]]]] | None:
+        """Where each message piece was rendered (``tag_tokens``'s ``spans``), from a second
+        rendering with every piece replaced by a marker; None when the template's scaffolding
+        depends on the contents (then the tagger searches for the pieces)."""
+        pieces = [message_text_pieces(v, Role.USER) for v in views]
+        flat = [p.text for ps in pieces for p in ps]
+        # first with empty messages marked too (exact anchors for them), then without
+        for mark_empty in (True, False):
+            if not mark_empty and all(flat):
+                break
+            marked, k = [], 0
+            for v, ps in zip(views, pieces, strict=True):
+                marks: dict[Slot, str] = {}
+                for p in ps:
+                    if p.text or mark_empty:
+                        marks[p.slot] = marker(k)
+                    k += 1
+                marked.append(normalise_message(v, marks))
+            try:
+                marked_text = self.render(marked, tools, add_generation_prompt)
+            except Exception:  # a template that rejects the markers
+                return None
+            spans = align_pieces(text, marked_text, flat)
+            if spans is not None:
+                out, k = [], 0
+                for ps in pieces:
+                    out.append(spans[k : k + len(ps)])
+                    k += len(ps)
+                return out
+        return None
+
+    def _system_end(
+        self,
+        norm: Sequence[Mapping[str, Any]],
+        text: str,
+        tools: Sequence[Mapping[str, Any]] | None,
+    ) -> int | None:
+        """End of the system block: the leading system messages (and tools) rendered alone,
+        when that rendering is a prefix of the request's; None otherwise."""
+        n = next((i for i, m in enumerate(norm) if m["role"] not in {"system", "developer"}), 0)
+        if n == 0:
+            return None
+        try:
+            block = self.render(norm[:n], tools, add_generation_prompt=False)
+        except Exception:  # templates that insist on a user message
+            return None
+        return len(block) if block and text.startswith(block) else None

@@ -7,12 +7,19 @@ from typing import Annotated
 
 import typer
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="agentkv: agent-aware KV-cache policies")
+app = typer.Typer(
+    add_completion=False, no_args_is_help=True, help="agentkv: agent-aware KV-cache policies"
+)
 bench_app = typer.Typer(no_args_is_help=True, help="benchmarks")
 app.add_typer(bench_app, name="bench")
 
-ModelOpt = Annotated[str | None, typer.Option("--model", help="local HF model directory (default: SmolLM2-135M-Instruct)")]
-DeviceOpt = Annotated[str | None, typer.Option("--device", help="cpu, cuda, ... (default: cuda if available)")]
+ModelOpt = Annotated[
+    str | None,
+    typer.Option("--model", help="local HF model directory (default: SmolLM2-135M-Instruct)"),
+]
+DeviceOpt = Annotated[
+    str | None, typer.Option("--device", help="cpu, cuda, ... (default: cuda if available)")
+]
 SlotsOpt = Annotated[int, typer.Option("--kv-slots", help="KV pool size in tokens")]
 
 
@@ -26,9 +33,15 @@ def serve(
 ) -> None:
     """Serve the OpenAI-compatible API with the embedded engine."""
     from agentkv.engine.engine import Engine
+    from agentkv.engine.model_loader import ModelNotFound
     from agentkv.engine.server import serve as run_server
 
-    run_server(Engine(model, device=device, kv_slots=kv_slots), host=host, port=port)
+    try:
+        engine = Engine(model, device=device, kv_slots=kv_slots)
+    except ModelNotFound as e:  # a user error: say so, no traceback
+        typer.echo(f"agentkv serve: {e}", err=True)
+        raise typer.Exit(2) from None
+    run_server(engine, host=host, port=port)
 
 
 @app.command()
@@ -37,31 +50,58 @@ def demo(
     device: DeviceOpt = None,
     budgets: Annotated[str, typer.Option(help="comma-separated IntentKV budgets")] = "128,256",
     trace: Annotated[int, typer.Option(help="tau-bench trajectory index")] = 0,
-    max_messages: Annotated[int, typer.Option(help="replay the first N messages of the trajectory")] = 14,
+    max_messages: Annotated[
+        int, typer.Option(help="replay the first N messages of the trajectory")
+    ] = 14,
 ) -> None:
     """A wrapped LangGraph graph on the embedded engine: per-node KV telemetry per policy."""
     from agentkv.bench.demo import run_demo
 
-    run_demo(model=model, device=device, budgets=[int(b) for b in budgets.split(",") if b],
-             trace_index=trace, max_messages=max_messages)
+    run_demo(
+        model=model,
+        device=device,
+        budgets=[int(b) for b in budgets.split(",") if b],
+        trace_index=trace,
+        max_messages=max_messages,
+    )
 
 
 @bench_app.command("replay")
 def bench_replay(
-    traces: Annotated[Path | None, typer.Argument(help="JSONL of {messages, tools} trajectories")] = None,
+    traces: Annotated[
+        Path | None, typer.Argument(help="JSONL of {messages, tools} trajectories")
+    ] = None,
     source: Annotated[str | None, typer.Option(help="tau-bench | bfcl")] = None,
-    policy: Annotated[list[str], typer.Option("--policy", help="e.g. full, intentkv:budget=512")] = ["full"],  # noqa: B006
-    limit: Annotated[int | None, typer.Option(help="replay N trajectories (deterministic sample)")] = None,
+    policy: Annotated[
+        list[str], typer.Option("--policy", help="e.g. full, intentkv:budget=512")
+    ] = ["full"],  # noqa: B006
+    limit: Annotated[
+        int | None, typer.Option(help="replay N trajectories (deterministic sample)")
+    ] = None,
     out: Annotated[Path, typer.Option(help="output folder")] = Path("out/replay"),
     model: ModelOpt = None,
     device: DeviceOpt = None,
-    max_tokens: Annotated[int, typer.Option(help="truncate each trajectory to this many tokens")] = 4096,
+    max_tokens: Annotated[
+        int, typer.Option(help="truncate each trajectory to this many tokens")
+    ] = 4096,
+    greedy_tokens: Annotated[
+        int, typer.Option(help="greedy continuation tokens compared per turn")
+    ] = 32,
 ) -> None:
     """Replay multi-turn trajectories under several policies; fidelity vs FullCache and memory."""
     from agentkv.bench.replay import run_replay_cli
 
-    run_replay_cli(traces=traces, source=source, policies=policy, limit=limit, out=out,
-                   model=model, device=device, max_tokens=max_tokens)
+    run_replay_cli(
+        traces=traces,
+        source=source,
+        policies=policy,
+        limit=limit,
+        out=out,
+        model=model,
+        device=device,
+        max_tokens=max_tokens,
+        greedy_tokens=greedy_tokens,
+    )
 
 
 def main() -> None:

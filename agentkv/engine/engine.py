@@ -14,6 +14,8 @@ continuous batching). A request:
 
 from __future__ import annotations
 
+import dataclasses
+import secrets
 import threading
 import time
 from collections import deque
@@ -30,7 +32,7 @@ from agentkv.engine.model_loader import load_model
 from agentkv.engine.store_cache import CACHE_KWARG, LiveView, StoreCache
 from agentkv.engine.telemetry import KVUsage, SessionMetrics
 from agentkv.engine.tool_calls import parse_tool_calls
-from agentkv.methods import MethodSet, ModelShape, ObserveRequest, Plan, PlanContext
+from agentkv.methods import Method, MethodSet, ModelShape, ObserveRequest, Plan, PlanContext
 from agentkv.policies import FullCache
 from agentkv.session import resolve_session_id
 from agentkv.token_tagger import TokenTags
@@ -45,9 +47,15 @@ class RequestError(ValueError):
         self.field = field
 
 
+DEFAULT_MAX_TOKENS = 256
+
+
 @dataclass
 class GenerationConfig:
-    max_tokens: int = 256
+    """Decoding settings. ``max_tokens=None``: up to :data:`DEFAULT_MAX_TOKENS`, fewer when
+    the context has less room left (a long prompt alone is not an error)."""
+
+    max_tokens: int | None = DEFAULT_MAX_TOKENS
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
@@ -72,17 +80,81 @@ class ScoreResult:
         target_ids: int64 ``[n]`` target tokens (the assistant message as the template renders it).
         logits: float32 ``[n, V]`` (CPU) next-token logits at each target position.
         usage: telemetry of the request.
+        greedy_ids: greedy continuation from the compressed context (``greedy_tokens`` asked),
+            stopping early at an end-of-turn token.
     """
 
     target_ids: torch.Tensor
     logits: torch.Tensor
     usage: KVUsage
+    greedy_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
 class _Resolved:
     payload: KVPayload
     annotations: list[MessageAnnotation]
+
+
+@dataclass
+class PreparedChat:
+    """A chat request validated, rendered and tagged (:meth:`Engine.prepare_chat`), not yet run.
+
+    Preparing first lets a server reject bad input (HTTP 400) before it starts a stream.
+    """
+
+    payload: KVPayload
+    tags: TokenTags
+    gen: GenerationConfig
+
+
+TOOL_CALL_OPEN = "<tool_call>"
+
+
+class _ContentStream:
+    """Turns the growing decoded text into content deltas whose concatenation is exactly the
+    final :attr:`ChatResult.content` (``""`` when None).
+
+    Text that may still turn out to be a stop string, the start of a ``<tool_call>`` block
+    (never content), trailing whitespace (stripped when a tool call follows) or an incomplete
+    UTF-8 character is held back until it is decided.
+    """
+
+    def __init__(self, on_text: Callable[[str], None], stop: Sequence[str]):
+        self.on_text = on_text
+        self.stop = [s for s in stop if s]
+        self.emitted = ""
+
+    @staticmethod
+    def _held_suffix(text: str, marker: str) -> int:
+        """Length of the longest suffix of ``text`` that is a proper prefix of ``marker``."""
+        for n in range(min(len(marker) - 1, len(text)), 0, -1):
+            if marker.startswith(text[-n:]):
+                return n
+        return 0
+
+    def update(self, text: str) -> None:
+        safe = text
+        for s in self.stop:
+            i = safe.find(s)
+            safe = safe[:i] if i >= 0 else safe[: len(safe) - self._held_suffix(safe, s)]
+        i = safe.find(TOOL_CALL_OPEN)
+        if i >= 0:
+            safe = safe[:i]
+        else:
+            safe = safe[: len(safe) - self._held_suffix(safe, TOOL_CALL_OPEN)]
+        safe = safe.rstrip()
+        if safe.endswith("\ufffd"):
+            safe = safe.rstrip("\ufffd")
+        self._emit(safe)
+
+    def finish(self, content: str | None) -> None:
+        self._emit(content or "")
+
+    def _emit(self, target: str) -> None:
+        if len(target) > len(self.emitted) and target.startswith(self.emitted):
+            self.on_text(target[len(self.emitted) :])
+            self.emitted = target
 
 
 class Engine:
@@ -143,29 +215,53 @@ class Engine:
         gen: GenerationConfig | None = None,
         on_text: Callable[[str], None] | None = None,
     ) -> ChatResult:
-        """Answer a chat request; ``on_text`` receives text deltas as they are decoded."""
+        """Answer a chat request.
+
+        ``on_text`` receives content deltas as they are decoded; they concatenate to exactly
+        the result's ``content`` (stop strings and ``<tool_call>`` blocks are never streamed).
+        """
+        return self.run_chat(self.prepare_chat(messages, tools, payload, gen), on_text)
+
+    def prepare_chat(
+        self,
+        messages: Sequence[Any],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        payload: KVPayload | None = None,
+        gen: GenerationConfig | None = None,
+    ) -> PreparedChat:
+        """Validate, render and tag a chat request; raises :class:`RequestError` on bad input."""
         gen = gen or GenerationConfig()
         resolved = self._resolve(messages, payload)
         tags = self._encode(messages, tools, resolved.annotations, add_generation_prompt=True)
+        if gen.max_tokens is None:
+            room = max(self.max_context - len(tags), 1)  # no room at all: the check says so
+            gen = dataclasses.replace(gen, max_tokens=min(DEFAULT_MAX_TOKENS, room))
         self._check_length(len(tags), gen.max_tokens)
+        return PreparedChat(resolved.payload, tags, gen)
+
+    def run_chat(
+        self, prepared: PreparedChat, on_text: Callable[[str], None] | None = None
+    ) -> ChatResult:
+        """Prefill, plan and decode a :class:`PreparedChat` (see :meth:`chat`)."""
+        payload, tags, gen = prepared.payload, prepared.tags, prepared.gen
+        stream = None if on_text is None else _ContentStream(on_text, gen.stop)
         t0 = time.perf_counter()
         with self._lock:
-            req, logits, plan_info = self._prefill_and_plan(tags, resolved.payload)
+            req, logits, plan_info = self._prefill_and_plan(tags, payload)
             try:
-                out_ids, finish, (raw, eff) = self._decode(req, logits, gen, on_text)
-                usage = self._usage(req, resolved.payload, tags, len(out_ids), plan_info, t0)
+                out_ids, finish, (raw, eff) = self._decode(req, logits, gen, stream)
+                usage = self._usage(req, payload, tags, len(out_ids), plan_info, t0)
             finally:
                 self.store.finish_request(req, cache=True)
         usage = usage.model_copy(update={"raw_kv_reads": raw, "effective_kv_reads": eff})
         self.sessions.record(usage)
         self.request_log.append(usage)
-        text = self.tokenizer.decode(out_ids, skip_special_tokens=True)
-        for s in gen.stop:
-            if s and s in text:
-                text = text[: text.index(s)]
+        text = self._truncate_at_stop(self.tokenizer.decode(out_ids, skip_special_tokens=True), gen)
         content, calls = parse_tool_calls(text)
         if calls:
             finish = "tool_calls"
+        if stream is not None:
+            stream.finish(content)
         return ChatResult(text, content, calls, finish, out_ids, usage)
 
     def score(
@@ -174,17 +270,22 @@ class Engine:
         target: Mapping[str, Any],
         tools: Sequence[Mapping[str, Any]] | None = None,
         payload: KVPayload | None = None,
+        greedy_tokens: int = 0,
     ) -> ScoreResult:
         """Teacher-force ``target`` (an assistant message) after ``messages``.
 
         The context is held as the policy leaves it after prefill (evictions applied); the
-        target's tokens then attend to it, as decode steps would. The whole sequence is cached
-        for the session's next turn.
+        target's tokens then attend to it, as decode steps would. With ``greedy_tokens > 0``,
+        the model first continues greedily from the same state for that many tokens in a fork
+        that writes nothing to the store (``ScoreResult.greedy_ids``). The prompt and target
+        are cached for the session's next turn.
         """
         resolved = self._resolve(messages, payload)
         prompt = self._encode(messages, tools, resolved.annotations, add_generation_prompt=True)
         full_msgs = [*messages, target]
-        full = self._encode(full_msgs, tools, annotate_messages(full_msgs), add_generation_prompt=False)
+        full = self._encode(
+            full_msgs, tools, annotate_messages(full_msgs), add_generation_prompt=False
+        )
         n = len(prompt)
         if full.token_ids[:n] != prompt.token_ids:
             raise RequestError("the chat template does not render the target as a continuation")
@@ -196,15 +297,21 @@ class Engine:
         with self._lock:
             req, logits, plan_info = self._prefill_and_plan(prompt, resolved.payload)
             try:
+                greedy = self._greedy_fork(req, logits, greedy_tokens) if greedy_tokens else []
                 positions = torch.arange(n, n + len(target_ids) - 1)
                 if positions.numel():
                     slots = self.store.extend(req, target_ids[:-1])
                     cache = StoreCache(LiveView(self.store, req), positions, slots)
-                    tail_logits = self._forward(target_ids[:-1], positions, cache, keep=positions.numel())
+                    tail_logits = self._forward(
+                        target_ids[:-1], positions, cache, keep=positions.numel()
+                    )
                     live_before = cache.attended_keys / self.shape.num_layers - positions.numel()
                     all_logits = torch.cat([logits[None], tail_logits], dim=0)
                 else:
-                    live_before, all_logits = float(req.slot_map.effective_live_tokens()), logits[None]
+                    live_before, all_logits = (
+                        float(req.slot_map.effective_live_tokens()),
+                        logits[None],
+                    )
                 m = len(target_ids)
                 raw = sum(n + j for j in range(m))
                 eff = int(round(sum(live_before + 1 + j for j in range(m))))
@@ -214,7 +321,7 @@ class Engine:
         usage = usage.model_copy(update={"raw_kv_reads": raw, "effective_kv_reads": eff})
         self.sessions.record(usage)
         self.request_log.append(usage)
-        return ScoreResult(torch.tensor(target_ids), all_logits.float().cpu(), usage)
+        return ScoreResult(torch.tensor(target_ids), all_logits.float().cpu(), usage, greedy)
 
     def end_session(self, session_id: str) -> int:
         """Forget a session: its prefix-cache namespace, method state and metrics."""
@@ -228,19 +335,23 @@ class Engine:
     def _resolve(self, messages: Sequence[Any], payload: KVPayload | None) -> _Resolved:
         if not messages:
             raise RequestError("messages must not be empty", field="messages")
-        if payload is None:
-            payload = KVPayload(session_id=resolve_session_id(messages=messages), policy=FullCache())
+        try:
+            if payload is None:
+                session_id = resolve_session_id(messages=messages)
+                payload = KVPayload(session_id=session_id, policy=FullCache())
+            annotations = payload.messages
+            if annotations is None:
+                annotations = annotate_messages(messages, node=payload.node)
+        except (TypeError, ValueError) as e:
+            raise RequestError(f"bad messages: {e}", field="messages") from None
         try:
             self.methods.for_policy(payload.policy)
         except ValueError as e:
-            raise RequestError(str(e), field="policy.method") from None
-        annotations = payload.messages
-        if annotations is None:
-            annotations = annotate_messages(messages, node=payload.node)
-        elif len(annotations) != len(messages):
+            raise RequestError(str(e), field="payload.policy.method") from None
+        if len(annotations) != len(messages):
             raise RequestError(
                 f"payload has {len(annotations)} message annotations for {len(messages)} messages",
-                field="messages",
+                field="payload.messages",
             )
         return _Resolved(payload, list(annotations))
 
@@ -257,10 +368,12 @@ class Engine:
             raise RequestError(
                 f"prompt ({prompt} tokens) + max_tokens ({new}) exceeds the model's context "
                 f"({self.max_context})",
-                field="messages",
+                field="messages" if prompt >= self.max_context else "max_tokens",
             )
 
-    def _forward(self, ids: Sequence[int], positions: torch.Tensor, cache: StoreCache, keep: int) -> torch.Tensor:
+    def _forward(
+        self, ids: Sequence[int], positions: torch.Tensor, cache: StoreCache, keep: int
+    ) -> torch.Tensor:
         """Run the model over ``ids`` at ``positions``; float32 logits ``[keep, V]``."""
         input_ids = torch.tensor([list(ids)], device=self.device)
         with torch.inference_mode():
@@ -274,15 +387,26 @@ class Engine:
             )
         return out.logits[0].float()
 
-    def _prefill_and_plan(self, tags: TokenTags, payload: KVPayload) -> tuple[RequestKV, torch.Tensor, dict]:
+    def _prefill_and_plan(
+        self, tags: TokenTags, payload: KVPayload
+    ) -> tuple[RequestKV, torch.Tensor, dict]:
         policy = payload.policy
         method = self.methods.for_policy(policy)
         T = len(tags)
-        req = self.store.begin_request(payload.session_id, tags.token_ids)
+        # A method that observes prefill queries (IntentKV's q-bar over the actionable query)
+        # sees only computed positions: never take the actionable query from the prefix cache,
+        # or the plan would depend on what other requests happened to cache (a retry, another
+        # session with the same opening).
+        reuse = T
+        if type(method).observer is not Method.observer:
+            reuse = next((i + 1 for i, a in enumerate(tags.actionable) if a), T)
+        req = self.store.begin_request(payload.session_id, tags.token_ids[:reuse])
         try:
             actionable = torch.tensor(tags.actionable, dtype=torch.bool)
-            observer = method.observer(policy, ObserveRequest(T, req.num_cached, actionable, self.shape))
-            slots = self.store.extend(req)
+            observer = method.observer(
+                policy, ObserveRequest(T, req.num_cached, actionable, self.shape)
+            )
+            slots = self.store.extend(req, tags.token_ids[reuse:])
             start = req.num_cached
             logits = None
             view = LiveView(self.store, req)
@@ -306,6 +430,7 @@ class Engine:
             )
             plan = method.plan(ctx)
             info = self._apply(req, plan)
+            info["forced"] = int(ctx.forced.sum())
         except BaseException:
             self.store.finish_request(req, cache=False)
             raise
@@ -325,17 +450,24 @@ class Engine:
             res = self.store.evict_per_head(req, plan.keep_mask)
             evicted_tokens += res.positions_dead
             evicted_entries += res.entries_evicted
-        return {"evicted_tokens": evicted_tokens, "evicted_entries": evicted_entries, "note": plan.note}
+        return {
+            "evicted_tokens": evicted_tokens,
+            "evicted_entries": evicted_entries,
+            "note": plan.note,
+            "planned_live": float(req.slot_map.effective_live_tokens()),
+        }
 
-    def _decode(self, req, logits, gen: GenerationConfig, on_text) -> tuple[list[int], str, tuple[int, int]]:
+    def _decode(
+        self, req, logits, gen: GenerationConfig, stream: _ContentStream | None
+    ) -> tuple[list[int], str, tuple[int, int]]:
         generator = None
         if gen.temperature > 0:
             generator = torch.Generator(device="cpu")
-            generator.manual_seed(gen.seed if gen.seed is not None else torch.seed())
+            # no seed: a fresh one, without reseeding torch's global generator
+            generator.manual_seed(gen.seed if gen.seed is not None else secrets.randbits(63))
         out: list[int] = []
         raw = eff = 0
         finish = "length"
-        emitted = ""
         view = LiveView(self.store, req)
         for _ in range(gen.max_tokens):
             tok = self._sample(logits, gen, generator)
@@ -343,14 +475,13 @@ class Engine:
                 finish = "stop"
                 break
             out.append(tok)
-            if on_text is not None:
+            if stream is not None or gen.stop:
                 text = self.tokenizer.decode(out, skip_special_tokens=True)
-                if len(text) > len(emitted) and not text.endswith("\ufffd"):
-                    on_text(text[len(emitted) :])
-                    emitted = text
-            if gen.stop and any(s in self.tokenizer.decode(out) for s in gen.stop):
-                finish = "stop"
-                break
+                if stream is not None:
+                    stream.update(text)
+                if gen.stop and any(s and s in text for s in gen.stop):
+                    finish = "stop"
+                    break
             if len(out) == gen.max_tokens:
                 break
             pos = req.seq_len
@@ -360,6 +491,28 @@ class Engine:
             raw += pos + 1
             eff += int(round(cache.attended_keys / self.shape.num_layers))
         return out, finish, (raw, eff)
+
+    def _greedy_fork(self, req: RequestKV, logits: torch.Tensor, n_tokens: int) -> list[int]:
+        """Greedy continuation of ``req`` whose K/V stays in a private view (store untouched)."""
+        view = LiveView(self.store, req)
+        out: list[int] = []
+        pos = req.seq_len
+        for i in range(n_tokens):
+            tok = int(torch.argmax(logits))
+            if tok in self._stop_ids:
+                break
+            out.append(tok)
+            if i == n_tokens - 1:
+                break
+            cache = StoreCache(view, torch.tensor([pos]))
+            logits = self._forward([tok], torch.tensor([pos]), cache, keep=1)[-1]
+            pos += 1
+        return out
+
+    @staticmethod
+    def _truncate_at_stop(text: str, gen: GenerationConfig) -> str:
+        cut = min((i for s in gen.stop if s and (i := text.find(s)) >= 0), default=len(text))
+        return text[:cut]
 
     @staticmethod
     def _sample(logits: torch.Tensor, gen: GenerationConfig, generator) -> int:
@@ -384,7 +537,9 @@ class Engine:
                 ids.add(i)
         return ids
 
-    def _usage(self, req, payload: KVPayload, tags: TokenTags, completion: int, plan_info: dict, t0: float) -> KVUsage:
+    def _usage(
+        self, req, payload: KVPayload, tags: TokenTags, completion: int, plan_info: dict, t0: float
+    ) -> KVUsage:
         stats = self.store.request_stats(req)
         bpt = self.store.pool.bytes_per_token
         T = len(tags)
@@ -402,6 +557,8 @@ class Engine:
             live_kv_bytes=int(stats.effective_live_tokens * bpt),
             resident_kv_tokens=stats.resident_slots,
             resident_kv_bytes=stats.resident_bytes,
+            planned_live_kv_tokens=round(plan_info["planned_live"], 2),
+            forced_tokens=plan_info["forced"],
             evicted_tokens=plan_info["evicted_tokens"],
             evicted_entries=plan_info["evicted_entries"],
             raw_kv_reads=0,

@@ -120,6 +120,8 @@ def load_model(
         dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     path = resolve_model_dir(model)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    lm = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION)
+    lm = AutoModelForCausalLM.from_pretrained(
+        path, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION
+    )
     lm.to(device).eval()
     return lm, tokenizer

@@ -39,6 +39,10 @@ class KVUsage(BaseModel):
     live_kv_bytes: int
     resident_kv_tokens: int
     resident_kv_bytes: int
+    planned_live_kv_tokens: float = Field(
+        0.0, description="effective live KV right after the plan, before decode / target tokens"
+    )
+    forced_tokens: int = Field(0, description="positions the policy had to keep (forced set)")
     evicted_tokens: int = Field(description="positions evicted by this request's plan")
     evicted_entries: int = Field(description="(layer, KV head, position) entries evicted")
     raw_kv_reads: int

@@ -3,26 +3,55 @@
 from __future__ import annotations
 
 import json
-import re
 import uuid
 from typing import Any
 
-_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+_DECODER = json.JSONDecoder()
+
+
+def _skip_ws(text: str, i: int) -> int:
+    while i < len(text) and text[i].isspace():
+        i += 1
+    return i
+
+
+def _block_at(text: str, start: int) -> tuple[dict[str, Any], int] | None:
+    """The call object of the block opening at ``start`` and the end of the block, or None.
+
+    A block is ``<tool_call>``, one JSON object (parsed as JSON, so ``</tool_call>`` inside a
+    string does not end it), then ``</tool_call>``, or the end of the text, possibly inside the
+    closing tag (generation cut off after the object)."""
+    try:
+        obj, end = _DECODER.raw_decode(text, _skip_ws(text, start + len(OPEN)))
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    end = _skip_ws(text, end)
+    if text.startswith(CLOSE, end):
+        return obj, end + len(CLOSE)
+    # the text ends after the object, or inside the closing tag (generation cut off)
+    return (obj, len(text)) if CLOSE.startswith(text[end:]) else None
 
 
 def parse_tool_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
-    """``(content, tool_calls)`` in OpenAI format; blocks that are not valid JSON with a
-    ``name`` stay in the content."""
+    """``(content, tool_calls)`` in OpenAI format.
+
+    Blocks that are not a JSON object with a string ``name`` stay in the content. With at
+    least one call, the content is the text around the calls: the part before the first call
+    (trailing whitespace dropped) and the stripped non-empty parts after calls, joined by
+    newlines; None when nothing is left. Without calls the text is returned unchanged.
+    """
     calls: list[dict[str, Any]] = []
     kept: list[str] = []
-    last = 0
-    for m in _BLOCK.finditer(text):
-        try:
-            obj = json.loads(m.group(1))
-        except json.JSONDecodeError:
+    last = pos = 0
+    while (start := text.find(OPEN, pos)) >= 0:
+        block = _block_at(text, start)
+        if block is None:
+            pos = start + len(OPEN)
             continue
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-            continue
+        obj, end = block
         args = obj.get("arguments", obj.get("parameters", {}))
         calls.append(
             {
@@ -34,10 +63,11 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
                 },
             }
         )
-        kept.append(text[last : m.start()])
-        last = m.end()
+        kept.append(text[last:start])
+        last = pos = end
     if not calls:
         return text, []
     kept.append(text[last:])
-    content = "".join(kept).strip()
+    parts = [kept[0].rstrip()] + [k.strip() for k in kept[1:]]
+    content = "\n".join(p for p in parts if p)
     return content or None, calls

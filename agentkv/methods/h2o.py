@@ -2,9 +2,10 @@
 
 Per layer: prefill attention summed over the queries computed in this request, each key's
 sum divided by the number of those queries that can see it, mean over the GQA group ->
-one score per KV head and position. The last ``recent`` positions are always kept; each
-(layer, KV head) keeps its top ``budget - recent`` other positions. Keys reused from the
-prefix cache are scored by the new queries only (they are not recomputed).
+one score per KV head and position. The last ``recent`` live positions are always kept
+(at most ``budget`` of them); each (layer, KV head) keeps its top ``budget - recent`` other
+positions among those it still holds. Keys reused from the prefix cache are scored by the new
+queries only (they are not recomputed).
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ class _ObservedAttention(PrefillObserver):
         s = req.shape
         self.sums = torch.zeros(s.num_layers, s.num_q_heads, req.seq_len)
         self.counts = torch.zeros(s.num_layers, req.seq_len)
+        #: bool ``[L, Hkv, T]``: the KV head held the key when the queries looked.
+        self.head_live = torch.zeros(s.num_layers, s.num_kv_heads, req.seq_len, dtype=torch.bool)
 
     def observe(self, layer, q, q_positions, k, k_positions, head_mask):
         probs = attention_probs(q, q_positions, k, k_positions, head_mask)
@@ -35,6 +38,7 @@ class _ObservedAttention(PrefillObserver):
         self.sums[layer][:, pos] += probs.sum(dim=1).cpu()
         visible = (k_positions[None, :] <= q_positions[:, None]).sum(dim=0)
         self.counts[layer, pos] += visible.cpu().float()
+        self.head_live[layer][:, pos] = True if head_mask is None else head_mask.cpu()
 
     def result(self):
         return self
@@ -56,17 +60,19 @@ class H2OMethod(Method):
         if int(live.sum()) <= policy.budget:
             return Plan(note="below budget: nothing evicted")
         live_idx = torch.nonzero(live).reshape(-1)
+        n_recent = min(policy.recent, policy.budget)
         recent = torch.zeros(T, dtype=torch.bool)
-        recent[live_idx[max(live_idx.numel() - policy.recent, 0) :]] = True
-        budget_rest = max(policy.budget - int(recent.sum()), 0)
+        recent[live_idx[live_idx.numel() - n_recent :]] = True
+        budget_rest = policy.budget - n_recent
         score = obs.sums / obs.counts.clamp_min(1)[:, None, :]  # [L, Hq, T]
         score = score.view(s.num_layers, s.num_kv_heads, s.group, T).mean(dim=2)
         keep = torch.zeros(s.num_layers, s.num_kv_heads, T, dtype=torch.bool)
-        cand = live & ~recent
-        idx = torch.nonzero(cand).reshape(-1)
+        keep[:, :, recent] = True
+        idx = torch.nonzero(live & ~recent).reshape(-1)
         k = min(budget_rest, idx.numel())
         if k > 0:
-            top = torch.topk(score[:, :, idx], k, dim=-1).indices  # [L, Hkv, k]
-            keep.scatter_(2, idx[top], True)
-        keep[:, :, recent] = True
+            held = obs.head_live[:, :, idx]
+            ranked = score[:, :, idx].masked_fill(~held, float("-inf"))
+            top = torch.topk(ranked, k, dim=-1).indices  # [L, Hkv, k]
+            keep.scatter_(2, idx[top], held.gather(2, top))
         return Plan(keep_mask=keep, scores=score)

@@ -2,9 +2,11 @@
 
 Per layer: the last ``window`` prompt queries (post-RoPE) attend over all keys (causal);
 keep the part over keys before the window; mean over the window queries; ``avg_pool1d``
-(``kernel``, padding ``kernel // 2``, stride 1) along the key sequence; mean over the query
-heads of each GQA group -> one score per KV head and position. Window positions are always
-kept; each (layer, KV head) keeps its top ``budget - window`` other positions.
+(``kernel``, padding ``kernel // 2``, stride 1, zero padding counted in the average, as
+kvpress calls it) along the key sequence; mean over the query heads of each GQA group -> one
+score per KV head and position. Window positions are always kept; each (layer, KV head) keeps
+its top ``budget - window`` other positions among those it still holds. A window longer than
+the budget keeps only its most recent ``budget`` positions.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ class _WindowObserver(PrefillObserver):
         self.window_start = window_start
         self.sums = torch.zeros(s.num_layers, s.num_q_heads, req.seq_len)
         self.seen = torch.zeros(s.num_layers, req.seq_len, dtype=torch.bool)
+        #: bool ``[L, Hkv, T]``: the KV head still held the key when the window looked.
+        self.head_live = torch.zeros(s.num_layers, s.num_kv_heads, req.seq_len, dtype=torch.bool)
         self.num_queries = req.seq_len - window_start
 
     def observe(self, layer, q, q_positions, k, k_positions, head_mask):
@@ -40,6 +44,7 @@ class _WindowObserver(PrefillObserver):
         pos = k_positions.cpu()
         self.sums[layer][:, pos] += probs.sum(dim=1).cpu()
         self.seen[layer, pos] = True
+        self.head_live[layer][:, pos] = True if head_mask is None else head_mask.cpu()
 
     def result(self):
         return self
@@ -60,26 +65,31 @@ class SnapKVMethod(Method):
         assert isinstance(policy, SnapKV)
         obs: _WindowObserver = ctx.observation
         T, s = ctx.seq_len, self.shape
-        live = ctx.live.clone()
+        live = ctx.live
         if int(live.sum()) <= policy.budget:
             return Plan(note="below budget: nothing evicted")
-        in_window = torch.arange(T) >= obs.window_start
-        budget_rest = max(policy.budget - int(in_window.sum()), 0)
+        window_idx = torch.nonzero(live & (torch.arange(T) >= obs.window_start)).reshape(-1)
+        kept_window = window_idx[max(window_idx.numel() - policy.budget, 0) :]
+        in_window = torch.zeros(T, dtype=torch.bool)
+        in_window[window_idx] = True
+        budget_rest = policy.budget - kept_window.numel()
         mean = obs.sums / max(obs.num_queries, 1)  # [L, Hq, T]
         keep = torch.zeros(s.num_layers, s.num_kv_heads, T, dtype=torch.bool)
         scores_all = torch.zeros(s.num_layers, s.num_kv_heads, T)
         for layer in range(s.num_layers):
-            cand = live & ~in_window & obs.seen[layer]
-            idx = torch.nonzero(cand).reshape(-1)
+            keep[layer][:, kept_window] = True
+            idx = torch.nonzero(live & ~in_window & obs.seen[layer]).reshape(-1)
+            if idx.numel() == 0:
+                continue
             pooled = F.avg_pool1d(
-                mean[layer][:, idx][None], policy.kernel, stride=1, padding=policy.kernel // 2,
-                count_include_pad=False,
+                mean[layer][:, idx][None], policy.kernel, stride=1, padding=policy.kernel // 2
             )[0]  # [Hq, n]
             per_kv = pooled.view(s.num_kv_heads, s.group, -1).mean(dim=1)  # [Hkv, n]
             scores_all[layer][:, idx] = per_kv
             k = min(budget_rest, idx.numel())
-            top = torch.topk(per_kv, k, dim=-1).indices if k > 0 else None
-            if top is not None:
-                keep[layer].scatter_(1, idx[top], True)
-            keep[layer][:, in_window & live] = True
+            if k > 0:
+                held = obs.head_live[layer][:, idx]
+                ranked = per_kv.masked_fill(~held, float("-inf"))
+                top = torch.topk(ranked, k, dim=-1).indices  # [Hkv, k]
+                keep[layer].scatter_(1, idx[top], held.gather(1, top))
         return Plan(keep_mask=keep, scores=scores_all)

@@ -22,8 +22,9 @@ from agentkv.kernels import (
     validate_decode_inputs,
 )
 
-# relative L2 error budget of the fused kernel against the fp32 reference
-TOL = {torch.float16: 3e-3, torch.bfloat16: 3e-2}
+# relative L2 error budget of the fused kernel against the fp32 reference; the CPU
+# interpreter truncates fp32 -> bf16 conversions (GPUs round to nearest), hence its margin
+TOL = {torch.float16: 3e-3, torch.bfloat16: 3e-2 if torch.cuda.is_available() else 5e-2}
 
 
 def _run(mb, dtype, **kw) -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,8 +54,8 @@ CASES = [
     ("int2_only_gqa8", [(4, 0, 0), (2, 0, 0)], 8, 1, 128, 0.0, "random", 0.0),
     ("mixed_gqa2_dead_random", [(2, 40, 30), (1, 90, 5)], 4, 2, 64, 0.5, "random", 0.0),
     ("mixed_gqa16_dead_run", [(3, 20, 20)], 32, 2, 64, 0.4, "run", 0.0),
-    ("mixed_gqa32_headmask", [(1, 33, 17), (0, 0, 64), (2, 0, 0)], 32, 1, 32, 0.2, "random", 0.3),
-    ("mixed_d256", [(1, 10, 10)], 2, 1, 256, 0.1, "random", 0.0),
+    ("mixed_gqa32_headmask", [(1, 33, 17), (0, 0, 64), (2, 0, 0)], 32, 1, 64, 0.2, "random", 0.3),
+    ("mixed_mha_d128", [(1, 10, 10)], 2, 2, 128, 0.1, "random", 0.0),
     ("short_and_long", [(0, 1, 0), (0, 0, 1), (3, 65, 100)], 4, 1, 64, 0.0, "random", 0.0),
     ("gqa5_odd_group", [(1, 20, 20)], 10, 2, 64, 0.3, "random", 0.2),
 ]
@@ -87,7 +88,7 @@ def test_matches_reference(lens, hq, hkv, d, dead, pattern, hm, dtype) -> None:
     n_req=st.integers(1, 3),
     group=st.sampled_from([1, 2, 4, 8]),
     hkv=st.integers(1, 2),
-    d=st.sampled_from([32, 64, 128]),
+    d=st.sampled_from([64, 128]),
     dead=st.sampled_from([0.0, 0.25, 0.5, 0.9]),
     pattern=st.sampled_from(["random", "run"]),
     split_len=st.sampled_from([64, 128, 256]),
@@ -177,7 +178,7 @@ def test_dead_slot_and_padding_are_never_read() -> None:
 
 
 def test_all_dead_and_empty_requests_give_zeros() -> None:
-    mb = build_mixed_batch([(1, 10, 10), (0, 0, 5), (0, 3, 3)], hq=2, hkv=1, d=32, seed=6)
+    mb = build_mixed_batch([(1, 10, 10), (0, 0, 5), (0, 3, 3)], hq=2, hkv=1, d=64, seed=6)
     sm = mb.slot_map.clone()
     sm[0] = 0  # every position DEAD
     mb.slot_map = sm
@@ -238,7 +239,7 @@ def test_host_hints_and_auto_split_agree() -> None:
         mb,
         torch.float16,
         max_lens=SegmentMaxLens(int2=64, int4=70, full=0),
-        config=DecodeConfig(block_n_int4=32, min_split_len=64),
+        config=DecodeConfig(block_n_int4=64, min_split_len=64, prefetch=False),
     )
     torch.testing.assert_close(base, hinted, atol=2e-3, rtol=2e-3)
 
@@ -281,3 +282,12 @@ def test_validate_rejects_broken_layouts() -> None:
         validate_decode_inputs(p, mixed, mb.seq_lens, mb.int2_lens, mb.int4_lens)
     with pytest.raises(ValueError):
         validate_decode_inputs(p, sm, mb.seq_lens, mb.int2_lens - 1, mb.int4_lens)
+
+
+@pytest.mark.parametrize("d", [32, 256])
+def test_triton_path_needs_head_dim_64_or_128(d: int) -> None:
+    mb = build_mixed_batch([(1, 9, 9)], hq=2, hkv=1, d=d, seed=12)
+    with pytest.raises(ValueError):
+        decode_attention(mb.q, mb.pools, mb.slot_map, mb.seq_lens, backend="triton")
+    out = decode_attention(mb.q, mb.pools, mb.slot_map, mb.seq_lens, backend="torch")
+    assert out.shape == mb.q.shape

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import triton
 import triton.language as tl
@@ -10,6 +11,9 @@ from hypothesis import strategies as st
 
 from agentkv.kernels.asymmetric_quant import asym_codes, asym_dequant, asym_params
 from agentkv.kernels.packing import (
+    dequant_int2_quads,
+    dequant_int4_pairs,
+    int2_code_quads,
     pack_int2,
     pack_int2_u8,
     pack_int4,
@@ -34,9 +38,10 @@ def test_torch_pack_roundtrip(rows: int, groups: int, seed: int) -> None:
 
 def test_pack_layout_is_documented_one() -> None:
     c = torch.tensor([[1, 2, 3, 0, 3, 3, 0, 1]], dtype=torch.uint8)
-    assert pack_int4(c)[0, 0] == 1 | (2 << 4)
-    assert pack_int2(c)[0, 0] == 1 | (2 << 2) | (3 << 4) | (0 << 6)
-    assert pack_int2(c)[0, 1] == 3 | (3 << 2) | (0 << 4) | (1 << 6)
+    assert pack_int4(c)[0, 0] == 1 | (2 << 4)  # channels 0, 1
+    # planar INT2: byte j holds channels j, j + D/4, j + D/2, j + 3D/4 (D = 8)
+    assert pack_int2(c)[0, 0] == 1 | (3 << 2) | (3 << 4) | (0 << 6)
+    assert pack_int2(c)[0, 1] == 2 | (0 << 2) | (3 << 4) | (1 << 6)
 
 
 @triton.jit
@@ -47,14 +52,20 @@ def _roundtrip_kernel(
     b4 = tl.load(p4_ptr + r[:, None] * (D // 2) + tl.arange(0, D // 2)[None, :])
     b2 = tl.load(p2_ptr + r[:, None] * (D // 4) + tl.arange(0, D // 4)[None, :])
     f4 = unpack_int4_f32(b4)
-    f2 = unpack_int2_f32(b2)
+    c0, c1, c2, c3 = unpack_int2_f32(b2)
     od = r[:, None] * D + tl.arange(0, D)[None, :]
+    oq = r[:, None] * D + tl.arange(0, D // 4)[None, :]
     tl.store(u4_ptr + od, f4)
-    tl.store(u2_ptr + od, f2)
+    tl.store(u2_ptr + oq, c0)
+    tl.store(u2_ptr + oq + D // 4, c1)
+    tl.store(u2_ptr + oq + D // 2, c2)
+    tl.store(u2_ptr + oq + 3 * (D // 4), c3)
     tl.store(
         r4_ptr + r[:, None] * (D // 2) + tl.arange(0, D // 2)[None, :],
         pack_int4_u8(f4.to(tl.int32), R, D),
     )
+    tl.debug_barrier()
+    f2 = tl.load(u2_ptr + od)  # natural channel order, written above (same program)
     tl.store(
         r2_ptr + r[:, None] * (D // 4) + tl.arange(0, D // 4)[None, :],
         pack_int2_u8(f2.to(tl.int32), R, D),
@@ -100,3 +111,76 @@ def test_constant_group_dequantizes_to_its_value() -> None:
     codes = asym_codes(x, s[:, None], z[:, None], 15)
     assert torch.equal(codes, torch.zeros_like(codes))
     assert torch.equal(asym_dequant(codes, s[:, None], z[:, None]), x)
+
+
+@triton.jit
+def _dequant_kernel(
+    p4_ptr,
+    p2_ptr,
+    s_ptr,
+    z_ptr,
+    o4_ptr,
+    oc_ptr,
+    o2_ptr,
+    R: tl.constexpr,
+    C: tl.constexpr,
+    USE_ASM: tl.constexpr,
+):
+    r = tl.arange(0, R)[:, None]
+    c = tl.arange(0, C)[None, :]
+    rc = r * C + c
+    b4 = tl.load(p4_ptr + rc)
+    b2 = tl.load(p2_ptr + rc)
+    s = tl.load(s_ptr + rc)
+    z = tl.load(z_ptr + rc)
+    even, odd = dequant_int4_pairs(b4, s, z, USE_ASM)
+    tl.store(o4_ptr + r * (2 * C) + 2 * c, even)
+    tl.store(o4_ptr + r * (2 * C) + 2 * c + 1, odd)
+    c0, c1, c2, c3 = int2_code_quads(b2, s.dtype, USE_ASM)
+    ob = r * (4 * C) + c  # planar INT2: output i is channel block i
+    tl.store(oc_ptr + ob, c0)
+    tl.store(oc_ptr + ob + C, c1)
+    tl.store(oc_ptr + ob + 2 * C, c2)
+    tl.store(oc_ptr + ob + 3 * C, c3)
+    n = R * C  # per-output scale / zero planes
+    v0, v1, v2, v3 = dequant_int2_quads(
+        b2,
+        tl.load(s_ptr + n + rc),
+        tl.load(z_ptr + n + rc),
+        tl.load(s_ptr + 2 * n + rc),
+        tl.load(z_ptr + 2 * n + rc),
+        tl.load(s_ptr + 3 * n + rc),
+        tl.load(z_ptr + 3 * n + rc),
+        tl.load(s_ptr + 4 * n + rc),
+        tl.load(z_ptr + 4 * n + rc),
+        USE_ASM,
+    )
+    tl.store(o2_ptr + ob, v0)
+    tl.store(o2_ptr + ob + C, v1)
+    tl.store(o2_ptr + ob + 2 * C, v2)
+    tl.store(o2_ptr + ob + 3 * C, v3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_register_dequant_matches_torch(dtype, device) -> None:
+    """The packed-PTX path on GPU, its plain-Triton twin under the CPU interpreter."""
+    g = torch.Generator().manual_seed(2)
+    rows, cols = 8, 32
+    p4 = torch.randint(0, 256, (rows, cols), generator=g, dtype=torch.uint8)
+    p2 = torch.randint(0, 256, (rows, cols), generator=g, dtype=torch.uint8)
+    s = (torch.rand(5, rows, cols, generator=g) * 0.5 + 0.01).to(dtype)  # plane 0: INT4
+    z = (torch.randn(5, rows, cols, generator=g) * 2).to(dtype)  # planes 1..4: INT2 blocks
+    o4 = torch.empty(rows, 2 * cols, dtype=dtype, device=device)
+    oc = torch.empty(rows, 4 * cols, dtype=dtype, device=device)
+    o2 = torch.empty_like(oc)
+    dev = [t.to(device) for t in (p4, p2, s, z)]
+    _dequant_kernel[(1,)](*dev, o4, oc, o2, R=rows, C=cols, USE_ASM=device.type == "cuda")
+    sf, zf = s.float(), z.float()
+    want4 = unpack_int4(p4).float() * sf[0].repeat_interleave(2, 1) + zf[0].repeat_interleave(2, 1)
+    codes2 = unpack_int2(p2).float()  # [rows, 4 * cols], block i = bit pair i
+    want2 = codes2 * torch.cat(list(sf[1:]), 1) + torch.cat(list(zf[1:]), 1)
+    assert torch.equal(oc.cpu().float(), codes2)
+    ulp = 2**-7 if dtype == torch.bfloat16 else 2**-10  # one rounding of the result
+    for got, want in ((o4, want4), (o2, want2)):
+        err = (got.cpu().float() - want).abs()
+        assert bool((err <= ulp * want.abs() + ulp * zf.abs().max() + 1e-6).all()), float(err.max())

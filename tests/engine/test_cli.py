@@ -1,0 +1,74 @@
+"""``agentkv serve`` as a real subprocess: starts, serves one request, stops cleanly."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+AGENTKV = Path(sys.executable).parent / "agentkv"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cli_env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": os.environ.get("AGENTKV_TEST_THREADS", "1")}
+
+
+def test_serve_subprocess():
+    httpx = pytest.importorskip("httpx")
+    openai = pytest.importorskip("openai")
+    assert AGENTKV.is_file(), f"console script missing: {AGENTKV}"
+    port = free_port()
+    cmd = [str(AGENTKV), "serve", "--port", str(port), "--kv-slots", "2048", "--device", "cpu"]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=cli_env(), text=True
+    )
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 180
+        while True:
+            assert proc.poll() is None, f"agentkv serve exited early:\n{proc.stdout.read()}"
+            try:
+                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "agentkv serve did not come up in 180 s"
+            time.sleep(0.5)
+        with openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0) as client:
+            assert [m.id for m in client.models.list().data] == ["SmolLM2-135M-Instruct"]
+            resp = client.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": "Hi"}], max_tokens=3
+            )
+        assert resp.choices[0].message.content
+        assert resp.usage.model_dump()["agentkv"]["method"] == "full"
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            out, _ = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, _ = proc.communicate()
+    assert proc.returncode == 0, out
+    assert f"127.0.0.1:{port}" in out  # uvicorn's startup line
+
+
+def test_serve_rejects_a_missing_model_dir(tmp_path):
+    cmd = [str(AGENTKV), "serve", "--model", str(tmp_path / "nope"), "--port", str(free_port())]
+    res = subprocess.run(cmd, capture_output=True, text=True, env=cli_env(), timeout=120)
+    assert res.returncode == 2
+    assert "not a HF model directory" in res.stderr
+    assert "Traceback" not in res.stdout + res.stderr

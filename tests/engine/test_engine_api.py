@@ -1,0 +1,114 @@
+"""Engine-level contracts: request validation (RequestError naming the field), the streaming
+callback (deltas add up to the final content), default max_tokens near the context end."""
+
+from __future__ import annotations
+
+import pytest
+
+from agentkv.engine.engine import (
+    DEFAULT_MAX_TOKENS,
+    GenerationConfig,
+    RequestError,
+    _ContentStream,
+)
+from agentkv.policies import FullCache, KVzap
+from agentkv.wire import KVPayload, build_payload
+
+from .chats import tool_call_fewshot
+
+MSGS = [{"role": "user", "content": "Hi"}]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("messages", "payload", "field"),
+    [
+        ([], None, "messages"),
+        ([{"content": "no role"}], None, "messages"),
+        ([{"role": "robot", "content": "x"}], None, "messages"),
+        ([{"role": "user", "content": 5}], None, "messages"),
+        ([object()], None, "messages"),
+        (MSGS, KVPayload(session_id="s", policy=KVzap()), "payload.policy.method"),
+        (MSGS, build_payload(MSGS * 2, FullCache(), "s"), "payload.messages"),
+        ([{"role": "user", "content": "hello " * 9000}], None, "messages"),
+    ],
+    ids=["empty", "no-role", "bad-role", "bad-content", "not-a-message", "kvzap", "count", "long"],
+)
+def test_bad_requests_raise_request_error(engine, messages, payload, field):
+    with pytest.raises(RequestError) as info:
+        engine.prepare_chat(messages, payload=payload)
+    assert info.value.field == field
+    assert engine.store.stats().num_requests == 0
+
+
+@pytest.mark.slow
+def test_default_max_tokens_fits_the_context(engine):
+    assert engine.prepare_chat(MSGS, gen=GenerationConfig(max_tokens=None)).gen.max_tokens == (
+        DEFAULT_MAX_TOKENS
+    )
+    long = [{"role": "user", "content": "hello " * 8170}]
+    prepared = engine.prepare_chat(long, gen=GenerationConfig(max_tokens=None))
+    room = engine.max_context - len(prepared.tags)
+    assert 0 < room < DEFAULT_MAX_TOKENS
+    assert prepared.gen.max_tokens == room
+    with pytest.raises(RequestError) as info:  # asked explicitly: the caller's number
+        engine.prepare_chat(long, gen=GenerationConfig(max_tokens=room + 1))
+    assert info.value.field == "max_tokens"
+
+
+@pytest.mark.slow
+def test_on_text_deltas_add_up_to_content(engine, sid):
+    payload = KVPayload(session_id=sid)
+    messages = [{"role": "user", "content": "Count from one to ten in words."}]
+    plain = engine.chat(messages, payload=payload, gen=GenerationConfig(max_tokens=12))
+    stop = plain.text[4:7]
+    for gen in (GenerationConfig(max_tokens=12), GenerationConfig(max_tokens=12, stop=[stop])):
+        deltas: list[str] = []
+        res = engine.chat(messages, payload=payload, gen=gen, on_text=deltas.append)
+        assert "".join(deltas) == res.content
+        assert all(deltas)
+        if gen.stop:
+            assert res.content == plain.text[: plain.text.index(stop)]
+            assert res.finish_reason == "stop"
+            assert len(res.token_ids) < len(plain.token_ids)
+
+
+@pytest.mark.slow
+def test_on_text_never_streams_a_tool_call(engine, sid):
+    deltas: list[str] = []
+    res = engine.chat(
+        tool_call_fewshot("Lima"),
+        tools=None,
+        payload=KVPayload(session_id=sid),
+        gen=GenerationConfig(max_tokens=30),
+        on_text=deltas.append,
+    )
+    assert res.tool_calls and res.finish_reason == "tool_calls"
+    assert res.content is None and deltas == []
+    assert "<tool_call>" in res.text
+
+
+def run_stream(pieces: list[str], stop: list[str], content: str | None) -> str:
+    out: list[str] = []
+    stream = _ContentStream(out.append, stop)
+    text = ""
+    for p in pieces:
+        text += p
+        stream.update(text)
+    stream.finish(content)
+    return "".join(out)
+
+
+@pytest.mark.parametrize(
+    ("pieces", "stop", "content"),
+    [
+        (["Hel", "lo", " wor", "ld"], [], "Hello world"),
+        (["Hi ", "<tool", "_call>", '{"name": "f"}'], [], "Hi"),
+        (["a", "<", "b"], [], "a<b"),  # a held '<' that is not a tool call comes out
+        (["one, ", "tw", "o, three"], ["two"], "one, "),
+        (["x", "\ufffd"], [], "x\u00e9"),  # an incomplete character waits
+        (["  ", "lead"], [], "  lead"),
+    ],
+)
+def test_content_stream_holds_back_undecided_text(pieces, stop, content):
+    assert run_stream(pieces, stop, content) == content

@@ -1,0 +1,170 @@
+"""One matrix runs every KV method through the same checks on the real engine.
+
+As kvpress runs every press through one test matrix: each entry of :data:`METHOD_CASES` is a
+policy at a small budget; every test below is parametrised over it and drives a real request
+(SmolLM2-135M, a real tau-bench airline conversation with a system prompt, a tool schema, a
+tool call, its result and a user question) through the embedded engine. A new method joins
+by adding one line to :data:`METHOD_CASES` (and, if it always keeps some positions, one entry
+to :func:`always_kept`).
+
+Checks: the budget holds after the plan (IntentKV: live tokens <= budget + forced set;
+per-head baselines: live entries per (layer, KV head) <= budget), decode only appends;
+FullCache evicts nothing and answers exactly like a request without a payload; the positions
+a method promises to keep are live; the store's reference counts and locks are consistent
+while the request is in flight and after; the session's next turn reuses the whole previous
+prompt from the prefix cache despite the holes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from agentkv import H2O, FullCache, IntentKV, KVPolicy, SnapKV, StreamingLLM, build_payload
+from agentkv.cache import DEAD
+
+pytestmark = pytest.mark.slow
+
+BUDGET = 96
+METHOD_CASES = [
+    pytest.param(FullCache(), id="full"),
+    pytest.param(StreamingLLM(budget=BUDGET, sinks=4), id="streamingllm"),
+    pytest.param(SnapKV(budget=BUDGET, window=16, kernel=5), id="snapkv"),
+    pytest.param(H2O(budget=BUDGET, recent=16), id="h2o"),
+    pytest.param(IntentKV(budget=BUDGET), id="intentkv"),
+]
+NEXT_USER = {"role": "user", "content": "The 3 PM flight works. Please book it with my card."}
+
+
+def keeps_forced_set(policy: KVPolicy) -> bool:
+    """Methods whose budget covers the compressible history only (IntentKV's forced set)."""
+    return isinstance(policy, IntentKV)
+
+
+def always_kept(policy: KVPolicy, T: int, forced: torch.Tensor) -> torch.Tensor:
+    """bool ``[T]``: positions the method promises to keep in every layer and head."""
+    keep = torch.zeros(T, dtype=torch.bool)
+    if isinstance(policy, FullCache):
+        keep[:] = True
+    elif isinstance(policy, IntentKV):
+        keep |= forced
+    elif isinstance(policy, StreamingLLM):
+        keep[: policy.sinks] = True
+        keep[T - (policy.budget - policy.sinks) :] = True
+    elif isinstance(policy, SnapKV):
+        keep[T - min(policy.window, policy.budget) :] = True
+    elif isinstance(policy, H2O):
+        keep[T - min(policy.recent, policy.budget) :] = True
+    return keep
+
+
+def budget_bound(policy: KVPolicy, T: int, n_forced: int) -> int:
+    """Live KV tokens allowed right after the plan."""
+    if not policy.evicts:
+        return T
+    return policy.budget + (n_forced if keeps_forced_set(policy) else 0)
+
+
+def live_per_head(req) -> torch.Tensor:
+    """int ``[L, Hkv]``: live positions per (layer, KV head) of an in-flight request."""
+    sm = req.slot_map
+    if sm.keep_mask is not None:
+        return sm.keep_mask.sum(dim=-1)
+    return torch.full((sm.num_layers, sm.num_kv_heads), sm.num_resident)
+
+
+def encode(engine, messages, tools, payload):
+    return engine.renderer.encode(messages, tools, payload.messages)
+
+
+def test_full_cache_matches_no_payload(engine, airline_request):
+    """FullCache is no compression: same tokens as a request without an agentkv payload."""
+    from agentkv.engine.engine import GenerationConfig
+
+    messages, tools = airline_request
+    gen = GenerationConfig(max_tokens=4)
+    plain = engine.chat(messages, tools, gen=gen)
+    full = engine.chat(
+        messages, tools, payload=build_payload(messages, FullCache(), "x:matrix-full"), gen=gen
+    )
+    assert full.token_ids == plain.token_ids and full.text == plain.text
+    for u in (plain.usage, full.usage):
+        assert u.method == "full" and u.evicted_tokens == 0 and u.evicted_entries == 0
+        assert u.prompt_tokens <= u.live_kv_tokens <= u.prompt_tokens + u.completion_tokens
+    engine.end_session(plain.usage.session_id)
+    engine.end_session("x:matrix-full")
+    engine.store.check_invariants()
+
+
+@pytest.mark.parametrize("policy", METHOD_CASES)
+def test_plan_budget_kept_set_and_store(engine, airline_cached, policy):
+    """Drive prefill + plan directly and inspect the in-flight request's slot map."""
+    messages, tools = airline_cached
+    sid = f"x:matrix-plan-{policy.method}"
+    payload = build_payload(messages, policy, sid)
+    tags = encode(engine, messages, tools, payload)
+    T = len(tags)
+    assert 300 < T < 700  # a few hundred tokens, several times the budget
+    forced = torch.tensor(tags.forced(getattr(policy, "protect_system", True)))
+    with engine._lock:
+        req, logits, info = engine._prefill_and_plan(tags, payload)
+        try:
+            engine.store.check_invariants()
+            assert req.seq_len == T and bool(torch.isfinite(logits).all())
+            per_head = live_per_head(req)
+            resident = req.slot_map.slots != DEAD
+            kept = always_kept(policy, T, forced)
+            mask = req.slot_map.keep_mask
+            live_all_heads = resident if mask is None else mask.all(dim=1).all(dim=0)
+            assert bool(live_all_heads[kept].all()), "a promised position was evicted"
+            bound = budget_bound(policy, T, int(forced.sum()))
+            assert int(per_head.max()) <= bound
+            if policy.evicts:  # T is well above the budget: the budget is used in full
+                assert int(per_head.min()) == bound
+                assert info["evicted_entries"] == per_head.numel() * T - int(per_head.sum())
+                assert info["evicted_tokens"] == int((~resident).sum()) > 0
+            else:
+                assert info["evicted_entries"] == info["evicted_tokens"] == 0
+                assert bool(resident.all()) and mask is None
+            if keeps_forced_set(policy):
+                # exactly `budget` candidates beside the forced set, whole positions
+                assert int(resident.sum()) == int(forced.sum()) + policy.budget
+                assert mask is None or bool((mask == resident).all())
+        finally:
+            engine.store.finish_request(req, cache=True)
+    engine.store.check_invariants()
+    engine.end_session(sid)
+
+
+@pytest.mark.parametrize("policy", METHOD_CASES)
+def test_two_turns_through_chat(engine, airline_cached, policy):
+    """A session's two turns through ``Engine.chat``: budget after decode, prefix reuse."""
+    from agentkv.engine.engine import GenerationConfig
+
+    messages, tools = airline_cached
+    sid = f"x:matrix-chat-{policy.method}"
+    gen = GenerationConfig(max_tokens=2)
+    turns = [messages]
+    usages = []
+    for turn in range(2):
+        msgs = turns[-1]
+        payload = build_payload(msgs, policy, sid)
+        tags = encode(engine, msgs, tools, payload)
+        res = engine.chat(msgs, tools, payload=payload, gen=gen)
+        engine.store.check_invariants()
+        u = res.usage
+        usages.append(u)
+        assert u.prompt_tokens == len(tags) and u.method == policy.method
+        n_forced = sum(tags.forced(getattr(policy, "protect_system", True)))
+        # decode appends at most one KV token per generated token
+        assert u.live_kv_tokens <= budget_bound(policy, len(tags), n_forced) + u.completion_tokens
+        if not policy.evicts:
+            assert u.evicted_tokens == 0 and u.live_kv_tokens >= u.prompt_tokens
+        else:
+            assert u.evicted_entries > 0
+        if turn == 1:
+            # the whole previous prompt comes back from the prefix cache, holes included
+            assert u.prefix_hit_tokens >= usages[0].prompt_tokens - 1
+        turns.append(msgs + [{"role": "assistant", "content": res.text}, NEXT_USER])
+    assert engine.end_session(sid) >= 0
+    engine.store.check_invariants()
