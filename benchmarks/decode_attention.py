@@ -207,6 +207,8 @@ def _sglang(s: Shape, splits: int):
     dev = s.q.device
     kv_indptr = torch.arange(0, (b + 1) * n, n, device=dev, dtype=torch.int32)
     kv_indices = s.slots_full.reshape(-1).contiguous()
+    if s.pools.full.k.numel() >= 2**31:  # int32 slot * stride would overflow in SGLang's kernel
+        kv_indices = kv_indices.long()
     o = torch.empty(b, HQ, D, device=dev, dtype=torch.bfloat16)
     logits = torch.empty(b, HQ, splits, D, device=dev, dtype=torch.float32)
     lse = torch.empty(b, HQ, splits, device=dev, dtype=torch.float32)

@@ -12,10 +12,16 @@ Input contract (one layer, one new query token per request):
 
 Kernel: grid (split, kv_head, request). A split covers ``split_len`` positions of one
 segment, so it reads one pool; all ``Hq / Hkv`` query heads of the GQA group share the
-program and read each K/V row once. Rows are unpacked and dequantized in registers,
-scores use ``tl.dot`` on [16, D] x [D, BLOCK_N] tiles, online softmax in base 2. INT2 keys
-fold the page's per-channel scale into the query (``(q * s) . code + q . zero``). A second
-kernel merges the splits by log-sum-exp.
+program (padded to 16 rows for ``tl.dot``) and read each K/V row once. DEAD positions,
+positions past the segment end and head-masked positions are predicated off their loads
+(no bytes are read) and set to -inf before the softmax. Quantized rows are unpacked and
+dequantized in registers with packed bf16x2 / f16x2 PTX (:mod:`packing`), two elements per
+instruction; INT4 tiles are split into even / odd channels and INT2 tiles (planar layout)
+into four contiguous channel blocks, so no shuffle is needed before the dots. INT2 keys
+fold the page's per-channel scale into the query (``(q * s) . code + q . zero``). Raw loads
+of the quantized pools are double-buffered by hand (slots two blocks ahead, bytes one
+ahead). Online softmax in base 2; a second kernel merges the splits by log-sum-exp.
+Supported head_dim: 64 and 128 (other sizes: ``backend="torch"``).
 """
 
 from __future__ import annotations

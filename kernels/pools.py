@@ -17,7 +17,8 @@ Quantization is asymmetric with groups of ``GROUP_SIZE`` = 32 and dequantizes as
   byte ``j`` of a row holds channel ``2j`` in its low nibble and ``2j+1`` in its high nibble.
 * INT2 keys: per channel over a page of ``INT2_PAGE`` = 32 tokens (one scale / zero per
   page, head and channel). INT2 values: per token, groups of 32 channels. Codes 0..3, four
-  per byte: byte ``j`` holds channels ``4j .. 4j+3`` at bits 0-1, 2-3, 4-5, 6-7.
+  per byte, planar: byte ``j`` of a D-channel row holds channels ``j, j + D/4, j + D/2,
+  j + 3D/4`` at bits 0-1, 2-3, 4-5, 6-7 (each bit pair unpacks to a contiguous block).
 
 All tensors of a pool live on one device; this module holds no kernels.
 """

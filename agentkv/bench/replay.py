@@ -260,10 +260,13 @@ def replay(
     progress: bool = True,
     command: str = "",
     on_trace: Callable[[ReplayReport], None] | None = None,
+    max_seconds: float | None = None,
 ) -> ReplayReport:
     """Replay ``traces`` under FullCache (reference) and each of ``policies``.
 
-    ``on_trace`` receives the report so far after each trajectory (for checkpointing)."""
+    ``on_trace`` receives the report so far after each trajectory (for checkpointing); no new
+    trajectory starts after ``max_seconds``."""
+    t_start = time.perf_counter()
     from tqdm.auto import tqdm
 
     labels = [p.describe() for p in policies]
@@ -273,6 +276,9 @@ def replay(
         total=len(traces) * (len(policies) + 1), desc="replay", unit="run", disable=not progress
     )
     for trace in traces:
+        if max_seconds is not None and time.perf_counter() - t_start > max_seconds:
+            print(f"time budget reached after {len(used)} trajectories", file=sys.stderr)
+            break
         messages = truncate(engine, trace, max_tokens)
         if not assistant_turns(messages):
             bar.update(len(policies) + 1)
@@ -424,9 +430,17 @@ def run_replay_cli(
     device: str | None,
     max_tokens: int,
     greedy_tokens: int = 32,
+    skip: int = 0,
+    max_seconds: float | None = None,
+    shard: str | None = None,
 ) -> ReplayReport:
     parsed = [parse_policy_spec(p) for p in policies]
-    loaded = load_traces(traces, source, limit)
+    loaded = load_traces(traces, source, limit)[skip:]
+    if shard:
+        index, count = (int(x) for x in shard.split("/"))
+        if not 0 <= index < count:
+            raise ValueError(f"--shard must be i/n with 0 <= i < n, got {shard!r}")
+        loaded = loaded[index::count]
     t0 = time.perf_counter()
     engine = Engine(model, device=device)
     print(
@@ -443,8 +457,42 @@ def run_replay_cli(
         max_tokens=max_tokens,
         command=command,
         on_trace=lambda partial: write_outputs(partial, out),
+        max_seconds=max_seconds,
     )
     paths = write_outputs(report, out)
     print(summary_table(report))
     print(f"\nwrote {', '.join(str(p) for p in paths.values())}", file=sys.stderr)
     return report
+
+
+def merge_results(paths: Sequence[Path], command: str = "") -> ReplayReport:
+    """One report from several ``results.json`` of the same policies (shards of one run)."""
+    from agentkv.policies import parse_policy
+
+    docs = [json.loads(Path(p).read_text()) for p in paths]
+    first = docs[0]
+    labels = [p["label"] for p in first["policies"]]
+    for d in docs[1:]:
+        if [p["label"] for p in d["policies"]] != labels:
+            raise ValueError("results to merge must list the same policies in the same order")
+    policies = [parse_policy(p["policy"]) for p in first["policies"]]
+    turns: dict[str, list[TurnRecord]] = {label: [] for label in labels}
+    traces: list[str] = []
+    for d in docs:
+        traces += [t for t in d["traces"] if t not in traces]
+        for label in labels:
+            turns[label] += [TurnRecord(**r) for r in d["turns"][label]]
+    summaries = [
+        summarize(label, p, turns[label]) for p, label in zip(policies, labels, strict=True)
+    ]
+    return ReplayReport(
+        model=first["model"],
+        device=first["device"],
+        date=first["date"],
+        command=command or first["command"],
+        traces=traces,
+        greedy_tokens=first["greedy_tokens"],
+        max_tokens=first["max_tokens"],
+        summaries=summaries,
+        turns=turns,
+    )

@@ -87,6 +87,13 @@ def bench_replay(
     greedy_tokens: Annotated[
         int, typer.Option(help="greedy continuation tokens compared per turn")
     ] = 32,
+    skip: Annotated[int, typer.Option(help="skip the first N sampled trajectories")] = 0,
+    max_seconds: Annotated[
+        float | None, typer.Option(help="start no new trajectory after this many seconds")
+    ] = None,
+    shard: Annotated[
+        str | None, typer.Option(help="i/n: replay every n-th trajectory from the i-th")
+    ] = None,
 ) -> None:
     """Replay multi-turn trajectories under several policies; fidelity vs FullCache and memory."""
     from agentkv.bench.replay import run_replay_cli
@@ -101,7 +108,23 @@ def bench_replay(
         device=device,
         max_tokens=max_tokens,
         greedy_tokens=greedy_tokens,
+        skip=skip,
+        max_seconds=max_seconds,
+        shard=shard,
     )
+
+
+@bench_app.command("merge")
+def bench_merge(
+    results: Annotated[list[Path], typer.Argument(help="results.json files of one run's shards")],
+    out: Annotated[Path, typer.Option(help="output folder")] = Path("out/replay"),
+) -> None:
+    """Merge sharded replay results into one results.json, summary.md and plot."""
+    from agentkv.bench.replay import merge_results, summary_table, write_outputs
+
+    report = merge_results(results)
+    write_outputs(report, out)
+    print(summary_table(report))
 
 
 def main() -> None:

@@ -34,7 +34,7 @@ from agentkv.engine.telemetry import KVUsage, SessionMetrics
 from agentkv.engine.tool_calls import parse_tool_calls
 from agentkv.methods import Method, MethodSet, ModelShape, ObserveRequest, Plan, PlanContext
 from agentkv.policies import FullCache
-from agentkv.session import resolve_session_id
+from agentkv.session import is_request_local, resolve_session_id
 from agentkv.token_tagger import TokenTags
 from agentkv.wire import KVPayload
 
@@ -400,7 +400,9 @@ class Engine:
         reuse = T
         if type(method).observer is not Method.observer:
             reuse = next((i + 1 for i, a in enumerate(tags.actionable) if a), T)
-        req = self.store.begin_request(payload.session_id, tags.token_ids[:reuse])
+        # request-local ids never match again: their holes go to no session namespace
+        store_session = None if is_request_local(payload.session_id) else payload.session_id
+        req = self.store.begin_request(store_session, tags.token_ids[:reuse])
         try:
             actionable = torch.tensor(tags.actionable, dtype=torch.bool)
             observer = method.observer(

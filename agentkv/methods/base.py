@@ -194,8 +194,8 @@ def topk_positions(scores: torch.Tensor, candidates: torch.Tensor, k: int) -> to
         return idx
     if k <= 0:
         return idx[:0]
-    top = torch.topk(scores[idx].float(), k, sorted=False).indices
-    return idx[top].sort().values
+    order = torch.sort(scores[idx].float(), descending=True, stable=True).indices
+    return idx[order[:k]].sort().values
 
 
 def expand_kv_heads(k: torch.Tensor, group: int) -> torch.Tensor:

@@ -7,9 +7,9 @@ import math
 
 import pytest
 import torch
-from conftest import build_mixed_batch  # noqa: E402  (plain module: tests/kernels has no package)
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from mixed_batch import build_mixed_batch
 
 from agentkv.kernels import (
     DecodeConfig,

@@ -1,11 +1,11 @@
 """One matrix runs every KV method through the same checks on the real engine.
 
 As kvpress runs every press through one test matrix: each entry of :data:`METHOD_CASES` is a
-policy at a small budget; every test below is parametrised over it and drives a real request
-(SmolLM2-135M, a real tau-bench airline conversation with a system prompt, a tool schema, a
-tool call, its result and a user question) through the embedded engine. A new method joins
-by adding one line to :data:`METHOD_CASES` (and, if it always keeps some positions, one entry
-to :func:`always_kept`).
+policy at a small budget; :func:`test_method` is parametrised over it and drives two turns of
+a real session (SmolLM2-135M, a real tau-bench airline conversation with a system prompt, a
+tool schema, a tool call, its result and a user question; ~600 tokens) through the embedded
+engine. A new method joins by adding one line to :data:`METHOD_CASES` (and, if it always keeps
+some positions, one entry to :func:`always_kept`).
 
 Checks: the budget holds after the plan (IntentKV: live tokens <= budget + forced set;
 per-head baselines: live entries per (layer, KV head) <= budget), decode only appends;
@@ -33,6 +33,7 @@ METHOD_CASES = [
     pytest.param(H2O(budget=BUDGET, recent=16), id="h2o"),
     pytest.param(IntentKV(budget=BUDGET), id="intentkv"),
 ]
+REPLY = "Yes: HAT083 leaves JFK at 3:00 PM EST and lands in Seattle at 9:00 PM EST."
 NEXT_USER = {"role": "user", "content": "The 3 PM flight works. Please book it with my card."}
 
 
@@ -97,15 +98,20 @@ def test_full_cache_matches_no_payload(engine, airline_request):
 
 
 @pytest.mark.parametrize("policy", METHOD_CASES)
-def test_plan_budget_kept_set_and_store(engine, airline_cached, policy):
-    """Drive prefill + plan directly and inspect the in-flight request's slot map."""
+def test_method(engine, airline_cached, policy):
+    """Turn 1: prefill + plan driven directly, the in-flight slot map inspected. Turn 2 of
+    the same session through ``Engine.chat``: prefix reuse over the holes, budget after
+    decode."""
+    from agentkv.engine.engine import GenerationConfig
+
     messages, tools = airline_cached
-    sid = f"x:matrix-plan-{policy.method}"
+    sid = f"x:matrix-{policy.method}"
+    protect = getattr(policy, "protect_system", True)
     payload = build_payload(messages, policy, sid)
     tags = encode(engine, messages, tools, payload)
     T = len(tags)
     assert 300 < T < 700  # a few hundred tokens, several times the budget
-    forced = torch.tensor(tags.forced(getattr(policy, "protect_system", True)))
+    forced = torch.tensor(tags.forced(protect))
     with engine._lock:
         req, logits, info = engine._prefill_and_plan(tags, payload)
         try:
@@ -113,9 +119,9 @@ def test_plan_budget_kept_set_and_store(engine, airline_cached, policy):
             assert req.seq_len == T and bool(torch.isfinite(logits).all())
             per_head = live_per_head(req)
             resident = req.slot_map.slots != DEAD
-            kept = always_kept(policy, T, forced)
             mask = req.slot_map.keep_mask
             live_all_heads = resident if mask is None else mask.all(dim=1).all(dim=0)
+            kept = always_kept(policy, T, forced)
             assert bool(live_all_heads[kept].all()), "a promised position was evicted"
             bound = budget_bound(policy, T, int(forced.sum()))
             assert int(per_head.max()) <= bound
@@ -133,38 +139,22 @@ def test_plan_budget_kept_set_and_store(engine, airline_cached, policy):
         finally:
             engine.store.finish_request(req, cache=True)
     engine.store.check_invariants()
+
+    turn2 = messages + [{"role": "assistant", "content": REPLY}, NEXT_USER]
+    payload2 = build_payload(turn2, policy, sid)
+    tags2 = encode(engine, turn2, tools, payload2)
+    res = engine.chat(turn2, tools, payload=payload2, gen=GenerationConfig(max_tokens=2))
+    engine.store.check_invariants()
+    u = res.usage
+    assert u.prompt_tokens == len(tags2) and u.method == policy.method
+    # the whole previous prompt comes back from the prefix cache, holes included
+    assert u.prefix_hit_tokens >= T - 1
+    # decode appends at most one KV token per generated token
+    n_forced = sum(tags2.forced(protect))
+    assert u.live_kv_tokens <= budget_bound(policy, len(tags2), n_forced) + u.completion_tokens
+    if policy.evicts:
+        assert u.evicted_entries > 0
+    else:
+        assert u.evicted_tokens == 0 and u.live_kv_tokens >= u.prompt_tokens
     engine.end_session(sid)
-
-
-@pytest.mark.parametrize("policy", METHOD_CASES)
-def test_two_turns_through_chat(engine, airline_cached, policy):
-    """A session's two turns through ``Engine.chat``: budget after decode, prefix reuse."""
-    from agentkv.engine.engine import GenerationConfig
-
-    messages, tools = airline_cached
-    sid = f"x:matrix-chat-{policy.method}"
-    gen = GenerationConfig(max_tokens=2)
-    turns = [messages]
-    usages = []
-    for turn in range(2):
-        msgs = turns[-1]
-        payload = build_payload(msgs, policy, sid)
-        tags = encode(engine, msgs, tools, payload)
-        res = engine.chat(msgs, tools, payload=payload, gen=gen)
-        engine.store.check_invariants()
-        u = res.usage
-        usages.append(u)
-        assert u.prompt_tokens == len(tags) and u.method == policy.method
-        n_forced = sum(tags.forced(getattr(policy, "protect_system", True)))
-        # decode appends at most one KV token per generated token
-        assert u.live_kv_tokens <= budget_bound(policy, len(tags), n_forced) + u.completion_tokens
-        if not policy.evicts:
-            assert u.evicted_tokens == 0 and u.live_kv_tokens >= u.prompt_tokens
-        else:
-            assert u.evicted_entries > 0
-        if turn == 1:
-            # the whole previous prompt comes back from the prefix cache, holes included
-            assert u.prefix_hit_tokens >= usages[0].prompt_tokens - 1
-        turns.append(msgs + [{"role": "assistant", "content": res.text}, NEXT_USER])
-    assert engine.end_session(sid) >= 0
     engine.store.check_invariants()

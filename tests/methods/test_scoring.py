@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from agentkv.methods import ModelShape, ObserveRequest, PlanContext, method_class
+from agentkv.methods.base import topk_positions
 from agentkv.methods.intentkv import IntentKVMethod
 from agentkv.methods.query_memory import QueryMemoryStore, normalize
 from agentkv.policies import H2O, IntentKV, SnapKV, StreamingLLM
@@ -228,6 +229,17 @@ def test_nothing_evicted_within_budget(qk, policy):
 
 
 # --------------------------------------------------------------------------- IntentKV
+
+
+def test_topk_positions_prefers_earlier_on_ties():
+    scores = torch.tensor([0.0, 0.5, 0.2, 0.5, 0.5, 0.2, 0.9, 0.0])
+    candidates = torch.tensor([True, True, True, True, False, True, True, True])
+    assert topk_positions(scores, candidates, 3).tolist() == [1, 3, 6]
+    assert topk_positions(scores, candidates, 4).tolist() == [1, 2, 3, 6]
+    assert topk_positions(scores, candidates, 0).tolist() == []
+    assert topk_positions(scores, candidates, 10).tolist() == [0, 1, 2, 3, 5, 6, 7]
+    flat = torch.zeros(8)
+    assert topk_positions(flat, candidates, 2).tolist() == [0, 1]
 
 
 def test_query_memory_update_math():

@@ -1,0 +1,97 @@
+"""Render docs/benchmarks/decode_attention.json as the markdown table of
+docs/benchmarks-decode.md (no GPU needed).
+
+    python benchmarks/decode_table.py [--json docs/benchmarks/decode_attention.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+IMPLS = ("sdpa_bf16", "sglang_bf16", "bf16", "int4", "int2", "mixed")
+TARGETS = {"int4": 2.5, "int2": 4.0}
+
+
+def _key(r: dict) -> tuple:
+    return (r["B"], r["N"], r["impl"], r["dead_fraction"], r.get("dead_pattern") or "")
+
+
+def render(doc: dict) -> str:
+    rows = {_key(r): r for r in doc["results"]}
+    shapes = sorted({(r["B"], r["N"]) for r in doc["results"]})
+    out = [
+        f"GPU: {doc['gpu']} · date: {doc['date']} · torch {doc.get('torch')} · "
+        f"triton {doc.get('triton')} · SGLang {doc.get('sglang') or 'n/a'}",
+        "",
+        f"Command: `{doc['command']}` (Hq={doc['shape']['Hq']}, Hkv={doc['shape']['Hkv']}, "
+        f"D={doc['shape']['D']}, bf16 queries; {doc['timing']}).",
+        "",
+        "### Time (µs) and speed-up over bf16 SDPA, 0% DEAD",
+        "",
+        "| B | N | SDPA bf16 | SGLang bf16 | agentkv bf16 | INT4 | INT2 | mixed 75/25 |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for b, n in shapes:
+        cells = []
+        for impl in IMPLS:
+            r = rows.get((b, n, impl, 0.0, ""))
+            if r is None:
+                cells.append("—")
+                continue
+            sp = r.get("speedup_vs_sdpa")
+            cells.append(
+                f"{r['time_us']:.1f}" + (f" ({sp:.2f}×)" if sp and impl != "sdpa_bf16" else "")
+            )
+        out.append(f"| {b} | {n // 1024}k | " + " | ".join(cells) + " |")
+    out += [
+        "",
+        "### Effective bandwidth (TB/s = bytes the kernel must read / time), 0% DEAD",
+        "",
+        "| B | N | SDPA bf16 | SGLang bf16 | agentkv bf16 | INT4 | INT2 | mixed |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for b, n in shapes:
+        cells = []
+        for impl in IMPLS:
+            r = rows.get((b, n, impl, 0.0, ""))
+            cells.append(f"{r['bandwidth_TBps']:.2f}" if r else "—")
+        out.append(f"| {b} | {n // 1024}k | " + " | ".join(cells) + " |")
+    out += [
+        "",
+        "### 50% of positions DEAD: time (speed-up over SDPA) and bytes read vs 0% DEAD",
+        "",
+        "`random`: every position DEAD with p = 0.5; `runs`: half of the 512-token runs DEAD "
+        "(evicted spans).",
+        "",
+        "| B | N | impl | 0% DEAD µs | random µs | random bytes | runs µs | runs bytes |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for b, n in shapes:
+        for impl in IMPLS[2:]:
+            r0 = rows.get((b, n, impl, 0.0, ""))
+            rr = rows.get((b, n, impl, 0.5, "random"))
+            ru = rows.get((b, n, impl, 0.5, "runs"))
+            if not (r0 and rr and ru):
+                continue
+            out.append(
+                f"| {b} | {n // 1024}k | {impl} | {r0['time_us']:.1f} | "
+                f"{rr['time_us']:.1f} ({rr['speedup_vs_sdpa']:.2f}×) | "
+                f"{rr['bytes'] / r0['bytes']:.2f}× | "
+                f"{ru['time_us']:.1f} ({ru['speedup_vs_sdpa']:.2f}×) | {ru['bytes'] / r0['bytes']:.2f}× |"
+            )
+    if doc.get("errors"):
+        out += ["", "Errors recorded: " + json.dumps(doc["errors"])]
+    return "\n".join(out) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--json", default="docs/benchmarks/decode_attention.json")
+    args = ap.parse_args()
+    print(render(json.loads(Path(args.json).read_text())))
+
+
+if __name__ == "__main__":
+    main()

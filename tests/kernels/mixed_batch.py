@@ -1,0 +1,141 @@
+"""Random mixed-precision decode batches (INT2 | INT4 | full segments, DEAD positions,
+head masks) for the kernel tests. Imported by conftest.py and the test modules; the Triton
+interpreter switch is set in conftest.py before this module (and agentkv.kernels) loads."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from agentkv.kernels import KVPools, write_int2_pages, write_int4
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@dataclass
+class MixedBatch:
+    """A decode batch over three pools.
+
+    slot_map [B, L] int32, seq_lens / int2_lens / int4_lens [B] int32, q [B, Hq, D],
+    head_mask [B, Hkv, L] bool or None.
+    """
+
+    pools: KVPools
+    q: torch.Tensor
+    slot_map: torch.Tensor
+    seq_lens: torch.Tensor
+    int2_lens: torch.Tensor
+    int4_lens: torch.Tensor
+    head_mask: torch.Tensor | None
+
+
+def _dead_mask(n: int, fraction: float, pattern: str, gen: torch.Generator) -> torch.Tensor:
+    """[n] bool, True = DEAD. pattern: 'random' positions or one contiguous 'run'."""
+    if fraction <= 0 or n == 0:
+        return torch.zeros(n, dtype=torch.bool)
+    if pattern == "random":
+        return torch.rand(n, generator=gen) < fraction
+    run = int(round(n * fraction))
+    start = int(torch.randint(0, max(1, n - run + 1), (1,), generator=gen))
+    m = torch.zeros(n, dtype=torch.bool)
+    m[start : start + run] = True
+    return m
+
+
+def build_mixed_batch(
+    lens: list[tuple[int, int, int]],
+    *,
+    hq: int,
+    hkv: int,
+    d: int,
+    dtype: torch.dtype = torch.float16,
+    dead_fraction: float = 0.0,
+    dead_pattern: str = "random",
+    head_mask_fraction: float = 0.0,
+    pad: int = 0,
+    seed: int = 0,
+    kv_scale: float = 1.0,
+) -> MixedBatch:
+    """lens: per request (INT2 pages, INT4 tokens, full tokens). Pools are filled with
+    quantized random K/V (through the torch writers), slots are shuffled, DEAD positions
+    drawn per ``dead_pattern`` and ``pad`` extra unused columns appended to the slot map."""
+    gen = torch.Generator().manual_seed(seed)
+    n_pages = max(1, sum(p for p, _, _ in lens))
+    n4 = max(1, sum(t for _, t, _ in lens))
+    nf = 1 + max(1, sum(t for _, _, t in lens))
+    pools = KVPools.allocate(nf, n4, n_pages, hkv, d, dtype)
+
+    def rnd(*shape: int) -> torch.Tensor:
+        # a per-channel offset makes keys look like real ones (outlier channels)
+        x = torch.randn(*shape, generator=gen) + 2.0 * torch.randn(shape[-1], generator=gen)
+        return (x * kv_scale).to(dtype)
+
+    pools.full.k.copy_(rnd(nf, hkv, d))
+    pools.full.v.copy_(rnd(nf, hkv, d))
+    write_int4(pools.int4, torch.arange(n4), rnd(n4, hkv, d), rnd(n4, hkv, d), backend="torch")
+    write_int2_pages(
+        pools.int2,
+        torch.arange(n_pages),
+        rnd(32 * n_pages, hkv, d),
+        rnd(32 * n_pages, hkv, d),
+        backend="torch",
+    )
+    page_perm = torch.randperm(n_pages, generator=gen)
+    int4_perm = torch.randperm(n4, generator=gen)
+    full_perm = torch.randperm(nf - 1, generator=gen) + 1  # slot 0 is DEAD
+    b = len(lens)
+    length = max(p * 32 + t4 + tf for p, t4, tf in lens) + pad
+    slot_map = torch.zeros(b, max(1, length), dtype=torch.int32)
+    ip = i4 = i_f = 0
+    for r, (p, t4, tf) in enumerate(lens):
+        pages = page_perm[ip : ip + p]
+        ip += p
+        rows = pools.int2_slot_ids(pages)  # [p, 32]
+        # shuffle rows inside each page: the kernel takes the row from the slot id
+        rows = torch.gather(rows, 1, torch.argsort(torch.rand(rows.shape, generator=gen), 1))
+        ids = torch.cat(
+            [
+                rows.flatten(),
+                pools.int4_base + int4_perm[i4 : i4 + t4],
+                full_perm[i_f : i_f + tf],
+            ]
+        )
+        i4 += t4
+        i_f += tf
+        n = ids.numel()
+        dead = _dead_mask(n, dead_fraction, dead_pattern, gen)
+        slot_map[r, :n] = torch.where(dead, 0, ids).to(torch.int32)
+    seq_lens = torch.tensor([p * 32 + t4 + tf for p, t4, tf in lens], dtype=torch.int32)
+    int2_lens = torch.tensor([p * 32 for p, _, _ in lens], dtype=torch.int32)
+    int4_lens = torch.tensor([t4 for _, t4, _ in lens], dtype=torch.int32)
+    head_mask = None
+    if head_mask_fraction > 0:
+        head_mask = torch.rand(b, hkv, slot_map.shape[1], generator=gen) >= head_mask_fraction
+    q = (torch.randn(b, hq, d, generator=gen) * 2.0).to(dtype)
+
+    def dev(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.to(DEVICE)
+
+    if DEVICE.type == "cuda":
+        pools = _pools_to(pools, DEVICE)
+    return MixedBatch(
+        pools,
+        dev(q),
+        dev(slot_map),
+        dev(seq_lens),
+        dev(int2_lens),
+        dev(int4_lens),
+        dev(head_mask),
+    )
+
+
+def _pools_to(pools: KVPools, device: torch.device) -> KVPools:
+    from dataclasses import fields, replace
+
+    def move(obj):  # type: ignore[no-untyped-def]
+        if obj is None:
+            return None
+        return replace(obj, **{f.name: getattr(obj, f.name).to(device) for f in fields(obj)})
+
+    return KVPools(move(pools.full), move(pools.int4), move(pools.int2))
