@@ -30,7 +30,9 @@ class ReplayState(TypedDict):
 
 
 def _next_assistant(trajectory: Sequence[dict[str, Any]], start: int) -> int | None:
-    return next((i for i in range(start, len(trajectory)) if trajectory[i]["role"] == "assistant"), None)
+    return next(
+        (i for i in range(start, len(trajectory)) if trajectory[i]["role"] == "assistant"), None
+    )
 
 
 def build_replay_graph(trajectory: Sequence[dict[str, Any]], llm: Any):
@@ -42,7 +44,10 @@ def build_replay_graph(trajectory: Sequence[dict[str, Any]], llm: Any):
         cursor = state["cursor"]
         reply = llm.invoke(convert_to_messages(list(trajectory[:cursor])))
         nxt = _next_assistant(trajectory, cursor + 1)
-        return {"cursor": nxt if nxt is not None else len(trajectory), "replies": [*state["replies"], reply.content]}
+        return {
+            "cursor": nxt if nxt is not None else len(trajectory),
+            "replies": [*state["replies"], reply.content],
+        }
 
     def route(state: ReplayState) -> str:
         cursor = state["cursor"]
@@ -61,13 +66,16 @@ def build_replay_graph(trajectory: Sequence[dict[str, Any]], llm: Any):
 
 
 def demo_policies(budgets: Sequence[int]) -> list[KVPolicy]:
+    """FullCache, IntentKV at each budget (and the lowest without the protected system block),
+    and the baselines at a 1024-token budget."""
     low = min(budgets) if budgets else 256
     return [
         FullCache(),
         *[IntentKV(budget=b) for b in budgets],
-        StreamingLLM(budget=low + 1024),
-        SnapKV(budget=low + 1024),
-        H2O(budget=low + 1024),
+        IntentKV(budget=low, protect_system=False),
+        StreamingLLM(budget=1024),
+        SnapKV(budget=1024),
+        H2O(budget=1024),
     ]
 
 
@@ -109,19 +117,28 @@ def run_demo(
         raise ValueError("the trajectory has no assistant message")
     t0 = time.perf_counter()
     engine = engine or Engine(model, device=device)
-    print_fn(f"engine: {engine.model_name} on {engine.device} (loaded in {time.perf_counter() - t0:.1f}s)")
+    print_fn(
+        f"engine: {engine.model_name} on {engine.device} (loaded in {time.perf_counter() - t0:.1f}s)"
+    )
     print_fn(f"trajectory: tau-bench airline #{trace_index}, {len(trajectory)} messages")
     results: dict[str, dict[str, dict[str, float]]] = {}
     with BackgroundServer(engine) as server:
-        llm = ChatOpenAI(base_url=server.base_url, api_key="agentkv", model=engine.model_name,
-                         max_tokens=max_tokens, temperature=0)
+        llm = ChatOpenAI(
+            base_url=server.base_url,
+            api_key="agentkv",
+            model=engine.model_name,
+            max_tokens=max_tokens,
+            temperature=0,
+        )
         graph = build_replay_graph(trajectory, llm)
         for policy in demo_policies(budgets):
             label = policy.describe()
             app = with_kv_policy(graph, default=policy)
             mark = len(engine.request_log)
-            app.invoke({"cursor": start, "replies": []},
-                       config={"configurable": {"thread_id": f"demo-{label}"}, "recursion_limit": 200})
+            app.invoke(
+                {"cursor": start, "replies": []},
+                config={"configurable": {"thread_id": f"demo-{label}"}, "recursion_limit": 200},
+            )
             usages = list(engine.request_log)[mark:]
             results[label] = _node_rows(usages)
             print_fn(f"  ran {label}: {len(usages)} model calls")

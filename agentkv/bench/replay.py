@@ -303,6 +303,12 @@ def replay(
     return _report(engine, policies, labels, records, used, greedy_tokens, max_tokens, command)
 
 
+def _device_name(engine: Engine) -> str:
+    if engine.device.type == "cuda":
+        return f"{engine.device} ({torch.cuda.get_device_name(engine.device)})"
+    return f"{engine.device} ({platform.processor() or platform.machine()})"
+
+
 def _report(
     engine, policies, labels, records, used, greedy_tokens, max_tokens, command
 ) -> ReplayReport:
@@ -311,7 +317,7 @@ def _report(
     ]
     return ReplayReport(
         model=engine.model_name,
-        device=str(engine.device),
+        device=_device_name(engine),
         date=date.today().isoformat(),
         command=command,
         traces=list(used),
@@ -359,43 +365,51 @@ def write_outputs(report: ReplayReport, out: Path) -> dict[str, Path]:
     return paths
 
 
+def _family(s: PolicySummary) -> str:
+    """Plot series: the method plus any non-default knob other than the budget."""
+    label = s.label
+    if s.budget is not None:
+        label = label.replace(f"budget={s.budget}", "").replace("(, ", "(").replace("()", "")
+    return label.rstrip("(").replace("()", "") or s.policy["method"]
+
+
 def plot(report: ReplayReport, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     groups: dict[str, list[PolicySummary]] = defaultdict(list)
     for s in report.summaries:
-        groups[s.policy["method"]].append(s)
-    for method, items in groups.items():
+        groups[_family(s)].append(s)
+    for family, items in groups.items():
         items = sorted(items, key=lambda s: s.mean_peak_live_kv_bytes)
         x = [s.mean_peak_live_kv_bytes / 2**20 for s in items]
-        marker = "*" if method == "full" else "o"
-        axes[0].plot(
-            x,
-            [s.top1_agreement for s in items],
-            marker=marker,
-            label=method,
-            markersize=9 if marker == "*" else 5,
-        )
-        axes[1].plot(
-            x,
-            [max(s.mean_kl, 1e-6) for s in items],
-            marker=marker,
-            label=method,
-            markersize=9 if marker == "*" else 5,
-        )
+        style = {"marker": "o", "markersize": 5, "label": family}
+        if family == "full":
+            style = {
+                "marker": "*",
+                "markersize": 14,
+                "label": family,
+                "color": "black",
+                "zorder": 5,
+            }
+        axes[0].plot(x, [s.top1_agreement for s in items], **style)
+        axes[1].plot(x, [max(s.mean_kl, 1e-6) for s in items], **style)
         for s, xi in zip(items, x, strict=True):
             if s.budget is not None:
                 axes[0].annotate(
                     str(s.budget),
                     (xi, s.top1_agreement),
                     fontsize=7,
-                    xytext=(3, 3),
+                    xytext=(3, -9),
                     textcoords="offset points",
                 )
+    for ax in axes:
+        ax.set_xscale("log")
+        ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
     axes[0].set_ylabel("top-1 agreement with FullCache")
     axes[1].set_ylabel("mean KL(full || policy), nats")
     axes[1].set_yscale("log")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated
 
@@ -98,20 +100,21 @@ def bench_replay(
     """Replay multi-turn trajectories under several policies; fidelity vs FullCache and memory."""
     from agentkv.bench.replay import run_replay_cli
 
-    run_replay_cli(
-        traces=traces,
-        source=source,
-        policies=policy,
-        limit=limit,
-        out=out,
-        model=model,
-        device=device,
-        max_tokens=max_tokens,
-        greedy_tokens=greedy_tokens,
-        skip=skip,
-        max_seconds=max_seconds,
-        shard=shard,
-    )
+    with _user_errors():
+        run_replay_cli(
+            traces=traces,
+            source=source,
+            policies=policy,
+            limit=limit,
+            out=out,
+            model=model,
+            device=device,
+            max_tokens=max_tokens,
+            greedy_tokens=greedy_tokens,
+            skip=skip,
+            max_seconds=max_seconds,
+            shard=shard,
+        )
 
 
 @bench_app.command("merge")
@@ -125,6 +128,16 @@ def bench_merge(
     report = merge_results(results)
     write_outputs(report, out)
     print(summary_table(report))
+
+
+@contextmanager
+def _user_errors() -> Iterator[None]:
+    """Bad input (traces, policy specs, paths) -> one line on stderr and exit code 2."""
+    try:
+        yield
+    except (ValueError, FileNotFoundError) as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
 
 
 def main() -> None:

@@ -159,7 +159,8 @@ def test_plan_does_not_depend_on_other_sessions_cache(engine, sid):
         return engine.chat(messages, payload=payload, gen=GenerationConfig(max_tokens=2)).usage
 
     # FullCache has no prefill observer: it reuses all but the last prompt token
-    assert chat("full1", FullCache()).prefix_hit_tokens <= 3  # a new conversation
+    # a new conversation shares at most the template's opening and a few id characters
+    assert chat("full1", FullCache()).prefix_hit_tokens < 8
     assert chat("full2", FullCache()).prefix_hit_tokens == len(tags) - 1
     # IntentKV recomputes from the actionable query on, whatever the cache holds
     a, b = chat("a", policy), chat("b", policy)
