@@ -1,5 +1,5 @@
 """Render docs/benchmarks/decode_attention.json as the markdown table of
-section 2 of docs/benchmarks.md (no GPU needed).
+section 3 of docs/benchmarks.md (no GPU needed).
 
     python benchmarks/decode_table.py [--json docs/benchmarks/decode_attention.json]
 """
