@@ -13,14 +13,17 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterable, Mapping
+from types import MappingProxyType
 from typing import Annotated, Any, ClassVar, Literal, Union
 
 import annotated_types
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
     ModelWrapValidatorHandler,
+    PlainSerializer,
     TypeAdapter,
     ValidationError,
     field_validator,
@@ -30,6 +33,20 @@ from pydantic_core import PydanticCustomError
 
 MAX_BUDGET = 1 << 20  # tokens
 _BOUND_ERRORS = {"greater_than_equal", "greater_than", "less_than_equal", "less_than"}
+
+
+def _read_only(value: Any) -> Any:
+    """Frozen models keep their dict fields read-only too (``MappingProxyType``)."""
+    return MappingProxyType(dict(value)) if isinstance(value, Mapping) else value
+
+
+def _plain(value: Any) -> Any:
+    return dict(value) if isinstance(value, Mapping) else value
+
+
+#: annotations: ``dict`` on the wire and in the schema, read-only once validated.
+_READ_ONLY = AfterValidator(_read_only)
+_AS_DICT = PlainSerializer(_plain)
 
 
 def _num(x: float) -> str:
@@ -133,7 +150,7 @@ class TriAxialKV(KVPolicy):
     avg_bits: float = Field(3.0, ge=2.0, le=4.0, description="average KV bits per element")
     group_size: Literal[32] = 32
     page_size: Literal[32] = 32
-    allocation: dict[str, Literal[2, 4]] | None = Field(
+    allocation: Annotated[dict[str, Literal[2, 4]] | None, _READ_ONLY, _AS_DICT] = Field(
         None,
         description="calibrated bits per tag name (e.g. 'obs/text/older': 2); None = calibrate",
     )
@@ -279,7 +296,7 @@ class GraphPolicy(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     default: Policy = Field(default_factory=FullCache)
-    nodes: dict[str, Policy] = Field(default_factory=dict)
+    nodes: Annotated[dict[str, Policy], _READ_ONLY, _AS_DICT] = Field(default_factory=dict)
 
     def for_node(self, node: str | None) -> KVPolicy:
         if node is not None and node in self.nodes:

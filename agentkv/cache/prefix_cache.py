@@ -168,7 +168,8 @@ class PrefixCache:
     @staticmethod
     def _has_hole(path: list[TreeNode]) -> bool:
         return any(
-            bool((n.value == DEAD).any()) or (n.keep_mask is not None and not bool(n.keep_mask.all()))
+            bool((n.value == DEAD).any())
+            or (n.keep_mask is not None and not bool(n.keep_mask.all()))
             for n in path
         )
 
