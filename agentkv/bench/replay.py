@@ -447,9 +447,12 @@ def run_replay_cli(
     skip: int = 0,
     max_seconds: float | None = None,
     shard: str | None = None,
+    skip_done: Sequence[Path] = (),
 ) -> ReplayReport:
     parsed = [parse_policy_spec(p) for p in policies]
     loaded = load_traces(traces, source, limit)[skip:]
+    done = {t for p in skip_done for t in json.loads(Path(p).read_text())["traces"]}
+    loaded = [t for t in loaded if t.id not in done]
     if shard:
         index, count = (int(x) for x in shard.split("/"))
         if not 0 <= index < count:

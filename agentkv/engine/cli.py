@@ -96,6 +96,10 @@ def bench_replay(
     shard: Annotated[
         str | None, typer.Option(help="i/n: replay every n-th trajectory from the i-th")
     ] = None,
+    skip_done: Annotated[
+        list[Path] | None,
+        typer.Option(help="results.json of earlier runs: skip the trajectories they hold"),
+    ] = None,
 ) -> None:
     """Replay multi-turn trajectories under several policies; fidelity vs FullCache and memory."""
     from agentkv.bench.replay import run_replay_cli
@@ -114,6 +118,7 @@ def bench_replay(
             skip=skip,
             max_seconds=max_seconds,
             shard=shard,
+            skip_done=skip_done or [],
         )
 
 
