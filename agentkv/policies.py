@@ -71,7 +71,7 @@ def _bounds(field: Any) -> tuple[float, float, bool, bool]:
 class KVPolicy(BaseModel):
     """Base of all policies. ``method`` is the wire discriminator."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
     method: str
 
     #: True when the policy may evict tokens (drives telemetry and tests).

@@ -159,7 +159,9 @@ def test_boundaries_are_accepted(cls, field, value):
         (UniformQuant, {"bits": 3}, r"bits\n.*Input should be 2 or 4"),
         (KVzap, {"surrogate": "tree"}, r"surrogate\n.*Input should be 'mlp' or 'linear'"),
         (IntentKV, {"budget": "lots"}, r"budget\n.*Input should be a valid integer"),
-        (IntentKV, {"budget": 1.5}, r"budget\n.*fractional part"),
+        (IntentKV, {"budget": 1.5}, r"budget\n.*valid integer"),
+        (IntentKV, {"budget": "512"}, r"budget\n.*valid integer"),  # strict: no coercion
+        (IntentKV, {"protect_system": "yes"}, r"protect_system\n.*valid boolean"),
         (IntentKV, {"method": "arkv"}, r"method\n.*Input should be 'intentkv'"),
     ],
 )

@@ -264,7 +264,13 @@ MALFORMED = [
         "budget-frac",
         lambda b: _mut(b, ("policy", "budget"), 1.5),
         "policy.budget",
-        "fractional part",
+        "valid integer",
+    ),
+    (
+        "budget-string",  # the wire is strict: no "512" -> 512 coercion
+        lambda b: _mut(b, ("policy", "budget"), "512"),
+        "policy.budget",
+        "valid integer",
     ),
     (
         "decay-1",
