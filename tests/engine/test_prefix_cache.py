@@ -84,7 +84,9 @@ def test_turns_reuse_prefix_and_keep_holes(engine, monkeypatch, sid, policy):
         shape = engine.shape  # token-level eviction: every layer and KV head of a position
         assert u.evicted_entries == u.evicted_tokens * shape.num_layers * shape.num_kv_heads
         if k == 0:  # only the template's opening can be shared with other conversations
-            assert u.prefix_hit_tokens <= 3
+            # a new conversation: at most the template's opening and a few id characters
+            # (the random session id may share its first hex digits with another test's)
+            assert u.prefix_hit_tokens < 8
             assert int(dead.sum()) == u.evicted_tokens
         else:
             prev_res, prev_slots, prev_tags = turns[k - 1]
