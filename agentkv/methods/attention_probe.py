@@ -6,6 +6,8 @@ import math
 
 import torch
 
+from agentkv.methods.base import ObserveRequest, PrefillObserver
+
 
 def attention_probs(
     q: torch.Tensor,
@@ -45,3 +47,40 @@ def attention_probs(
     logits = logits.masked_fill(~visible, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     return torch.nan_to_num(probs, nan=0.0)
+
+
+class AttentionColumnSums(PrefillObserver):
+    """Prefill observer: per layer, the attention each key receives from the observed queries
+    (those at positions ``>= first_query``), for attention-statistics scorers (SnapKV, H2O).
+
+    Attributes:
+        sums: float32 ``[L, Hq, T]``, summed softmax probabilities per query head and key.
+        counts: float32 ``[L, T]``, observed queries that can see each key (causal).
+        seen: bool ``[L, T]``, key was visible to the observer in that layer.
+        head_live: bool ``[L, Hkv, T]``, the KV head still held the key when it was observed.
+    """
+
+    def __init__(self, req: ObserveRequest, first_query: int = 0):
+        s = req.shape
+        self.first_query = first_query
+        self.sums = torch.zeros(s.num_layers, s.num_q_heads, req.seq_len)
+        self.counts = torch.zeros(s.num_layers, req.seq_len)
+        self.seen = torch.zeros(s.num_layers, req.seq_len, dtype=torch.bool)
+        self.head_live = torch.zeros(s.num_layers, s.num_kv_heads, req.seq_len, dtype=torch.bool)
+
+    def observe(self, layer, q, q_positions, k, k_positions, head_mask):
+        if self.first_query > 0:
+            sel = q_positions >= self.first_query
+            if not bool(sel.any()):
+                return
+            q, q_positions = q[:, sel], q_positions[sel]
+        probs = attention_probs(q, q_positions, k, k_positions, head_mask)
+        pos = k_positions.cpu()
+        self.sums[layer][:, pos] += probs.sum(dim=1).cpu()
+        visible = (k_positions[None, :] <= q_positions[:, None]).sum(dim=0)
+        self.counts[layer, pos] += visible.cpu().float()
+        self.seen[layer, pos] = True
+        self.head_live[layer][:, pos] = True if head_mask is None else head_mask.cpu()
+
+    def result(self) -> AttentionColumnSums:
+        return self

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from agentkv.methods.attention_probe import attention_probs
+from agentkv.methods.attention_probe import AttentionColumnSums
 from agentkv.methods.base import (
     Method,
     ObserveRequest,
@@ -24,37 +24,17 @@ from agentkv.methods.base import (
 from agentkv.policies import H2O, KVPolicy
 
 
-class _ObservedAttention(PrefillObserver):
-    def __init__(self, req: ObserveRequest):
-        s = req.shape
-        self.sums = torch.zeros(s.num_layers, s.num_q_heads, req.seq_len)
-        self.counts = torch.zeros(s.num_layers, req.seq_len)
-        #: bool ``[L, Hkv, T]``: the KV head held the key when the queries looked.
-        self.head_live = torch.zeros(s.num_layers, s.num_kv_heads, req.seq_len, dtype=torch.bool)
-
-    def observe(self, layer, q, q_positions, k, k_positions, head_mask):
-        probs = attention_probs(q, q_positions, k, k_positions, head_mask)
-        pos = k_positions.cpu()
-        self.sums[layer][:, pos] += probs.sum(dim=1).cpu()
-        visible = (k_positions[None, :] <= q_positions[:, None]).sum(dim=0)
-        self.counts[layer, pos] += visible.cpu().float()
-        self.head_live[layer][:, pos] = True if head_mask is None else head_mask.cpu()
-
-    def result(self):
-        return self
-
-
 @register_method
 class H2OMethod(Method):
     name = "h2o"
 
     def observer(self, policy: KVPolicy, req: ObserveRequest) -> PrefillObserver | None:
-        return _ObservedAttention(req)
+        return AttentionColumnSums(req)
 
     def plan(self, ctx: PlanContext) -> Plan:
         policy = ctx.policy
         assert isinstance(policy, H2O)
-        obs: _ObservedAttention = ctx.observation
+        obs: AttentionColumnSums = ctx.observation
         T, s = ctx.seq_len, self.shape
         live = ctx.live
         if int(live.sum()) <= policy.budget:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from agentkv.methods.attention_probe import attention_probs
+from agentkv.methods.attention_probe import AttentionColumnSums
 from agentkv.methods.base import (
     Method,
     ObserveRequest,
@@ -26,30 +26,6 @@ from agentkv.methods.base import (
 from agentkv.policies import KVPolicy, SnapKV
 
 
-class _WindowObserver(PrefillObserver):
-    def __init__(self, req: ObserveRequest, window_start: int):
-        s = req.shape
-        self.window_start = window_start
-        self.sums = torch.zeros(s.num_layers, s.num_q_heads, req.seq_len)
-        self.seen = torch.zeros(s.num_layers, req.seq_len, dtype=torch.bool)
-        #: bool ``[L, Hkv, T]``: the KV head still held the key when the window looked.
-        self.head_live = torch.zeros(s.num_layers, s.num_kv_heads, req.seq_len, dtype=torch.bool)
-        self.num_queries = req.seq_len - window_start
-
-    def observe(self, layer, q, q_positions, k, k_positions, head_mask):
-        sel = q_positions >= self.window_start
-        if not bool(sel.any()):
-            return
-        probs = attention_probs(q[:, sel], q_positions[sel], k, k_positions, head_mask)
-        pos = k_positions.cpu()
-        self.sums[layer][:, pos] += probs.sum(dim=1).cpu()
-        self.seen[layer, pos] = True
-        self.head_live[layer][:, pos] = True if head_mask is None else head_mask.cpu()
-
-    def result(self):
-        return self
-
-
 @register_method
 class SnapKVMethod(Method):
     name = "snapkv"
@@ -58,22 +34,22 @@ class SnapKVMethod(Method):
         assert isinstance(policy, SnapKV)
         new = req.seq_len - req.num_cached
         window = max(1, min(policy.window, new))
-        return _WindowObserver(req, req.seq_len - window)
+        return AttentionColumnSums(req, first_query=req.seq_len - window)
 
     def plan(self, ctx: PlanContext) -> Plan:
         policy = ctx.policy
         assert isinstance(policy, SnapKV)
-        obs: _WindowObserver = ctx.observation
+        obs: AttentionColumnSums = ctx.observation
         T, s = ctx.seq_len, self.shape
         live = ctx.live
         if int(live.sum()) <= policy.budget:
             return Plan(note="below budget: nothing evicted")
-        window_idx = torch.nonzero(live & (torch.arange(T) >= obs.window_start)).reshape(-1)
+        window_idx = torch.nonzero(live & (torch.arange(T) >= obs.first_query)).reshape(-1)
         kept_window = window_idx[max(window_idx.numel() - policy.budget, 0) :]
         in_window = torch.zeros(T, dtype=torch.bool)
         in_window[window_idx] = True
         budget_rest = policy.budget - kept_window.numel()
-        mean = obs.sums / max(obs.num_queries, 1)  # [L, Hq, T]
+        mean = obs.sums / max(T - obs.first_query, 1)  # [L, Hq, T], mean over the window
         keep = torch.zeros(s.num_layers, s.num_kv_heads, T, dtype=torch.bool)
         scores_all = torch.zeros(s.num_layers, s.num_kv_heads, T)
         for layer in range(s.num_layers):
