@@ -30,7 +30,7 @@ from langchain.agents.middleware import AgentMiddleware, ModelRequest, ModelResp
 from agentkv.session import resolve_session_id
 from agentkv.wire import build_payload, to_extra_body
 
-from ._common import (
+from .run_context import (
     PolicyLike,
     RunContext,
     coerce_policy,

@@ -46,7 +46,7 @@ from agentkv.session import resolve_session_id
 from agentkv.wire import build_payload
 
 from . import openai as _openai
-from ._common import (
+from .run_context import (
     PolicyLike,
     RunContext,
     coerce_policy,

@@ -33,7 +33,7 @@ from agentkv.policies import KVPolicy
 from agentkv.session import resolve_session_id
 from agentkv.wire import KVPayload, build_payload, to_extra_body
 
-from ._common import PolicyLike, coerce_policy, has_payload
+from .run_context import PolicyLike, coerce_policy, has_payload
 
 __all__ = ["instrument", "is_instrumented", "kv_client", "uninstrument"]
 

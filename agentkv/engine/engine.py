@@ -254,8 +254,7 @@ class Engine:
             finally:
                 self.store.finish_request(req, cache=True)
         usage = usage.model_copy(update={"raw_kv_reads": raw, "effective_kv_reads": eff})
-        self.sessions.record(usage)
-        self.request_log.append(usage)
+        self._record(usage)
         text = self._truncate_at_stop(self.tokenizer.decode(out_ids, skip_special_tokens=True), gen)
         content, calls = parse_tool_calls(text)
         if calls:
@@ -319,9 +318,13 @@ class Engine:
             finally:
                 self.store.finish_request(req, cache=True)
         usage = usage.model_copy(update={"raw_kv_reads": raw, "effective_kv_reads": eff})
+        self._record(usage)
+        return ScoreResult(torch.tensor(target_ids), all_logits.float().cpu(), usage, greedy)
+
+    def _record(self, usage: KVUsage) -> None:
+        """One request's telemetry into the session aggregates and the request log."""
         self.sessions.record(usage)
         self.request_log.append(usage)
-        return ScoreResult(torch.tensor(target_ids), all_logits.float().cpu(), usage, greedy)
 
     def end_session(self, session_id: str) -> int:
         """Forget a session: its prefix-cache namespace, method state and metrics."""
