@@ -12,8 +12,10 @@
 #   later calls on the same warm machine: `run ...` again (nothing to stage).
 #
 # `run` writes to $OUT/replay (results.json, summary.md, fidelity_vs_memory.png); merge
-# pieces here with `agentkv bench merge */results.json --out DIR`. Keep one replay process
-# per GPU: several processes time-slice the GPU and each runs ~10x slower.
+# pieces here with `agentkv bench merge */results.json --out DIR`. On a machine of several
+# GPUs `run` starts one replay process per GPU (`--shard i/n`) and merges them into
+# $OUT/replay (shard<i>.json are the pieces). Never more than one process per GPU: several
+# processes time-slice the GPU and each runs ~10x slower.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cmd=${1:?usage: replay_device.sh prepare|stage|run [replay args...]}
@@ -57,8 +59,39 @@ run)
     python3 -m pip install -q --upgrade --no-deps --no-build-isolation --no-index --target /tmp/site .
     export PYTHONPATH=/tmp/site:/tmp/akv/pkg AGENTKV_CACHE_DIR=/tmp/akv/cache PYTHONUNBUFFERED=1
     export AGENTKV_TAU_BENCH=$PWD/.carry_data/gpt-4o-airline.json
-    cd /tmp
-    python3 -m agentkv.engine.cli bench replay --device cuda --out "${OUT:-/tmp/out}/replay" "$@"
+    # -P: import agentkv from /tmp/site, not from this checkout (paths stay relative to it)
+    out=${OUT:-/tmp/out}/replay
+    gpus=$(nvidia-smi -L | wc -l)
+    if [ "$gpus" -le 1 ]; then
+        python3 -P -m agentkv.engine.cli bench replay --device cuda --out "$out" "$@"
+        exit
+    fi
+    # one replay process per GPU, each on every n-th remaining trajectory; logs stay in /tmp
+    # (progress bars would flood the reply) and the shards are merged into $out at the end
+    rm -rf /tmp/shards && mkdir -p /tmp/shards "$out"
+    pids=()
+    for ((i = 0; i < gpus; i++)); do
+        CUDA_VISIBLE_DEVICES=$i OMP_NUM_THREADS=4 python3 -P -m agentkv.engine.cli bench replay \
+            --device cuda --shard "$i/$gpus" --out "/tmp/shards/$i" "$@" \
+            > "/tmp/shards/$i.log" 2>&1 &
+        pids+=($!)
+    done
+    status=0
+    for ((i = 0; i < gpus; i++)); do
+        rc=0
+        wait "${pids[$i]}" || rc=$?
+        [ "$rc" -eq 0 ] || status=$rc
+        echo "== shard $i/$gpus (exit $rc)"
+        grep -v '%|' "/tmp/shards/$i.log" | tail -n 4
+    done
+    shopt -s nullglob
+    results=(/tmp/shards/*/results.json)
+    [ ${#results[@]} -gt 0 ] || { echo "no shard wrote results" >&2; exit $((status ? status : 1)); }
+    for ((i = 0; i < gpus; i++)); do
+        [ -f "/tmp/shards/$i/results.json" ] && cp "/tmp/shards/$i/results.json" "$out/shard$i.json"
+    done
+    python3 -P -m agentkv.engine.cli bench merge "${results[@]}" --out "$out"
+    exit $status
     ;;
 *)
     echo "unknown command $cmd" >&2

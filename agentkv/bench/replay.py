@@ -448,7 +448,7 @@ def run_replay_cli(
     max_seconds: float | None = None,
     shard: str | None = None,
     skip_done: Sequence[Path] = (),
-) -> ReplayReport:
+) -> ReplayReport | None:
     parsed = [parse_policy_spec(p) for p in policies]
     loaded = load_traces(traces, source, limit)[skip:]
     done = {t for p in skip_done for t in json.loads(Path(p).read_text())["traces"]}
@@ -458,6 +458,9 @@ def run_replay_cli(
         if not 0 <= index < count:
             raise ValueError(f"--shard must be i/n with 0 <= i < n, got {shard!r}")
         loaded = loaded[index::count]
+    if not loaded:
+        print("nothing to replay: every selected trajectory is skipped or done", file=sys.stderr)
+        return None
     t0 = time.perf_counter()
     engine = Engine(model, device=device)
     print(

@@ -81,14 +81,16 @@ def _natural_key(text: str) -> list[Any]:
 
 
 def sample(traces: Sequence[Trace], limit: int | None = None, seed: int = 0) -> list[Trace]:
-    """Deterministic sample: ``limit`` traces drawn with ``seed`` from the id-sorted list."""
+    """Deterministic sample: ``limit`` traces drawn with ``seed`` from the id-sorted list,
+    returned in id order. Samples are nested: a smaller ``limit`` picks a subset of a larger
+    one (the first ``limit`` of one seeded permutation)."""
     ordered = sorted(traces, key=lambda t: _natural_key(t.id))
     if limit is None or limit >= len(ordered):
         return ordered
     if limit < 0:
         raise ValueError(f"limit must be >= 0, got {limit}")
-    picked = random.Random(seed).sample(range(len(ordered)), limit)
-    return [ordered[i] for i in sorted(picked)]
+    permutation = random.Random(seed).sample(range(len(ordered)), len(ordered))
+    return [ordered[i] for i in sorted(permutation[:limit])]
 
 
 def sample_ids(ids: Iterable[str], limit: int | None = None, seed: int = 0) -> list[str]:

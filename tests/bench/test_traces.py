@@ -446,6 +446,15 @@ def test_sample_order_and_bounds():
         sample(ts, -1)
 
 
+def test_sample_is_nested_across_limits():
+    """--limit 2 in CI replays a subset of --limit 50: results of different runs merge."""
+    ts = [Trace(f"x_{i}", "s", []) for i in range(200)]
+    picks = [{t.id for t in sample(ts, k, seed=0)} for k in (1, 2, 15, 50, 120, 199)]
+    assert [len(p) for p in picks] == [1, 2, 15, 50, 120, 199]
+    assert all(small < large for small, large in zip(picks, picks[1:]))
+    assert picks[3] != {t.id for t in sample(ts, 50, seed=1)}
+
+
 def test_check_tool_calls_catches_mismatches():
     call = {
         "role": "assistant",
