@@ -451,7 +451,7 @@ def test_sample_is_nested_across_limits():
     ts = [Trace(f"x_{i}", "s", []) for i in range(200)]
     picks = [{t.id for t in sample(ts, k, seed=0)} for k in (1, 2, 15, 50, 120, 199)]
     assert [len(p) for p in picks] == [1, 2, 15, 50, 120, 199]
-    assert all(small < large for small, large in zip(picks, picks[1:]))
+    assert all(small < large for small, large in zip(picks[:-1], picks[1:], strict=True))
     assert picks[3] != {t.id for t in sample(ts, 50, seed=1)}
 
 
