@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from agentkv.bench.bootstrap import paired_difference_ci, ratio_ci
 from agentkv.bench.traces import Trace, load_jsonl, load_source
 from agentkv.engine.engine import Engine, ScoreResult
 from agentkv.policies import FullCache, KVPolicy, parse_policy_spec
@@ -72,9 +73,11 @@ class PolicySummary:
     turns: int = 0
     tokens: int = 0
     top1_agreement: float = 0.0
+    top1_ci95: tuple[float, float] = (0.0, 0.0)  # bootstrap over trajectories
     mean_kl: float = 0.0
     nll_delta: float = 0.0
     greedy_exact_match: float = 0.0
+    greedy_ci95: tuple[float, float] = (0.0, 0.0)
     peak_request_tokens: int = 0
     mean_peak_live_kv_tokens: float = 0.0
     max_live_kv_tokens: float = 0.0
@@ -176,6 +179,23 @@ def _run_policy(
     return records, results
 
 
+def per_trajectory(
+    records: Sequence[TurnRecord], value: Callable[[TurnRecord], float]
+) -> dict[str, float]:
+    """Sum of ``value`` over each trajectory's turns, keyed by trajectory id."""
+    sums: dict[str, float] = defaultdict(float)
+    for r in records:
+        sums[r.trace] += value(r)
+    return dict(sums)
+
+
+def top1_ci95(records: Sequence[TurnRecord]) -> tuple[float, float]:
+    """Bootstrap 95% interval of top-1 agreement, resampling whole trajectories."""
+    agree = per_trajectory(records, lambda r: r.top1_agree)
+    tokens = per_trajectory(records, lambda r: r.target_tokens)
+    return ratio_ci([agree[t] for t in tokens], list(tokens.values()))
+
+
 def summarize(label: str, policy: KVPolicy, records: Sequence[TurnRecord]) -> PolicySummary:
     budget = getattr(policy, "budget", None)
     s = PolicySummary(label=label, policy=policy.model_dump(), budget=budget)
@@ -187,6 +207,10 @@ def summarize(label: str, policy: KVPolicy, records: Sequence[TurnRecord]) -> Po
     s.mean_kl = sum(r.kl_sum for r in records) / tokens
     s.nll_delta = (sum(r.nll_sum for r in records) - sum(r.nll_full_sum for r in records)) / tokens
     s.greedy_exact_match = sum(r.greedy_match for r in records) / len(records)
+    s.top1_ci95 = top1_ci95(records)
+    matches = per_trajectory(records, lambda r: r.greedy_match)
+    turns = per_trajectory(records, lambda r: 1)
+    s.greedy_ci95 = ratio_ci([matches[t] for t in turns], list(turns.values()))
     s.peak_request_tokens = max(r.peak_request_tokens for r in records)
     by_trace: dict[str, list[TurnRecord]] = defaultdict(list)
     for r in records:
@@ -330,14 +354,14 @@ def _report(
 
 def summary_table(report: ReplayReport) -> str:
     lines = [
-        f"| policy | top-1 agree | mean KL | ΔNLL | greedy EM@{report.greedy_tokens} | peak req tokens | mean peak live KV "
+        f"| policy | top-1 agree [95% CI] | mean KL | ΔNLL | greedy EM@{report.greedy_tokens} | peak req tokens | mean peak live KV "
         "tokens | mean peak live KV MiB | eff/raw KV reads | prefix-hit rate (turn≥2) | wall s |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for s in report.summaries:
         ratio = s.effective_kv_reads / s.raw_kv_reads if s.raw_kv_reads else 0.0
         lines.append(
-            f"| {s.label} | {s.top1_agreement:.3f} | {s.mean_kl:.4f} | {s.nll_delta:+.4f} "
+            f"| {s.label} | {s.top1_agreement:.3f} [{s.top1_ci95[0]:.3f}, {s.top1_ci95[1]:.3f}] | {s.mean_kl:.4f} | {s.nll_delta:+.4f} "
             f"| {s.greedy_exact_match:.2f} | {s.peak_request_tokens} | {s.mean_peak_live_kv_tokens:.0f} "
             f"| {s.mean_peak_live_kv_bytes / 2**20:.1f} | {ratio:.2f} | {s.prefix_hit_rate_turn2plus:.2f} "
             f"| {s.wall_time_s:.0f} |"
@@ -358,7 +382,8 @@ def write_outputs(report: ReplayReport, out: Path) -> dict[str, Path]:
         f"# Replay: {len(report.traces)} trajectories, {report.model} on {report.device}, {report.date}\n\n"
         f"Command: `{report.command}`\n\nFidelity is measured against FullCache, teacher-forced on every "
         f"assistant message (traces truncated to {report.max_tokens} tokens); greedy EM is exact match of "
-        f"the first {report.greedy_tokens} greedy tokens.\n\n"
+        f"the first {report.greedy_tokens} greedy tokens. The 95% intervals resample whole "
+        f"trajectories (bootstrap).\n\n"
     )
     paths["summary"].write_text(head + summary_table(report) + "\n")
     plot(report, paths["plot"])
@@ -396,7 +421,10 @@ def plot(report: ReplayReport, path: Path) -> None:
                 "color": "black",
                 "zorder": 5,
             }
-        axes[0].plot(x, [s.top1_agreement for s in items], **style)
+        y = [s.top1_agreement for s in items]
+        yerr = [[yi - s.top1_ci95[0] for yi, s in zip(y, items, strict=True)]]
+        yerr.append([s.top1_ci95[1] - yi for yi, s in zip(y, items, strict=True)])
+        axes[0].errorbar(x, y, yerr=yerr, capsize=2, elinewidth=0.8, **style)
         axes[1].plot(x, [max(s.mean_kl, 1e-6) for s in items], **style)
         for s, xi in zip(items, x, strict=True):
             if s.budget is not None:
@@ -409,8 +437,10 @@ def plot(report: ReplayReport, path: Path) -> None:
                 )
     for ax in axes:
         ax.set_xscale("log")
+        ax.xaxis.set_major_locator(matplotlib.ticker.LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
         ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
-    axes[0].set_ylabel("top-1 agreement with FullCache")
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    axes[0].set_ylabel("top-1 agreement with FullCache (95% CI)")
     axes[1].set_ylabel("mean KL(full || policy), nats")
     axes[1].set_yscale("log")
     for ax in axes:
@@ -516,3 +546,57 @@ def merge_results(paths: Sequence[Path], command: str = "") -> ReplayReport:
         summaries=summaries,
         turns=turns,
     )
+
+
+@dataclass
+class PairedComparison:
+    """Top-1 agreement of policy ``a`` minus policy ``b`` on the trajectories both ran."""
+
+    a: str
+    b: str
+    trajectories: int
+    top1_difference: float
+    ci95: tuple[float, float]
+
+    def __str__(self) -> str:
+        lo, hi = self.ci95
+        verdict = (
+            f"{self.a} agrees more"
+            if lo > 0
+            else f"{self.b} agrees more"
+            if hi < 0
+            else "no difference at 95%"
+        )
+        return (
+            f"{self.a} - {self.b}: top-1 agreement {self.top1_difference:+.4f} "
+            f"[95% CI {lo:+.4f}, {hi:+.4f}] over {self.trajectories} trajectories: {verdict}"
+        )
+
+
+def compare_policies(report: ReplayReport, a: str, b: str) -> PairedComparison:
+    """Paired bootstrap of top-1 agreement between two policies of one report, named by their
+    labels (``snapkv(budget=1024)``) or specs (``snapkv:budget=1024``); both scored the same
+    reference tokens."""
+    a, b = _report_label(report, a), _report_label(report, b)
+    agree_a = per_trajectory(report.turns[a], lambda r: r.top1_agree)
+    agree_b = per_trajectory(report.turns[b], lambda r: r.top1_agree)
+    tokens = per_trajectory(report.turns[a], lambda r: r.target_tokens)
+    ids = [t for t in report.traces if t in agree_a and t in agree_b]
+    if not ids:
+        raise ValueError(f"{a!r} and {b!r} share no trajectory")
+    estimate, lo, hi = paired_difference_ci(
+        [agree_a[t] for t in ids], [agree_b[t] for t in ids], [tokens[t] for t in ids]
+    )
+    return PairedComparison(a, b, len(ids), estimate, (lo, hi))
+
+
+def _report_label(report: ReplayReport, name: str) -> str:
+    if name in report.turns:
+        return name
+    try:
+        label = parse_policy_spec(name).describe()
+    except ValueError:
+        label = None
+    if label not in report.turns:
+        raise ValueError(f"no policy {name!r} in the report; it has {list(report.turns)}")
+    return label

@@ -135,6 +135,19 @@ def bench_merge(
     print(summary_table(report))
 
 
+@bench_app.command("compare")
+def bench_compare(
+    results: Annotated[Path, typer.Argument(help="results.json of a replay")],
+    a: Annotated[str, typer.Argument(help="policy label, e.g. 'snapkv(budget=1024)'")],
+    b: Annotated[str, typer.Argument(help="the policy to compare it with")],
+) -> None:
+    """Paired bootstrap (over trajectories) of the top-1 agreement difference A - B."""
+    from agentkv.bench.replay import compare_policies, merge_results
+
+    with _user_errors():
+        print(compare_policies(merge_results([results]), a, b))
+
+
 @contextmanager
 def _user_errors() -> Iterator[None]:
     """Bad input (traces, policy specs, paths) -> one line on stderr and exit code 2."""

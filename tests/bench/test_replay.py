@@ -69,6 +69,38 @@ def test_fullcache_replayed_matches_the_reference_exactly(report, traces):
     assert full.greedy_exact_match == 1.0
 
 
+def test_confidence_intervals_bracket_the_estimates(report):
+    for s in report.summaries:
+        assert s.top1_ci95[0] <= s.top1_agreement <= s.top1_ci95[1], s.label
+        assert s.greedy_ci95[0] <= s.greedy_exact_match <= s.greedy_ci95[1], s.label
+    assert _summary(report, "full").top1_ci95 == (1.0, 1.0)
+
+
+def test_compare_policies_is_paired_and_names_the_winner(report, tmp_path):
+    from agentkv.bench.replay import compare_policies, write_outputs
+
+    full, stream = _summary(report, "full"), _summary(report, "streamingllm")
+    c = compare_policies(report, full.label, f"streamingllm:budget={BUDGETS['streamingllm']}")
+    assert c.trajectories == len(report.traces)
+    assert c.top1_difference == pytest.approx(full.top1_agreement - stream.top1_agreement)
+    assert c.ci95[0] <= c.top1_difference <= c.ci95[1]
+    same = compare_policies(report, stream.label, stream.label)
+    assert (same.top1_difference, same.ci95) == (0.0, (0.0, 0.0))
+    assert "no difference" in str(same)
+    with pytest.raises(ValueError, match="no policy 'h2o'"):
+        compare_policies(report, "h2o", full.label)
+    # the CLI reads a results.json
+    path = write_outputs(report, tmp_path)["results"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "agentkv.engine.cli", "bench", "compare", str(path), "full", "full"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "full() - full(): top-1 agreement +0.0000" in proc.stdout
+
+
 def test_evicting_policies_respect_budget_plus_forced_set(report):
     for method in ("intentkv", "streamingllm"):
         s = _summary(report, method)
