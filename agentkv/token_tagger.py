@@ -60,7 +60,9 @@ class TokenTags:
 
     token_ids: list[int]
     codes: list[int]  # TagCode per token
-    message_index: list[int]  # owning message, -1 for the tail (generation prompt)
+    # owning message; -1 for template text of no message: the tail (generation prompt) and
+    # the system block a template adds when the request has no system message
+    message_index: list[int]
     protected_prefix: int  # tokens [0, protected_prefix) are the system block
     actionable: list[bool]  # token belongs to the actionable query
     tail_start: int  # first token after the last message
@@ -400,6 +402,10 @@ def tag_tokens(
         if code is None:
             code = packed[key] = TagCode.pack(role, modality, Temporal.from_age(newest - turn))
         codes.append(code)
+        if first_non_system == 0 and s < sys_end_char and region is None:
+            # the system block a template adds (tool schemas) when there is no system
+            # message: aged with the first message, but no message's text, never actionable
+            owner = -1
         owners.append(owner)
         actionable.append(owner >= 0 and annotations[owner].actionable)
     return TokenTags(

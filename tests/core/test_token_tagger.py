@@ -335,7 +335,11 @@ def check_against_reference(kind, tok, messages, tools=None, gen=True) -> tuple[
     tail = [t for t, (s, _) in enumerate(offsets) if s >= ref.messages_end]
     assert tags.tail_start == (tail[0] if tail and gen else len(offsets))
     assert all(tags.message_index[t] == -1 for t in range(tags.tail_start, len(offsets)))
+    added_block = roles[0] != "system"  # a template-added system block belongs to no message
     for t in range(tags.tail_start):
+        if added_block and t < tags.protected_prefix:
+            assert tags.message_index[t] == -1 and not tags.actionable[t], where(t)
+            continue
         assert tags.message_index[t] >= 0
         assert tags.actionable[t] == (tags.message_index[t] in actionable)
     assert tags.forced(True) == [
@@ -502,6 +506,14 @@ def test_protected_prefix_is_exactly_the_system_block(kind_tok):
         Role.INST,
         Role.DELIM,
     }
+    # ... and it is no message's text: on a first turn the user message alone is the
+    # actionable query, so without prefix protection the tool block may go (BFCL's first turns)
+    tags = r.encode(msgs[1:2], TOOLS)
+    first_user = [t for t in range(len(tags)) if tags.message_index[t] == 0]
+    assert first_user[0] == tags.protected_prefix
+    assert tok.decode([tags.token_ids[t] for t in first_user]).startswith("<|im_start|>user")
+    assert not any(tags.actionable[: tags.protected_prefix])
+    assert [t for t, f in enumerate(tags.forced(False)) if f and t < tags.tail_start] == first_user
     # neither system message nor tools: nothing is protected
     assert r.encode(msgs[1:2]).protected_prefix == 0
 
