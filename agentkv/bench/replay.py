@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import platform
+import re
 import shlex
 import sys
 import time
@@ -515,6 +516,10 @@ def run_replay_cli(
     return report
 
 
+#: arguments that differ between the shards of one run (dropped from the merged command)
+_SHARD_ARGS = re.compile(r" --(?:shard|out)(?:=| )\S+")
+
+
 def merge_results(paths: Sequence[Path], command: str = "") -> ReplayReport:
     """One report from several ``results.json`` of the same policies (shards of one run)."""
     from agentkv.policies import parse_policy
@@ -539,7 +544,7 @@ def merge_results(paths: Sequence[Path], command: str = "") -> ReplayReport:
         model=first["model"],
         device=first["device"],
         date=first["date"],
-        command=command or first["command"],
+        command=command or _SHARD_ARGS.sub("", first["command"]),
         traces=traces,
         greedy_tokens=first["greedy_tokens"],
         max_tokens=first["max_tokens"],

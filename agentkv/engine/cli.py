@@ -1,7 +1,8 @@
-"""``agentkv`` command line: ``serve``, ``demo`` and ``bench replay``."""
+"""``agentkv`` command line: ``serve``, ``demo`` and ``bench replay|compare|export|merge``."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -120,6 +121,25 @@ def bench_replay(
             shard=shard,
             skip_done=skip_done or [],
         )
+
+
+@bench_app.command("export")
+def bench_export(
+    source: Annotated[str, typer.Option(help="tau-bench | bfcl | bfcl:<category>")],
+    out: Annotated[Path, typer.Option(help="JSONL file to write")],
+    limit: Annotated[
+        int | None, typer.Option(help="N trajectories (the sample `replay --limit N` uses)")
+    ] = None,
+) -> None:
+    """Write a trace source as JSONL (one trajectory a line), to replay where the source's
+    package or data is not installed (`agentkv bench replay FILE.jsonl`)."""
+    from agentkv.bench.replay import load_traces
+
+    with _user_errors():
+        traces = load_traces(None, source, limit)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text("".join(t.to_json() + "\n" for t in traces), encoding="utf-8")
+    print(f"wrote {len(traces)} trajectories to {out}", file=sys.stderr)
 
 
 @bench_app.command("merge")

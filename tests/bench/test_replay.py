@@ -149,12 +149,14 @@ def test_merge_of_shards_equals_the_whole(report, tmp_path):
         part = ReplayReport(
             **{
                 **report.__dict__,
+                "command": f"agentkv bench replay --shard {i}/2 --out o/{i} --limit 2",
                 "traces": [trace],
                 "turns": {k: [r for r in v if r.trace == trace] for k, v in report.turns.items()},
             }
         )
         parts.append(write_outputs(part, tmp_path / f"s{i}")["results"])
     merged = merge_results(parts)
+    assert merged.command == "agentkv bench replay --limit 2"
     for a, b in zip(merged.summaries, report.summaries, strict=True):
         assert a.label == b.label
         assert a.top1_agreement == pytest.approx(b.top1_agreement)
@@ -200,6 +202,34 @@ def test_cli_replays_a_user_jsonl(traces, tmp_path):
         "summary.md",
         "fidelity_vs_memory.png",
     }
+
+
+def test_cli_exports_a_source_that_replays_as_jsonl(tmp_path):
+    from agentkv.bench.replay import load_traces
+
+    out = tmp_path / "tau.jsonl"
+    proc = subprocess.run(
+        [sys.executable, "-m", "agentkv.engine.cli", "bench", "export"]
+        + ["--source", "tau-bench", "--limit", "3", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "wrote 3 trajectories" in proc.stderr
+    exported = load_traces(out, None, None)
+    original = load_traces(None, "tau-bench", 3)
+    assert [(t.id, t.messages, t.tools) for t in exported] == [
+        (t.id, t.messages, t.tools) for t in original
+    ]
+    bad = subprocess.run(
+        [sys.executable, "-m", "agentkv.engine.cli", "bench", "export"]
+        + ["--source", "nope", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert bad.returncode == 2 and "unknown trace source 'nope'" in bad.stderr
 
 
 def test_cli_rejects_bad_input(tmp_path):
