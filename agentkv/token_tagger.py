@@ -384,8 +384,8 @@ def tag_tokens(
             tail_start = min(tail_start, t)
         elif region is not None:
             owner = region.message
-        else:
-            owner = max(bisect.bisect_right(boundaries, s) - 1, 0)
+        else:  # -1 before the first message: a system block the template added
+            owner = bisect.bisect_right(boundaries, s) - 1
         if region is not None:
             role, modality = region.role, region.modality
         elif _in_spans(delim_starts, delim_spans, mid):
@@ -396,16 +396,14 @@ def tag_tokens(
             role, modality = Role.DELIM, Modality.TEXT
         if s < sys_end_char:
             protected_prefix = t + 1
-        turn = annotations[owner].turn if owner >= 0 else newest
+        # text of no message is as old as where it stands: the added system block as the
+        # conversation's start, the generation prompt current
+        turn = annotations[max(owner, 0)].turn if owner >= 0 or s < sys_end_char else newest
         key = (role, modality, newest - turn)
         code = packed.get(key)
         if code is None:
             code = packed[key] = TagCode.pack(role, modality, Temporal.from_age(newest - turn))
         codes.append(code)
-        if first_non_system == 0 and s < sys_end_char and region is None:
-            # the system block a template adds (tool schemas) when there is no system
-            # message: aged with the first message, but no message's text, never actionable
-            owner = -1
         owners.append(owner)
         actionable.append(owner >= 0 and annotations[owner].actionable)
     return TokenTags(
@@ -430,7 +428,8 @@ def _boundaries(
     """Start character of each message's share of the text.
 
     Message ``i`` (``i > 0``) starts at the first special token after the previous message's
-    last piece (after the system block, for the first non-system message). Messages that
+    last piece (after the system block, for the first non-system message). Message 0 starts
+    at 0, or after the system block a template adds when there is no system message. Messages that
     could not be located (no text) share the special tokens of their gap evenly with the next
     located message (or the generation prompt), when they divide evenly.
     """
@@ -458,7 +457,9 @@ def _boundaries(
         for idx, start in zip(members, starts, strict=True):
             if idx == first_non_system and sys_end_char:
                 start = max(start, sys_end_char)
-            bounds[idx] = 0 if idx == 0 else max(start, bounds[idx - 1])
+            elif idx == 0:
+                start = 0
+            bounds[idx] = start if idx == 0 else max(start, bounds[idx - 1])
         if j < n:
             prev_end = max(prev_end, ends[j] if ends[j] is not None else gap_end)
         i = j + 1

@@ -18,6 +18,17 @@ pytestmark = pytest.mark.slow
 BUDGETS = {"intentkv": 24, "streamingllm": 96}
 
 
+def agentkv_cli(*args: str, timeout: float = 120, **env: str) -> subprocess.CompletedProcess:
+    """``agentkv bench ...`` in a subprocess (the installed CLI's code path)."""
+    return subprocess.run(
+        [sys.executable, "-m", "agentkv.engine.cli", "bench", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **env},
+    )
+
+
 def _short(trace: Trace, n_messages: int = 8) -> Trace:
     """The trajectory's opening, with the 1.3k-token airline policy cut to its first lines and
     no tool schemas, so a CPU replay stays quick; messages are the real ones."""
@@ -91,12 +102,7 @@ def test_compare_policies_is_paired_and_names_the_winner(report, tmp_path):
         compare_policies(report, "h2o", full.label)
     # the CLI reads a results.json
     path = write_outputs(report, tmp_path)["results"]
-    proc = subprocess.run(
-        [sys.executable, "-m", "agentkv.engine.cli", "bench", "compare", str(path), "full", "full"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = agentkv_cli("compare", str(path), "full", "full")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "full() - full(): top-1 agreement +0.0000" in proc.stdout
 
@@ -168,32 +174,11 @@ def test_cli_replays_a_user_jsonl(traces, tmp_path):
     src = tmp_path / "traces.jsonl"
     src.write_text(json.dumps({"messages": traces[0].messages}) + "\n")
     out = tmp_path / "out"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "agentkv.engine.cli",
-            "bench",
-            "replay",
-            str(src),
-            "--policy",
-            "full",
-            "--policy",
-            "streamingllm:budget=64",
-            "--greedy-tokens",
-            "2",
-            "--max-tokens",
-            "1500",
-            "--device",
-            "cpu",
-            "--out",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
+    proc = agentkv_cli(
+        *["replay", str(src), "--policy", "full", "--policy", "streamingllm:budget=64"],
+        *["--greedy-tokens", "2", "--max-tokens", "1500", "--device", "cpu", "--out", str(out)],
         timeout=600,
-        env=env,
+        OMP_NUM_THREADS="1",
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "streamingllm(budget=64)" in proc.stdout
@@ -208,13 +193,7 @@ def test_cli_exports_a_source_that_replays_as_jsonl(tmp_path):
     from agentkv.bench.replay import load_traces
 
     out = tmp_path / "tau.jsonl"
-    proc = subprocess.run(
-        [sys.executable, "-m", "agentkv.engine.cli", "bench", "export"]
-        + ["--source", "tau-bench", "--limit", "3", "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = agentkv_cli("export", "--source", "tau-bench", "--limit", "3", "--out", str(out))
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "wrote 3 trajectories" in proc.stderr
     exported = load_traces(out, None, None)
@@ -222,33 +201,13 @@ def test_cli_exports_a_source_that_replays_as_jsonl(tmp_path):
     assert [(t.id, t.messages, t.tools) for t in exported] == [
         (t.id, t.messages, t.tools) for t in original
     ]
-    bad = subprocess.run(
-        [sys.executable, "-m", "agentkv.engine.cli", "bench", "export"]
-        + ["--source", "nope", "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    bad = agentkv_cli("export", "--source", "nope", "--out", str(out))
     assert bad.returncode == 2 and "unknown trace source 'nope'" in bad.stderr
 
 
 def test_cli_rejects_bad_input(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"messages": "nope"}\n')
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "agentkv.engine.cli",
-            "bench",
-            "replay",
-            str(bad),
-            "--out",
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = agentkv_cli("replay", str(bad), "--out", str(tmp_path))
     assert proc.returncode != 0
     assert "bad.jsonl:1" in proc.stderr
