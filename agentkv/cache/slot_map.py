@@ -147,7 +147,8 @@ class SlotMap:
 
         Returns int64 ``[L * Hkv, T']``: cells that lost this map's reference (else DEAD).
         """
-        k = keep.reshape(self.num_columns, -1) if keep.dim() == 3 else keep
+        lh = (self.num_layers, self.num_kv_heads)
+        k = keep.reshape(self.num_columns, -1) if keep.dim() == 3 and keep.shape[:2] == lh else keep
         if k.dim() != 2 or k.shape[0] != self.num_columns:
             raise ValueError(
                 f"keep must be [{self.num_layers}, {self.num_kv_heads}, T'], got {list(keep.shape)}"
