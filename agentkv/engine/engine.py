@@ -56,6 +56,7 @@ class CompressionResult:
         precision: int8 ``[L, Hkv, T]`` :class:`~agentkv.cache.Precision` of every cell after
             the plan (``EVICTED`` = 0, ``INT2`` = 2, ``INT4`` = 4, ``FULL`` = 16).
         kept: bool ``[L, Hkv, T]`` (``precision != EVICTED``).
+        forced: bool ``[T]``: positions the method had to keep (query span, protected prefix).
         logits: float32 ``[V]`` next-token logits after the last token (before the plan).
         usage: telemetry of the run (resident and effective bytes, evictions, ...).
         plan: the method's :class:`~agentkv.methods.Plan`.
@@ -63,6 +64,7 @@ class CompressionResult:
 
     precision: torch.Tensor
     kept: torch.Tensor
+    forced: torch.Tensor
     logits: torch.Tensor
     usage: KVUsage
     plan: Plan
@@ -368,7 +370,7 @@ class Engine:
 
     def compress(
         self,
-        token_ids: Sequence[int],
+        token_ids: Sequence[int] | TokenTags,
         policy: KVPolicy | Mapping[str, Any] | str = "full",
         actionable: Sequence[bool] | None = None,
         session_id: str | None = None,
@@ -378,13 +380,16 @@ class Engine:
         kvpress users evaluate a press on a context.
 
         Args:
-            token_ids: the context, ``T >= 1`` ids.
+            token_ids: the context, ``T >= 1`` ids; or a rendered, tagged chat
+                (``engine.renderer.encode(...)``), whose tags the method then reads.
             policy: a policy, its wire dict or a spec string (``"snapkv:budget=64"``).
             actionable: optional bool ``[T]``: the query span (IntentKV reads it; forced).
             session_id: reuse / extend a session's prefix cache (default: request-local,
                 nothing cached).
         """
-        ids = [int(t) for t in token_ids]
+        ids = list(token_ids.token_ids) if isinstance(token_ids, TokenTags) else [
+            int(t) for t in token_ids
+        ]
         if not ids:
             raise RequestError("token_ids must not be empty", field="token_ids")
         if isinstance(policy, str):
@@ -395,8 +400,13 @@ class Engine:
         act = [False] * T if actionable is None else [bool(a) for a in actionable]
         if len(act) != T:
             raise RequestError(f"actionable has {len(act)} entries for {T} tokens", "actionable")
-        code = TagCode.pack(Role.USER, Modality.TEXT, Temporal.CURRENT)
-        tags = TokenTags(ids, [code] * T, [0] * T, 0, act, T)
+        if isinstance(token_ids, TokenTags):
+            tags = token_ids
+            if actionable is not None:
+                tags = dataclasses.replace(tags, actionable=act)
+        else:
+            code = TagCode.pack(Role.USER, Modality.TEXT, Temporal.CURRENT)
+            tags = TokenTags(ids, [code] * T, [0] * T, 0, act, T)
         sid = session_id or f"req:{secrets.token_hex(8)}"
         payload = KVPayload(session_id=sid, policy=policy)
         self._check_length(T, 0)
@@ -410,8 +420,10 @@ class Engine:
                 self.store.finish_request(req, cache=session_id is not None)
         L, H = self.shape.num_layers, self.shape.num_kv_heads
         prec = prec.view(L, H, T)
-        return CompressionResult(prec, prec != int(Precision.EVICTED), logits.float().cpu(),
-                                 usage, info["plan"])
+        kept = prec != int(Precision.EVICTED)
+        return CompressionResult(
+            prec, kept, info["forced_mask"], logits.float().cpu(), usage, info["plan"]
+        )
 
     def _record(self, usage: KVUsage) -> None:
         """One request's telemetry into the session aggregates and the request log."""
@@ -528,6 +540,7 @@ class Engine:
             plan = method.plan(ctx)
             info = self._apply(req, plan)
             info["forced"] = int(ctx.forced.sum())
+            info["forced_mask"] = ctx.forced
         except BaseException:
             self.store.finish_request(req, cache=False)
             raise
