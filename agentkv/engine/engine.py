@@ -27,6 +27,7 @@ import torch
 
 from agentkv.annotation import MessageAnnotation, annotate_messages
 from agentkv.cache import KVStore, Precision, RequestKV
+from agentkv.engine.calibration import CALIBRATION_MESSAGES
 from agentkv.engine.chat_template import ChatRenderer
 from agentkv.engine.kernel_decode import KernelDecode
 from agentkv.engine.model_loader import load_model
@@ -254,6 +255,7 @@ class Engine:
         self.request_log: deque[KVUsage] = deque(maxlen=10000)
         self._lock = threading.Lock()
         self._stop_ids = self._stop_token_ids()
+        self._calibrate()
 
     # ------------------------------------------------------------------ public
     def chat(
@@ -435,6 +437,21 @@ class Engine:
         return CompressionResult(
             prec, kept, info["forced_mask"], logits.float().cpu(), usage, info["plan"]
         )
+
+    def _calibrate(self) -> None:
+        """Measure the model's key channel magnitudes on a fixed conversation once, so the
+        store quantizes INT4 keys with per-channel scales (outlier channels)."""
+        if not self.store.layout.int4_slots:
+            return
+        tags = self._encode(
+            CALIBRATION_MESSAGES, None, annotate_messages(CALIBRATION_MESSAGES), True
+        )
+        payload = KVPayload(session_id=f"req:{secrets.token_hex(8)}", policy=FullCache())
+        req, _logits, _info = self._prefill_and_plan(tags, payload)
+        try:
+            self.store.calibrate_key_channels(req)
+        finally:
+            self.store.finish_request(req, cache=False)
 
     def _sync_time(self) -> float:
         """Wall clock after the device finished queued work (phase timings)."""
