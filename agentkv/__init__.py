@@ -5,6 +5,7 @@ openai}``) imports without torch, triton or transformers.
 """
 
 from agentkv.annotation import MessageAnnotation, MessagePart, annotate_messages
+from agentkv.kv_usage import aggregate_by_node, usage
 from agentkv.policies import (
     ARKV,
     H2O,
@@ -21,7 +22,6 @@ from agentkv.policies import (
     parse_policy,
     parse_policy_spec,
 )
-from agentkv.kv_usage import aggregate_by_node, usage
 from agentkv.server_capabilities import (
     ServerCapabilities,
     UnimplementedPolicyWarning,

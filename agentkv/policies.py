@@ -90,7 +90,7 @@ class KVPolicy(BaseModel):
                     f"{type(self).__name__}() takes at most {len(names)} positional "
                     f"argument(s) ({', '.join(names) or 'none'}), got {len(args)}"
                 )
-            for name, value in zip(names, args):
+            for name, value in zip(names, args, strict=False):
                 if name in data:
                     raise TypeError(f"{type(self).__name__}() got multiple values for {name!r}")
                 data[name] = value
@@ -308,7 +308,7 @@ class UnknownNodeError(ValueError):
 
 
 def unknown_node_message(unknown: Iterable[str], known: Iterable[str], where: str) -> str:
-    """"``where`` names nodes that do not exist in the graph: 'brwose' (did you mean
+    """ "``where`` names nodes that do not exist in the graph: 'brwose' (did you mean
     'browse'?); nodes are: [...]"."""
     known = sorted(set(known))
     parts = []
@@ -316,8 +316,7 @@ def unknown_node_message(unknown: Iterable[str], known: Iterable[str], where: st
         close = difflib.get_close_matches(name, known, n=1)
         parts.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
     return (
-        f"{where} name nodes that do not exist in the graph: {', '.join(parts)}; "
-        f"nodes are: {known}"
+        f"{where} name nodes that do not exist in the graph: {', '.join(parts)}; nodes are: {known}"
     )
 
 

@@ -91,7 +91,9 @@ def fetch_capabilities(
         headers["Authorization"] = f"Bearer {api_key}"
     caps: ServerCapabilities | None = None
     try:
-        with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=timeout) as r:
+        with urllib.request.urlopen(
+            urllib.request.Request(url, headers=headers), timeout=timeout
+        ) as r:
             caps = ServerCapabilities.model_validate(json.loads(r.read()))
     except (OSError, ValueError, ValidationError, urllib.error.URLError):
         caps = None
