@@ -63,7 +63,9 @@ class KVUsageTap(BaseCallbackHandler):
         self, token: str, *, chunk: Any = None, run_id: UUID, **kwargs: Any
     ) -> None:
         if chunk is not None:
-            _attach(getattr(chunk, "message", None), _openai.captured(run_id))
+            message = getattr(chunk, "message", None)
+            if isinstance(getattr(message, "response_metadata", None), dict):
+                _attach(message, _openai.take_captured(run_id))
 
     def on_llm_end(self, response: Any, *, run_id: UUID, **kwargs: Any) -> None:
         found = _openai.end_capture(run_id)

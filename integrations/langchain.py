@@ -129,7 +129,7 @@ class KVPolicyMiddleware(AgentMiddleware):
             return request
         url, key = _model_server(request.model)
         if url:
-            _openai.check_server_once(url, [self.policy], key, stacklevel=4)
+            _openai.check_server(url, [self.policy], key, once=True, stacklevel=4)
         messages = list(request.messages)
         if request.system_message is not None:
             messages.insert(0, request.system_message)

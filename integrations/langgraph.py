@@ -391,7 +391,7 @@ def with_kv_policy(
     except Exception:  # discovery is a convenience; never fail the wrap on it
         urls = set()
     for url in sorted(urls):
-        _openai.check_server_once(url, policies, stacklevel=2)
+        _openai.check_server(url, policies, stacklevel=2)
     handler = KVRunHandler(policy, known)
     return runnable.with_config(configurable={CONFIG_KEY: policy}, callbacks=[handler])
 

@@ -56,8 +56,8 @@ from .run_context import PolicyLike, coerce_policy, has_payload
 
 __all__ = [
     "begin_capture",
-    "check_server_once",
-    "captured",
+    "check_server",
+    "take_captured",
     "end_capture",
     "instrument",
     "is_instrumented",
@@ -143,15 +143,21 @@ def _needs_check(resource: Any, payload: KVPayload | None) -> bool:
     return payload is not None and (_base_url(resource), payload.policy.method) not in _CHECKED
 
 
-def check_server_once(
-    base_url: str, policies: Sequence[KVPolicy], api_key: str | None = None, stacklevel: int = 2
+def check_server(
+    base_url: str,
+    policies: Sequence[KVPolicy],
+    api_key: str | None = None,
+    *,
+    once: bool = False,
+    stacklevel: int = 2,
 ) -> None:
-    """Warn (once per base URL and method, :func:`agentkv.warn_unimplemented`) when the
-    server at ``base_url`` does not implement a policy's method. A server that cannot say
+    """Warn (:func:`agentkv.warn_unimplemented`) when the server at ``base_url`` does not
+    implement a policy's method. Wrap-time checks warn every time; ``once=True`` (the
+    first request) skips (base URL, method) pairs checked before. A server that cannot say
     (unreachable, not an agentkv engine) is asked again at the next check."""
     url = str(base_url).rstrip("/")
     with _LOCK:
-        todo = [p for p in policies if (url, p.method) not in _CHECKED]
+        todo = [p for p in policies if not once or (url, p.method) not in _CHECKED]
     if not url or not todo:
         return
     warn_unimplemented(url, todo, api_key=api_key, stacklevel=stacklevel + 1)
@@ -162,8 +168,12 @@ def check_server_once(
 
 def _check_server(resource: Any, payload: KVPayload) -> None:
     client = getattr(resource, "_client", None)
-    check_server_once(
-        _base_url(resource), [payload.policy], getattr(client, "api_key", None), stacklevel=4
+    check_server(
+        _base_url(resource),
+        [payload.policy],
+        getattr(client, "api_key", None),
+        once=True,
+        stacklevel=4,
     )
 
 
@@ -180,27 +190,35 @@ def _unreachable(resource: Any, e: openai.APIConnectionError) -> openai.APIConne
 # ---------------------------------------------------------------- streamed telemetry
 #: The LangChain chat-model run whose API calls are being made in this context.
 _CAPTURE_RUN: ContextVar[UUID | None] = ContextVar("agentkv_capture_run", default=None)
-#: Open captures: run id -> the ``usage.agentkv`` dict seen for it (None until seen).
-_CAPTURES: dict[UUID, dict[str, Any] | None] = {}
+#: Open captures: run id -> [the ``usage.agentkv`` dict seen for it (None until seen),
+#: whether it was handed out by :func:`take_captured`].
+_CAPTURES: dict[UUID, list[Any]] = {}
 
 
 def begin_capture(run_id: UUID) -> None:
     """Open a capture for a chat-model run: API calls made next in this context (thread,
     asyncio task) keep their ``usage.agentkv`` for it. Idempotent."""
     with _LOCK:
-        _CAPTURES.setdefault(run_id, None)
+        _CAPTURES.setdefault(run_id, [None, False])
     _CAPTURE_RUN.set(run_id)
 
 
-def captured(run_id: UUID) -> dict[str, Any] | None:
-    """The telemetry captured for an open run so far, or None."""
-    return _CAPTURES.get(run_id)
+def take_captured(run_id: UUID) -> dict[str, Any] | None:
+    """The telemetry captured for an open run, once (later calls: None)."""
+    with _LOCK:
+        entry = _CAPTURES.get(run_id)
+        if entry is None or entry[0] is None or entry[1]:
+            return None
+        entry[1] = True
+        return entry[0]
 
 
 def end_capture(run_id: UUID) -> dict[str, Any] | None:
-    """Close a run's capture; returns what it captured."""
+    """Close a run's capture; returns what it captured unless :func:`take_captured` handed
+    it out already."""
     with _LOCK:
-        return _CAPTURES.pop(run_id, None)
+        entry = _CAPTURES.pop(run_id, None)
+    return None if entry is None or entry[1] else entry[0]
 
 
 def _keep(run_id: UUID, item: Any) -> None:
@@ -211,7 +229,7 @@ def _keep(run_id: UUID, item: Any) -> None:
     if found is not None:
         with _LOCK:
             if run_id in _CAPTURES:
-                _CAPTURES[run_id] = found
+                _CAPTURES[run_id][0] = found
 
 
 def _tap(result: Any) -> Any:
@@ -369,7 +387,7 @@ def kv_client(
     if session_id is not None:
         check_session_id(session_id)
     binding = _Binding(coerce_policy(policy), session_id, node)
-    check_server_once(str(client.base_url), [binding.policy], client.api_key)
+    check_server(str(client.base_url), [binding.policy], client.api_key)
     instrument()
     wrapped = client.with_options()
     with _LOCK:
