@@ -203,9 +203,8 @@ def effective_policy(
     return policy
 
 
-#: The chat-model run in progress in this context: (run id, its handler, where it runs,
-#: a policy spec LangGraph copied into the run's metadata).
-_MODEL_RUN: ContextVar[tuple[UUID, KVRunHandler, RunContext, Any] | None] = ContextVar(
+#: The chat-model run in progress in this context: (run id, its handler, where it runs).
+_MODEL_RUN: ContextVar[tuple[UUID, KVRunHandler, RunContext] | None] = ContextVar(
     "agentkv_model_run", default=None
 )
 #: Chat-model runs started and not yet ended (a stale ``_MODEL_RUN`` value is ignored).
@@ -241,8 +240,7 @@ class KVRunHandler(_KVUsageTap):
     ) -> None:
         super().on_chat_model_start(serialized, messages, run_id=run_id, **kwargs)
         _ACTIVE_RUNS.add(run_id)
-        spec = (metadata or {}).get(CONFIG_KEY)  # LangGraph copies string configurables
-        _MODEL_RUN.set((run_id, self, metadata_run_context(metadata), spec))
+        _MODEL_RUN.set((run_id, self, metadata_run_context(metadata)))
 
     def on_llm_end(self, response: Any, *, run_id: UUID, **kwargs: Any) -> None:
         super().on_llm_end(response, run_id=run_id, **kwargs)
@@ -252,10 +250,10 @@ class KVRunHandler(_KVUsageTap):
         super().on_llm_error(error, run_id=run_id, **kwargs)
         _ACTIVE_RUNS.discard(run_id)
 
-    def run_policy(self, config: Mapping[str, Any] | None, spec: Any = None) -> GraphPolicy:
-        """This handler's policy with the run's overrides merged on top."""
-        if not config and isinstance(spec, str) and spec:
-            config = {"configurable": {CONFIG_KEY: spec}}
+    def run_policy(self, config: Mapping[str, Any] | None) -> GraphPolicy:
+        """This handler's policy with the run's overrides (from ``config``, the current
+        runnable config) merged on top. Without a current config (a model called from a
+        plain thread of your own), the wrap-time policy."""
         return effective_policy(self.policy, config, self.nodes) or self.policy
 
 
@@ -272,8 +270,8 @@ def _current_run() -> tuple[GraphPolicy, RunContext] | None:
     config = current_config()
     run = _MODEL_RUN.get()
     if run is not None and run[0] in _ACTIVE_RUNS:  # inside a chat-model run of a wrapped graph
-        _, handler, ctx, spec = run
-        return handler.run_policy(config, spec), ctx
+        _, handler, ctx = run
+        return handler.run_policy(config), ctx
     if not config:  # e.g. a raw OpenAI SDK call in a node's code
         return None
     handler = _handler_in(config.get("callbacks"))

@@ -21,16 +21,26 @@ from typing_extensions import TypedDict
 
 from agentkv import (
     ARKV,
+    H2O,
+    FullCache,
     GraphPolicy,
     IntentKV,
     KVzap,
+    SnapKV,
     TriAxialKV,
     UniformQuant,
     UnknownNodeError,
     resolve_session_id,
 )
 from agentkv.integrations import openai as kv_openai
-from agentkv.integrations.langgraph import graph_node_names, policy_for_path, with_kv_policy
+from agentkv.integrations.langgraph import (
+    CONFIG_KEY,
+    KVRunHandler,
+    effective_policy,
+    graph_node_names,
+    policy_for_path,
+    with_kv_policy,
+)
 
 DEFAULT = IntentKV(budget=8192)
 NODES = {"browse": KVzap(threshold=-4), "act": TriAxialKV(avg_bits=2.7)}
@@ -196,9 +206,7 @@ def test_subgraphs(server: Any, llm: ChatOpenAI, check: Any) -> None:
     # innermost node's own policy
     check(got["search"], node="search", policy=nodes["search"], session_id="t-sub/research")
     # no override for summarize: the enclosing subgraph node's policy
-    check(
-        got["summarize"], node="summarize", policy=nodes["research"], session_id="t-sub/research"
-    )
+    check(got["summarize"], node="summarize", policy=nodes["research"], session_id="t-sub/research")
     check(got["lookup"], node="lookup", policy=nodes["lookup"], session_id="t-sub/delegate")
 
     # nested names and paths are valid keys; a path key beats the bare enclosing name
@@ -411,3 +419,64 @@ def test_uninstrument(server: Any, llm: ChatOpenAI, check: Any, restore: bool) -
     server.clear()
     graph.invoke(user("t-on"), thread("t-on"))
     assert_run(server.requests, check, "t-on")
+
+
+# ------------------------------------------------------------ call-time config and re-wraps
+
+
+def test_call_time_configurable_merges_over_wrap_time(
+    server: Any, llm: ChatOpenAI, check: Any
+) -> None:
+    graph = with_kv_policy(make_builder(llm), DEFAULT, NODES, checkpointer=InMemorySaver())
+    over = {"nodes": {"act": "h2o:budget=32"}}
+    graph.invoke(user("t-call"), {"configurable": {"thread_id": "t-call", CONFIG_KEY: over}})
+    got = {r.payload.node: r.payload.policy for r in server.requests}
+    assert got == {"browse": NODES["browse"], "act": H2O(budget=32), "report": DEFAULT}
+    server.clear()
+    # a single policy (object or spec string) replaces the default only
+    bound = graph.with_config(configurable={CONFIG_KEY: "snapkv:budget=64"})
+    bound.invoke(user("t-wc"), thread("t-wc"))
+    got = {r.payload.node: r.payload.policy for r in server.requests}
+    assert got == {"browse": NODES["browse"], "act": NODES["act"], "report": SnapKV(budget=64)}
+    server.clear()
+    graph.invoke(user("t-after"), thread("t-after"))  # the wrapped graph is unchanged
+    assert_run(server.requests, check, "t-after")
+
+
+def test_misspelled_node_at_call_time_raises(llm: ChatOpenAI) -> None:
+    graph = with_kv_policy(make_builder(llm), DEFAULT, NODES)
+    cfg = {"configurable": {CONFIG_KEY: {"nodes": {"brwose": "full"}}}}
+    with pytest.raises(UnknownNodeError, match=r"'brwose' \(did you mean 'browse'\?\)"):
+        graph.invoke(user("t-typo"), cfg)
+    with pytest.raises(UnknownNodeError, match="did you mean 'report'"):
+        with_kv_policy(make_builder(llm), DEFAULT, {"reprot": KVzap()})
+
+
+def test_second_wrap_merges(server: Any, llm: ChatOpenAI, check: Any) -> None:
+    inner = with_kv_policy(make_builder(llm), DEFAULT, {"browse": NODES["browse"]})
+    outer = with_kv_policy(inner, nodes={"act": NODES["act"]})  # default kept
+    handlers = [c for c in outer.config["callbacks"] if isinstance(c, KVRunHandler)]
+    assert len(handlers) == 1
+    assert handlers[0].policy == GraphPolicy(default=DEFAULT, nodes=NODES)
+    outer.invoke(user("t-twice"), thread("t-twice"))
+    assert_run(server.requests, check, "t-twice")
+    server.clear()
+    with_kv_policy(outer, "full").invoke(user("t-thrice"), thread("t-thrice"))
+    got = {r.payload.node: r.payload.policy for r in server.requests}
+    assert got == {"browse": NODES["browse"], "act": NODES["act"], "report": FullCache()}
+
+
+def test_compiled_graph_with_compile_kwargs_says_what_to_do(llm: ChatOpenAI) -> None:
+    with pytest.raises(TypeError, match=r"Pass the StateGraph builder.*checkpointer"):
+        with_kv_policy(make_builder(llm).compile(), DEFAULT, checkpointer=InMemorySaver())
+
+
+def test_effective_policy() -> None:
+    base = GraphPolicy(default=DEFAULT, nodes=NODES)
+    assert effective_policy(base, None) is base
+    assert effective_policy(base, {"configurable": {CONFIG_KEY: base}}) is base
+    cfg = {"configurable": {CONFIG_KEY: {"default": "full", "nodes": {"act": IntentKV(64)}}}}
+    got = effective_policy(base, cfg)
+    assert got.default == FullCache()
+    assert dict(got.nodes) == {"browse": NODES["browse"], "act": IntentKV(budget=64)}
+    assert effective_policy(None, {"configurable": {}}) is None
