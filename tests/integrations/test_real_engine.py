@@ -238,3 +238,6 @@ def test_unreachable_server_says_so() -> None:
         client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
     with pytest.raises(openai.APIConnectionError, match=f"{url}.*not reachable"):
         app.invoke(ask("hi"))
+    agent = create_agent(chat(url), tools=[get_weather], middleware=[KVPolicyMiddleware()])
+    with pytest.raises(openai.APIConnectionError, match="start it with `agentkv serve`"):
+        agent.invoke(ask("hi"))
