@@ -33,6 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from agentkv.cache import OutOfSlots
+from agentkv.engine.capabilities import add_capabilities_route
 from agentkv.engine.engine import (
     ChatResult,
     Engine,
@@ -41,14 +42,7 @@ from agentkv.engine.engine import (
     RequestError,
 )
 from agentkv.engine.telemetry import KVUsage
-from agentkv.methods import registered_methods
-from agentkv.wire import (
-    CUSTOM_PARAMS,
-    PROTOCOL_VERSION,
-    WIRE_KEY,
-    PayloadError,
-    payload_from_request,
-)
+from agentkv.wire import CUSTOM_PARAMS, WIRE_KEY, PayloadError, payload_from_request
 
 log = logging.getLogger("agentkv.server")
 
@@ -258,24 +252,6 @@ def create_app(engine: Engine) -> FastAPI:
         }
 
     return app
-
-
-def capabilities(engine: Engine) -> dict[str, Any]:
-    """What ``GET /v1/agentkv/capabilities`` answers: the wire protocol version, the policy
-    methods the engine implements (wire names), and the model."""
-    return {
-        "protocol_version": PROTOCOL_VERSION,
-        "methods": sorted(registered_methods()),
-        "model": engine.model_name,
-    }
-
-
-def add_capabilities_route(app: FastAPI, engine: Engine) -> None:
-    """``GET /v1/agentkv/capabilities`` (see :func:`capabilities`)."""
-
-    @app.get("/v1/agentkv/capabilities")
-    def get_capabilities() -> dict[str, Any]:
-        return capabilities(engine)
 
 
 def log_request(usage: KVUsage) -> None:
