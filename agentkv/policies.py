@@ -268,10 +268,13 @@ POLICY_CLASSES: dict[str, type[KVPolicy]] = {
 _POLICY_ADAPTER: TypeAdapter[Any] = TypeAdapter(Policy, config=ConfigDict(title="policy"))
 
 
-def parse_policy(data: Mapping[str, Any] | KVPolicy) -> KVPolicy:
-    """A policy from its wire dict (``{"method": "intentkv", "budget": 512}``)."""
+def parse_policy(data: Mapping[str, Any] | KVPolicy | str) -> KVPolicy:
+    """A policy from its wire dict (``{"method": "intentkv", "budget": 512}``) or a spec
+    string (``"intentkv:budget=512"``, see :func:`parse_policy_spec`)."""
     if isinstance(data, KVPolicy):
         return data
+    if isinstance(data, str):
+        return parse_policy_spec(data)
     return _POLICY_ADAPTER.validate_python(data)
 
 
@@ -280,7 +283,11 @@ def parse_policy_spec(spec: str) -> KVPolicy:
     method, _, rest = spec.strip().partition(":")
     method = method.strip().lower()
     if method not in POLICY_CLASSES:
-        raise ValueError(f"unknown policy {method!r}; expected one of {sorted(POLICY_CLASSES)}")
+        close = difflib.get_close_matches(method, POLICY_CLASSES, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ValueError(
+            f"unknown policy {method!r}{hint}; expected one of {sorted(POLICY_CLASSES)}"
+        )
     kwargs: dict[str, Any] = {}
     for item in filter(None, (s.strip() for s in rest.split(","))):
         key, eq, val = item.partition("=")

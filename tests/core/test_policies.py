@@ -233,8 +233,9 @@ def test_parse_policy():
         parse_policy({"method": "lru"})
     with pytest.raises(ValidationError, match="Unable to extract tag using discriminator 'method'"):
         parse_policy({"budget": 5})
+    assert parse_policy("intentkv") == IntentKV()  # spec strings wherever a policy is
     with pytest.raises(ValidationError):
-        parse_policy("intentkv")  # type: ignore[arg-type]
+        parse_policy(["intentkv"])  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(
@@ -351,6 +352,9 @@ def test_spec_strings_wherever_a_policy_is():
     assert g == GraphPolicy(default=IntentKV(budget=256), nodes={"tools": H2O(budget=32)})
     with pytest.raises(ValueError, match="unknown policy 'nope'"):
         GraphPolicy(nodes={"tools": "nope"})
+    assert parse_policy("h2o:budget=32") == H2O(budget=32)
+    with pytest.raises(ValueError, match=r"unknown policy 'h20' \(did you mean 'h2o'\?\)"):
+        parse_policy("h20:budget=32")
 
 
 def test_graph_policy_merge():
