@@ -317,10 +317,26 @@ def _without_handlers(runnable: Any) -> tuple[Any, KVRunHandler | None]:
     return runnable.model_copy(update=update), old
 
 
+def _client_url(value: Any, depth: int = 3) -> str | None:
+    """Base URL of a ``ChatOpenAI`` / OpenAI client, also inside bindings and sequences
+    (``prompt | model.bind_tools(...)``), or None."""
+    url = getattr(value, "openai_api_base", None)  # ChatOpenAI
+    if url is None and hasattr(value, "chat") and hasattr(value, "base_url"):
+        url = value.base_url  # openai.OpenAI / AsyncOpenAI
+    if isinstance(url, str) or (url is not None and hasattr(url, "host")):
+        return str(url)
+    if depth and isinstance(value, Runnable):
+        for inner in (getattr(value, "bound", None), *(getattr(value, "steps", None) or ())):
+            found = _client_url(inner, depth - 1) if inner is not None else None
+            if found:
+                return found
+    return None
+
+
 def _server_urls(graph: Pregel) -> set[str]:
     """Base URLs of the OpenAI-compatible clients a graph's node functions refer to
-    (``ChatOpenAI`` / ``openai.OpenAI`` objects among their globals and closure variables;
-    best effort, for the wrap-time capabilities check)."""
+    (``ChatOpenAI`` / ``openai.OpenAI`` objects, or runnables around them, among their
+    globals and closure variables; best effort, for the wrap-time capabilities check)."""
     urls: set[str] = set()
     graphs = [graph, *(sub for _, sub in graph.get_subgraphs(recurse=True))]
     for g in graphs:
@@ -335,11 +351,9 @@ def _server_urls(graph: Pregel) -> set[str]:
                 except (TypeError, ValueError):
                     continue
                 for value in (*found.nonlocals.values(), *found.globals.values()):
-                    url = getattr(value, "openai_api_base", None)  # ChatOpenAI
-                    if url is None and hasattr(value, "chat") and hasattr(value, "base_url"):
-                        url = value.base_url  # openai.OpenAI / AsyncOpenAI
-                    if isinstance(url, str) or url is not None and hasattr(url, "host"):
-                        urls.add(str(url))
+                    url = _client_url(value)
+                    if url:
+                        urls.add(url)
     return urls
 
 
