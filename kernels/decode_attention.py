@@ -680,7 +680,9 @@ def validate_decode_inputs(
         bh = slot_map.shape[0] * slot_map.shape[1]
 
         def rows(x: torch.Tensor | None) -> torch.Tensor | None:
-            return None if x is None else x.expand(slot_map.shape[:2]).reshape(bh)
+            if x is None:
+                return None
+            return (x if x.dim() == 2 else x[:, None]).expand(slot_map.shape[:2]).reshape(bh)
 
         return validate_decode_inputs(
             pools,
@@ -799,7 +801,10 @@ def decode_attention(
     n2 = int2_lens if has2 else seq_lens
     n4 = int4_lens if has4 else seq_lens
     if max(t.dim() for t in (seq_lens, n2, n4)) == 2:
-        seq_lens, n2, n4 = (t.expand(b, hkv).contiguous() for t in (seq_lens, n2, n4))
+        seq_lens, n2, n4 = (
+            (t if t.dim() == 2 else t[:, None]).expand(b, hkv).contiguous()
+            for t in (seq_lens, n2, n4)
+        )
         stride_lb, stride_lh = hkv, 1
     else:
         seq_lens, n2, n4 = (t.contiguous() for t in (seq_lens, n2, n4))

@@ -266,14 +266,16 @@ def dequant_gather(
     if per_head:
         if slots.shape[-1] != h:
             raise ValueError(f"per-head slots must be [..., Hkv={h}], got {tuple(slots.shape)}")
-        flat = slots.reshape(-1, h)
+        # head-major, contiguous per head: coalesced slot loads (and Triton 3.6 fails to
+        # compile the token-major strided load on sm_90)
+        flat = slots.reshape(-1, h).t().contiguous()
         lead = slots.shape[:-1]
-        stride_st, stride_sh = flat.stride(0), flat.stride(1)
+        stride_st, stride_sh = 1, flat.stride(0)
     else:
         flat = slots.reshape(-1)
         lead = slots.shape
         stride_st, stride_sh = flat.stride(0), 0
-    n = flat.shape[0]
+    n = flat.shape[-1]
     k = torch.empty(n, h, d, dtype=dt, device=slots.device)
     v = torch.empty_like(k)
     if n:

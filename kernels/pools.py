@@ -157,7 +157,8 @@ class KVPools:
     int2: Int2Pool | None = None
 
     def __post_init__(self) -> None:
-        _check_head_dim(self.head_dim)
+        if self.int4 is not None or self.int2 is not None:
+            _check_head_dim(self.head_dim)
         if self.full.k.shape != self.full.v.shape:
             raise ValueError("full.k and full.v must have the same shape")
         if self.full.k.dtype not in (torch.bfloat16, torch.float16, torch.float32):

@@ -91,6 +91,8 @@ class GenerationConfig:
     top_p: float = 1.0
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
+    #: keep decoding past end-of-turn tokens (benchmarks: a fixed number of decode steps).
+    ignore_eos: bool = False
 
 
 @dataclass
@@ -297,11 +299,20 @@ class Engine:
         with self._lock:
             req, logits, plan_info = self._prefill_and_plan(tags, payload)
             try:
+                t1 = self._sync_time()
                 out_ids, finish, (raw, eff) = self._decode(req, logits, gen, stream, plan_info)
+                t2 = self._sync_time()
                 usage = self._usage(req, payload, tags, len(out_ids), plan_info, t0)
             finally:
                 self.store.finish_request(req, cache=True)
-        usage = usage.model_copy(update={"raw_kv_reads": raw, "effective_kv_reads": eff})
+        usage = usage.model_copy(
+            update={
+                "raw_kv_reads": raw,
+                "effective_kv_reads": eff,
+                "prefill_time_s": round(t1 - t0, 4),
+                "decode_time_s": round(t2 - t1, 4),
+            }
+        )
         self._record(usage)
         text = self._truncate_at_stop(self.tokenizer.decode(out_ids, skip_special_tokens=True), gen)
         content, calls = parse_tool_calls(text)
@@ -425,6 +436,12 @@ class Engine:
         return CompressionResult(
             prec, kept, info["forced_mask"], logits.float().cpu(), usage, info["plan"]
         )
+
+    def _sync_time(self) -> float:
+        """Wall clock after the device finished queued work (phase timings)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
 
     def _record(self, usage: KVUsage) -> None:
         """One request's telemetry into the session aggregates and the request log."""
@@ -613,7 +630,7 @@ class Engine:
             kernel = KernelDecode(self.store, req, gen.max_tokens, backend)
         for _ in range(gen.max_tokens):
             tok = self._sample(logits, gen, generator)
-            if tok in self._stop_ids:
+            if tok in self._stop_ids and not gen.ignore_eos:
                 finish = "stop"
                 break
             out.append(tok)

@@ -58,6 +58,8 @@ class KVUsage(BaseModel):
     raw_kv_reads: int
     effective_kv_reads: int
     wall_time_s: float
+    prefill_time_s: float = Field(0.0, description="prefill + plan (s), chat requests")
+    decode_time_s: float = Field(0.0, description="decode steps (s), chat requests")
     plan_note: str = ""
 
 

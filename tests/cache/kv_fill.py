@@ -9,6 +9,8 @@ for bit; quantized cells within the quantization error of their precision.
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 
 from agentkv.cache import DEAD, KVStore, Precision, RequestKV
@@ -44,6 +46,16 @@ def kv_value(
     return k.float(), v.float()
 
 
+@lru_cache(maxsize=1024)
+def _sequence_kv(
+    tokens: tuple[int, ...], start: int, layer: int, H: int, D: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`kv_value` of a whole run of tokens from position ``start`` (memoized: the
+    invariant checks reread the same sequences at every step). Do not modify the result."""
+    toks = torch.tensor(tokens, dtype=torch.int64)
+    return kv_value(toks, torch.arange(start, start + len(tokens)), layer, H, D)
+
+
 def fill(store: KVStore, req: RequestKV, cells: torch.Tensor) -> None:
     """Write K/V of the positions ``cells`` (``[L * Hkv, n]``, from ``extend``) were just
     allocated for: the last ``n`` positions of ``req``."""
@@ -61,7 +73,7 @@ def check_content(store: KVStore, req: RequestKV) -> None:
     from full cells, within :data:`TOLERANCE` from quantized ones, zeros from dead ones; and
     ``head_mask`` / ``positions`` agree with the slot map."""
     H, D = store.pool.num_kv_heads, store.pool.head_dim
-    toks = torch.tensor(req.token_ids[: req.seq_len], dtype=torch.int64)
+    toks = tuple(req.token_ids[: req.seq_len])
     for layer in range(store.num_layers):
         cells = req.slot_map.layer_slots(layer)  # [H, T]
         k, v, pos, head_mask = store.read_kv(req, layer)
@@ -72,7 +84,8 @@ def check_content(store: KVStore, req: RequestKV) -> None:
             assert bool(want_mask.all())
         else:
             assert torch.equal(head_mask, want_mask)
-        wk, wv = kv_value(toks[pos], pos, layer, H, D)
+        ak, av = _sequence_kv(toks, 0, layer, H, D)
+        wk, wv = ak[pos], av[pos]
         prec = store.layout.precision(cells[:, pos]).t()  # [n, H]
         for p, tol in TOLERANCE.items():
             sel = prec == int(p)
@@ -84,3 +97,23 @@ def check_content(store: KVStore, req: RequestKV) -> None:
                     )
         dead = prec == int(Precision.EVICTED)
         assert bool((k[dead] == 0).all()) and bool((v[dead] == 0).all())
+
+
+def check_cached(store: KVStore) -> None:
+    """Every prefix-cache node reads back the K/V of its own tokens (same rules as
+    :func:`check_content`); shared-namespace nodes hold only full cells, so bit for bit."""
+    H, D = store.pool.num_kv_heads, store.pool.head_dim
+    for sid, start, node in store.prefix_cache.iter_nodes():
+        for layer in range(store.num_layers):
+            cells = store.layer_cells(node.value, layer)  # [H, n]
+            k, v = store.pool.gather(layer, cells)
+            wk, wv = _sequence_kv(tuple(node.key.tolist()), start, layer, H, D)
+            prec = store.layout.precision(cells).t()
+            if sid is None:
+                assert bool((prec == int(Precision.FULL)).all())
+            for p, tol in TOLERANCE.items():
+                sel = prec == int(p)
+                for got, want in ((k, wk), (v, wv)):
+                    err = (got[sel] - want[sel]).abs()
+                    if err.numel():
+                        assert float(err.max()) <= tol, (sid, start, p.label, float(err.max()))
