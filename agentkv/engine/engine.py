@@ -33,7 +33,7 @@ from agentkv.engine.kernel_decode import KernelDecode
 from agentkv.engine.model_loader import load_model
 from agentkv.engine.store_cache import CACHE_KWARG, LiveView, StoreCache
 from agentkv.engine.telemetry import KVUsage, SessionMetrics
-from agentkv.engine.tool_calls import parse_tool_calls
+from agentkv.engine.tool_calls import FOREIGN_TURN_MARKERS, parse_tool_calls
 from agentkv.methods import (
     DecodePrecision,
     MethodSet,
@@ -172,11 +172,12 @@ class _ContentStream:
         for s in self.stop:
             i = safe.find(s)
             safe = safe[:i] if i >= 0 else safe[: len(safe) - self._held_suffix(safe, s)]
-        i = safe.find(TOOL_CALL_OPEN)
-        if i >= 0:
-            safe = safe[:i]
-        else:
-            safe = safe[: len(safe) - self._held_suffix(safe, TOOL_CALL_OPEN)]
+        for marker in (TOOL_CALL_OPEN, *FOREIGN_TURN_MARKERS):  # never content
+            i = safe.find(marker)
+            if i >= 0:
+                safe = safe[:i]
+            else:
+                safe = safe[: len(safe) - self._held_suffix(safe, marker)]
         safe = safe.rstrip()
         if safe.endswith("\ufffd"):
             safe = safe.rstrip("\ufffd")

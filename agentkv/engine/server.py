@@ -2,7 +2,12 @@
 
 Endpoints: ``POST /v1/chat/completions`` (non-streaming and SSE streaming, ``tools``,
 tool-call parsing), ``GET /v1/models``, ``GET /health``, and agentkv's own
-``GET/DELETE /v1/agentkv/sessions/{session_id}`` (session telemetry / end a session).
+``GET/DELETE /v1/agentkv/sessions/{session_id}`` (session telemetry with a per-node
+breakdown / end a session) and ``GET /v1/agentkv/capabilities`` (protocol version and the
+policy methods this engine implements; clients warn about the others).
+
+Every request is logged (logger ``agentkv.server``, INFO): session, node, policy, prompt
+tokens and prefix hits, live and evicted KV, wall time.
 
 The agentkv payload is read from ``custom_params["agentkv"]`` (absent -> FullCache; a
 payload without message annotations gets them derived from the request's messages).
@@ -28,6 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from agentkv.cache import OutOfSlots
+from agentkv.engine.capabilities import add_capabilities_route
 from agentkv.engine.engine import (
     ChatResult,
     Engine,
@@ -35,6 +41,7 @@ from agentkv.engine.engine import (
     PreparedChat,
     RequestError,
 )
+from agentkv.engine.telemetry import KVUsage
 from agentkv.wire import CUSTOM_PARAMS, WIRE_KEY, PayloadError, payload_from_request
 
 log = logging.getLogger("agentkv.server")
@@ -165,6 +172,8 @@ def create_app(engine: Engine) -> FastAPI:
             "invalid_request_error",
         )
 
+    add_capabilities_route(app, engine)
+
     @app.get("/health")
     def health() -> dict[str, str]:
         return {"status": "ok"}
@@ -245,6 +254,23 @@ def create_app(engine: Engine) -> FastAPI:
     return app
 
 
+def log_request(usage: KVUsage) -> None:
+    """One INFO line per served request (logger ``agentkv.server``)."""
+    log.info(
+        "session=%s node=%s policy=%s prompt=%d prefix_hits=%d completion=%d "
+        "live_kv=%.0f evicted=%d wall=%.2fs",
+        usage.session_id,
+        usage.node or "-",
+        usage.policy,
+        usage.prompt_tokens,
+        usage.prefix_hit_tokens,
+        usage.completion_tokens,
+        usage.live_kv_tokens,
+        usage.evicted_tokens,
+        usage.wall_time_s,
+    )
+
+
 def _loc_param(loc: tuple[Any, ...], data: Any, missing: bool) -> str:
     """Dotted path of a validation error in the request body, without pydantic's union-member
     tags (``messages.0.content``, not ``messages.0.content.str``)."""
@@ -281,7 +307,9 @@ def _prepare(engine: Engine, body: dict[str, Any], payload, gen) -> PreparedChat
 
 def _run(engine: Engine, prepared: PreparedChat, on_text=None) -> ChatResult:
     try:
-        return engine.run_chat(prepared, on_text=on_text)
+        result = engine.run_chat(prepared, on_text=on_text)
+        log_request(result.usage)
+        return result
     except RequestError as e:
         raise _request_error(e) from None
     except OutOfSlots as e:
