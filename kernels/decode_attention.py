@@ -764,7 +764,9 @@ def decode_attention(
     if not (slot_map.dim() == 2 and slot_map.shape[0] == b) and not (
         per_head and tuple(slot_map.shape[:2]) == (b, hkv)
     ):
-        raise ValueError(f"slot_map must be [B={b}, L] or [B, Hkv={hkv}, L], got {tuple(slot_map.shape)}")
+        raise ValueError(
+            f"slot_map must be [B={b}, L] or [B, Hkv={hkv}, L], got {tuple(slot_map.shape)}"
+        )
     if head_mask is not None and head_mask.shape != (b, hkv, slot_map.shape[-1]):
         raise ValueError(f"head_mask must be [B, Hkv, L], got {tuple(head_mask.shape)}")
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)

@@ -246,7 +246,9 @@ class Engine:
         if decode_attention is None:
             decode_attention = "kernels" if self.device.type == "cuda" else "dense"
         if decode_attention not in ("kernels", "dense", "reference"):
-            raise ValueError(f"decode_attention must be kernels|dense|reference, got {decode_attention!r}")
+            raise ValueError(
+                f"decode_attention must be kernels|dense|reference, got {decode_attention!r}"
+            )
         self.decode_attention = decode_attention
         self.methods = MethodSet(self.shape)
         self.renderer = ChatRenderer(self.tokenizer)
@@ -401,9 +403,11 @@ class Engine:
             session_id: reuse / extend a session's prefix cache (default: request-local,
                 nothing cached).
         """
-        ids = list(token_ids.token_ids) if isinstance(token_ids, TokenTags) else [
-            int(t) for t in token_ids
-        ]
+        ids = (
+            list(token_ids.token_ids)
+            if isinstance(token_ids, TokenTags)
+            else [int(t) for t in token_ids]
+        )
         if not ids:
             raise RequestError("token_ids must not be empty", field="token_ids")
         if isinstance(policy, str):

@@ -30,7 +30,7 @@ def test_gather_and_decode_match_reference_with_channel_scales():
     kt, vt = dequant_gather(pools, ids, out_dtype=torch.float32, backend="triton")
     kr, vr = dequant_gather(pools, ids, out_dtype=torch.float32, backend="torch")
     assert torch.equal(kt, kr) and torch.equal(vt, vr)
-    sm = (pools.int4_base + torch.randperm(64, generator=torch.Generator().manual_seed(1))[:40])
+    sm = pools.int4_base + torch.randperm(64, generator=torch.Generator().manual_seed(1))[:40]
     sm = sm.to(torch.int32)[None].repeat(2, 1)
     q = torch.randn(2, 4, 64, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
     lens = torch.tensor([40, 33], dtype=torch.int32)
