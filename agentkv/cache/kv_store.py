@@ -457,13 +457,18 @@ class KVStore:
             sel = layers == layer
             self.pool.demote(layer, heads[sel], old[sel], new[sel], p)
 
-    def calibrate_key_channels(self, req: RequestKV) -> None:
+    def calibrate_key_channels(self, req: RequestKV, statistic: str = "absmax") -> None:
         """Set every layer's INT4 key channel scales (:meth:`KVPool.set_key_channel_scales`)
         from the full-precision keys of ``req`` (a calibration prompt, before any request is
-        quantized)."""
+        quantized): the channel's largest magnitude (``"absmax"``) or its root mean square
+        (``"rms"``), both without the first 4 tokens (attention sinks carry atypical keys)."""
+        if statistic not in ("absmax", "rms"):
+            raise ValueError(f"statistic must be 'absmax' or 'rms', got {statistic!r}")
         for layer in range(self.num_layers):
             k, _v, _pos, _hm = self.read_kv(req, layer)  # [n, Hkv, D]
-            self.pool.set_key_channel_scales(layer, k.float().abs().amax(dim=0))
+            k = k.float()[4:] if k.shape[0] > 8 else k.float()
+            stat = k.abs().amax(dim=0) if statistic == "absmax" else k.pow(2).mean(0).sqrt()
+            self.pool.set_key_channel_scales(layer, stat)
 
     # ----------------------------------------------------------- telemetry
     def request_stats(self, req: RequestKV) -> RequestKVStats:

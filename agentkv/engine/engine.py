@@ -207,6 +207,8 @@ class Engine:
         decode_attention: ``"kernels"`` decodes through the fused Triton kernel over the
             pools (default on CUDA), ``"dense"`` through the gathered view and torch SDPA
             (default on CPU), ``"reference"`` through the kernels' torch reference (tests).
+        key_channel_scales: INT4 key channel scales from calibration text: ``"absmax"``,
+            ``"rms"`` or ``"none"`` (plain per-token groups).
     """
 
     def __init__(
@@ -219,6 +221,7 @@ class Engine:
         int4_slots: int | None = None,
         int2_pages: int | None = None,
         decode_attention: str | None = None,
+        key_channel_scales: str = "none",
     ):
         self.model, self.tokenizer = load_model(model, device, dtype)
         self.device = next(self.model.parameters()).device
@@ -258,6 +261,9 @@ class Engine:
         self.request_log: deque[KVUsage] = deque(maxlen=10000)
         self._lock = threading.Lock()
         self._stop_ids = self._stop_token_ids()
+        if key_channel_scales not in ("absmax", "rms", "none"):
+            raise ValueError(f"key_channel_scales must be absmax|rms|none, got {key_channel_scales!r}")
+        self.key_channel_scales = key_channel_scales
         self._calibrate()
 
     # ------------------------------------------------------------------ public
@@ -446,7 +452,7 @@ class Engine:
     def _calibrate(self) -> None:
         """Measure the model's key channel magnitudes on a fixed conversation once, so the
         store quantizes INT4 keys with per-channel scales (outlier channels)."""
-        if not self.store.layout.int4_slots:
+        if not self.store.layout.int4_slots or self.key_channel_scales == "none":
             return
         tags = self._encode(
             CALIBRATION_MESSAGES, None, annotate_messages(CALIBRATION_MESSAGES), True
@@ -454,7 +460,7 @@ class Engine:
         payload = KVPayload(session_id=f"req:{secrets.token_hex(8)}", policy=FullCache())
         req, _logits, _info = self._prefill_and_plan(tags, payload)
         try:
-            self.store.calibrate_key_channels(req)
+            self.store.calibrate_key_channels(req, self.key_channel_scales)
         finally:
             self.store.finish_request(req, cache=False)
 
