@@ -13,6 +13,10 @@ What differs, and why:
   session's earlier eviction decisions, replayed exactly on its next turn. This is SGLang's
   ``RadixKey.extra_key`` isolation with ``extra_key = session_id`` (here one root per
   namespace, so ending a session drops one subtree).
+- **Tenant namespaces (cache salt).** ``match`` / ``insert`` / ``end_session`` take an optional
+  ``namespace`` (a tenant's cache salt, vLLM ``cache_salt``): it scopes both the shared and the
+  session lookups, so nothing cached under one namespace is ever matched under another.
+  ``namespace=None`` is the default tenant (the plain shared and session roots).
 - **Counted references.** Each node holds one allocator reference on each non-DEAD slot of its
   value; deleting a node drops them. Requests hold their own references (in their slot maps),
   so a node and a request never "own" a slot on each other's behalf.
@@ -86,6 +90,13 @@ class MatchResult:
     from_session: bool
 
 
+def _ns_key(namespace: str | None, session_id: str | None) -> str | tuple[str, str | None] | None:
+    """``_sessions`` key of a session (or, with ``session_id=None``, of a tenant's shared root)."""
+    if namespace is None:
+        return session_id
+    return (namespace, session_id)
+
+
 def _common_prefix_len(a: torch.Tensor, b: torch.Tensor) -> int:
     n = min(int(a.numel()), int(b.numel()))
     if n == 0:
@@ -124,23 +135,32 @@ class PrefixCache:
         self.num_kv_heads = num_kv_heads
         self._clock = itertools.count(1)
         self._shared = self._new_root(None)
-        self._sessions: dict[str, TreeNode] = {}
+        # session roots by id; with a tenant namespace ``ns``: ``(ns, id)`` for a session,
+        # ``(ns, None)`` for that tenant's shared root (see :func:`_ns_key`)
+        self._sessions: dict[str | tuple[str, str | None], TreeNode] = {}
 
     # ------------------------------------------------------------- queries
     def match(
-        self, session_id: str | None, token_ids: torch.Tensor, max_len: int | None = None
+        self,
+        session_id: str | None,
+        token_ids: torch.Tensor,
+        max_len: int | None = None,
+        namespace: str | None = None,
     ) -> MatchResult:
         """Longest prefix of ``token_ids`` (int64 ``[T]``, capped at ``max_len``) cached in the
         session's namespace or the shared one; on a tie the session's wins, and so it does
         whenever its match holds one of the session's holes (DEAD positions or evicted heads):
         a longer shared match would heal evictions the session already decided (e.g. when
         another session cached the same conversation unevicted). Splits the node where the
-        match ends and refreshes access times along the matched path."""
+        match ends and refreshes access times along the matched path. ``namespace`` (a tenant's
+        cache salt) scopes both lookups."""
         tokens = torch.as_tensor(token_ids, dtype=torch.int64).reshape(-1)
         if max_len is not None:
             tokens = tokens[: max(0, max_len)]
-        best_root, best_len, from_session = self._shared, self._peek(self._shared, tokens), False
-        root = self._sessions.get(session_id) if session_id is not None else None
+        shared = self._shared_root(namespace)
+        best_root, best_len, from_session = shared, self._peek(shared, tokens), False
+        key = _ns_key(namespace, session_id) if session_id is not None else None
+        root = self._sessions.get(key) if key is not None else None
         if root is not None:
             n = self._peek(root, tokens)
             if n > 0 and (n >= best_len or self._has_hole(self._walk(root, tokens[:n]))):
@@ -173,9 +193,9 @@ class PrefixCache:
             for n in path
         )
 
-    def sessions(self) -> list[str]:
-        """Session ids that have a namespace now."""
-        return list(self._sessions)
+    def sessions(self) -> list[str | tuple[str, str | None]]:
+        """Session ids that have a namespace now (``(namespace, id)`` in a tenant namespace)."""
+        return [k for k, r in self._sessions.items() if r.session_id is not None]
 
     def roots(self) -> list[TreeNode]:
         """Current namespace roots: the shared one first, then one per session."""
@@ -183,7 +203,7 @@ class PrefixCache:
 
     def iter_nodes(self) -> Iterator[tuple[str | None, int, TreeNode]]:
         """Every non-root node as ``(session_id or None, start position, node)``."""
-        roots = [(None, self._shared)] + list(self._sessions.items())
+        roots = [(None, self._shared)] + [(r.session_id, r) for r in self._sessions.values()]
         for sid, root in roots:
             stack = [(0, c) for c in root.children.values()]
             while stack:
@@ -209,6 +229,7 @@ class PrefixCache:
         slots: torch.Tensor,
         keep_mask: torch.Tensor | None = None,
         session_id: str | None = None,
+        namespace: str | None = None,
     ) -> TreeNode:
         """Store ``token_ids`` (int64 ``[T]``) -> ``slots`` (int64 ``[T]``) and, in a session
         namespace, ``keep_mask`` (bool ``[L, Hkv, T]`` or ``None``).
@@ -216,7 +237,7 @@ class PrefixCache:
         ``session_id=None`` inserts into the shared namespace, which accepts only un-evicted
         content (no DEAD, mask all live). Takes one reference per non-DEAD slot newly held by
         a node. Returns the node where the inserted sequence ends (a root when ``T == 0``, creating
-        no namespace).
+        no namespace). ``namespace``: the tenant namespace (cache salt) to insert into.
         """
         tokens = torch.as_tensor(token_ids, dtype=torch.int64).reshape(-1)
         vals = torch.as_tensor(slots, dtype=torch.int64).reshape(-1)
@@ -230,18 +251,19 @@ class PrefixCache:
         ):
             raise ValueError(f"keep_mask must be [{self.num_layers}, {self.num_kv_heads}, {n}]")
         shared = session_id is None
+        key = _ns_key(namespace, session_id)
         if n == 0:
-            return self._sessions.get(session_id, self._shared) if session_id else self._shared
+            return self._sessions.get(key, self._shared) if key is not None else self._shared
         if shared:
             if bool((vals == DEAD).any()) or not _all_live(keep_mask):
                 raise ValueError("the shared namespace takes only un-evicted content")
             keep_mask = None
-            root = self._shared
+            root = self._shared_root(namespace, create=True)
         else:
-            assert session_id is not None
-            root = self._sessions.get(session_id)
+            assert session_id is not None and key is not None
+            root = self._sessions.get(key)
             if root is None:
-                root = self._sessions[session_id] = self._new_root(session_id)
+                root = self._sessions[key] = self._new_root(session_id)
         now = next(self._clock)
         node, pos = root, 0
         while pos < n:
@@ -311,10 +333,10 @@ class PrefixCache:
         self._drop_empty_sessions()
         return freed
 
-    def end_session(self, session_id: str) -> int:
+    def end_session(self, session_id: str, namespace: str | None = None) -> int:
         """Drop the session's namespace (locked nodes too: in-flight requests keep their own
         references). Returns slots freed."""
-        root = self._sessions.pop(session_id, None)
+        root = self._sessions.pop(_ns_key(namespace, session_id), None)
         return 0 if root is None else self._drop_tree(root)
 
     def flush(self) -> int:
@@ -326,6 +348,17 @@ class PrefixCache:
         return freed
 
     # ------------------------------------------------------------ private
+    def _shared_root(self, namespace: str | None, create: bool = False) -> TreeNode:
+        """The shared root of a tenant namespace (an empty detached root when it has none)."""
+        if namespace is None:
+            return self._shared
+        root = self._sessions.get((namespace, None))
+        if root is None:
+            root = self._new_root(None)
+            if create:
+                self._sessions[(namespace, None)] = root
+        return root
+
     def _new_root(self, session_id: str | None) -> TreeNode:
         empty = torch.empty(0, dtype=torch.int64)
         return TreeNode(key=empty, value=empty, keep_mask=None, parent=None, session_id=session_id)

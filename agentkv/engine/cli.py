@@ -10,6 +10,8 @@ from typing import Annotated
 
 import typer
 
+from agentkv.engine.tenancy import DEFAULT_MAX_REQUEST_BYTES  # stdlib only, no torch
+
 app = typer.Typer(
     add_completion=False, no_args_is_help=True, help="agentkv: agent-aware KV-cache policies"
 )
@@ -33,18 +35,40 @@ def serve(
     port: Annotated[int, typer.Option(help="port")] = 8000,
     device: DeviceOpt = None,
     kv_slots: SlotsOpt = 32768,
+    api_key: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--api-key",
+            help="require 'Authorization: Bearer KEY' on /v1 routes; repeat for more keys, one "
+            "tenant each (env AGENTKV_API_KEY, comma-separated)",
+        ),
+    ] = None,
+    admin_api_key: Annotated[
+        str | None,
+        typer.Option(
+            "--admin-api-key",
+            help="key for admin routes (POST /v1/agentkv/flush; env AGENTKV_ADMIN_API_KEY)",
+        ),
+    ] = None,
+    max_request_bytes: Annotated[
+        int,
+        typer.Option(help="reject request bodies larger than this (HTTP 413)", min=1024),
+    ] = DEFAULT_MAX_REQUEST_BYTES,
 ) -> None:
     """Serve the OpenAI-compatible API with the embedded engine."""
     from agentkv.engine.engine import Engine
     from agentkv.engine.model_loader import ModelNotFound
     from agentkv.engine.server import serve as run_server
+    from agentkv.engine.tenancy import ServerOptions
+
+    options = ServerOptions.from_env(api_key, admin_api_key, max_request_bytes)
 
     try:
         engine = Engine(model, device=device, kv_slots=kv_slots)
     except ModelNotFound as e:  # a user error: say so, no traceback
         typer.echo(f"agentkv serve: {e}", err=True)
         raise typer.Exit(2) from None
-    run_server(engine, host=host, port=port)
+    run_server(engine, host=host, port=port, options=options)
 
 
 @app.command()

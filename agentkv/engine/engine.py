@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from agentkv.annotation import MessageAnnotation, annotate_messages
-from agentkv.cache import DEAD, KVStore, RequestKV
+from agentkv.cache import DEAD, KVStore, OutOfSlots, RequestKV
 from agentkv.engine.chat_template import ChatRenderer
 from agentkv.engine.model_loader import load_model
 from agentkv.engine.store_cache import CACHE_KWARG, LiveView, StoreCache
@@ -34,7 +34,7 @@ from agentkv.engine.telemetry import KVUsage, SessionMetrics
 from agentkv.engine.tool_calls import parse_tool_calls
 from agentkv.methods import Method, MethodSet, ModelShape, ObserveRequest, Plan, PlanContext
 from agentkv.policies import FullCache
-from agentkv.session import is_request_local, resolve_session_id
+from agentkv.session import is_request_local, resolve_session_id, scope_session_id
 from agentkv.token_tagger import TokenTags
 from agentkv.wire import KVPayload
 
@@ -47,19 +47,27 @@ class RequestError(ValueError):
         self.field = field
 
 
+class RequestCancelled(RuntimeError):
+    """``GenerationConfig.should_stop`` said stop before the request started (client gone)."""
+
+
 DEFAULT_MAX_TOKENS = 256
 
 
 @dataclass
 class GenerationConfig:
     """Decoding settings. ``max_tokens=None``: up to :data:`DEFAULT_MAX_TOKENS`, fewer when
-    the context has less room left (a long prompt alone is not an error)."""
+    the context has less room left (a long prompt alone is not an error).
+
+    ``should_stop``: polled before prefill and at every decode step (e.g. "has the client
+    disconnected?"); ``True`` ends the request early with ``finish_reason="abort"``."""
 
     max_tokens: int | None = DEFAULT_MAX_TOKENS
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
+    should_stop: Callable[[], bool] | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass
@@ -106,6 +114,7 @@ class PreparedChat:
     payload: KVPayload
     tags: TokenTags
     gen: GenerationConfig
+    namespace: str | None = None
 
 
 TOOL_CALL_OPEN = "<tool_call>"
@@ -228,16 +237,25 @@ class Engine:
         tools: Sequence[Mapping[str, Any]] | None = None,
         payload: KVPayload | None = None,
         gen: GenerationConfig | None = None,
+        namespace: str | None = None,
     ) -> PreparedChat:
-        """Validate, render and tag a chat request; raises :class:`RequestError` on bad input."""
+        """Validate, render and tag a chat request; raises :class:`RequestError` on bad input.
+
+        ``namespace``: the tenant scope (cache salt) of the request: its session id, method
+        state, session telemetry and prefix-cache matches stay inside it."""
         gen = gen or GenerationConfig()
         resolved = self._resolve(messages, payload)
         tags = self._encode(messages, tools, resolved.annotations, add_generation_prompt=True)
         if gen.max_tokens is None:
-            room = max(self.max_context - len(tags), 1)  # no room at all: the check says so
+            limit = min(self.max_context, self.kv_capacity)
+            room = max(limit - len(tags), 1)  # no room at all: the check says so
             gen = dataclasses.replace(gen, max_tokens=min(DEFAULT_MAX_TOKENS, room))
         self._check_length(len(tags), gen.max_tokens)
-        return PreparedChat(resolved.payload, tags, gen)
+        payload = resolved.payload
+        if namespace is not None:
+            scoped = scope_session_id(namespace, payload.session_id)
+            payload = payload.model_copy(update={"session_id": scoped})
+        return PreparedChat(payload, tags, gen, namespace)
 
     def run_chat(
         self, prepared: PreparedChat, on_text: Callable[[str], None] | None = None
@@ -247,12 +265,16 @@ class Engine:
         stream = None if on_text is None else _ContentStream(on_text, gen.stop)
         t0 = time.perf_counter()
         with self._lock:
-            req, logits, plan_info = self._prefill_and_plan(tags, payload)
+            if gen.should_stop is not None and gen.should_stop():
+                raise RequestCancelled("cancelled before it started")
+            req, logits, plan_info = self._prefill_and_plan(tags, payload, prepared.namespace)
+            ok = False
             try:
                 out_ids, finish, (raw, eff) = self._decode(req, logits, gen, stream)
                 usage = self._usage(req, payload, tags, len(out_ids), plan_info, t0)
+                ok = True
             finally:
-                self.store.finish_request(req, cache=True)
+                self.store.finish_request(req, cache=ok)  # a failed request is never cached
         usage = usage.model_copy(update={"raw_kv_reads": raw, "effective_kv_reads": eff})
         self._record(usage)
         text = self._truncate_at_stop(self.tokenizer.decode(out_ids, skip_special_tokens=True), gen)
@@ -326,13 +348,26 @@ class Engine:
         self.sessions.record(usage)
         self.request_log.append(usage)
 
-    def end_session(self, session_id: str) -> int:
-        """Forget a session: its prefix-cache namespace, method state and metrics."""
+    def end_session(self, session_id: str, namespace: str | None = None) -> int:
+        """Forget a session: its prefix-cache namespace, method state and metrics.
+        ``namespace``: the tenant scope it was served in (see :meth:`prepare_chat`)."""
+        scoped = scope_session_id(namespace, session_id)
         with self._lock:
-            freed = self.store.end_session(session_id)
-            self.methods.end_session(session_id)
-        self.sessions.drop(session_id)
+            freed = self.store.end_session(scoped, namespace)
+            self.methods.end_session(scoped)
+        self.sessions.drop(scoped)
         return freed
+
+    def flush_prefix_cache(self) -> int:
+        """Drop the whole prefix cache (every tenant and session namespace, the shared ones
+        included; in-flight requests keep their KV). Returns slots freed."""
+        with self._lock:
+            return self.store.flush_prefix_cache()
+
+    @property
+    def kv_capacity(self) -> int:
+        """KV slots (tokens) one request can ever hold: the pool, less the dead slot."""
+        return self.store.allocator.capacity
 
     # ---------------------------------------------------------------- internals
     def _resolve(self, messages: Sequence[Any], payload: KVPayload | None) -> _Resolved:
@@ -345,7 +380,7 @@ class Engine:
             annotations = payload.messages
             if annotations is None:
                 annotations = annotate_messages(messages, node=payload.node)
-        except (TypeError, ValueError) as e:
+        except (TypeError, ValueError, AttributeError, KeyError) as e:
             raise RequestError(f"bad messages: {e}", field="messages") from None
         try:
             self.methods.for_policy(payload.policy)
@@ -373,6 +408,12 @@ class Engine:
                 f"({self.max_context})",
                 field="messages" if prompt >= self.max_context else "max_tokens",
             )
+        if prompt + new > self.kv_capacity:  # admission: it could never fit the KV pool
+            raise RequestError(
+                f"prompt ({prompt} tokens) + max_tokens ({new}) exceeds the KV pool "
+                f"({self.kv_capacity} token slots, --kv-slots)",
+                field="messages" if prompt >= self.kv_capacity else "max_tokens",
+            )
 
     def _forward(
         self, ids: Sequence[int], positions: torch.Tensor, cache: StoreCache, keep: int
@@ -391,7 +432,7 @@ class Engine:
         return out.logits[0].float()
 
     def _prefill_and_plan(
-        self, tags: TokenTags, payload: KVPayload
+        self, tags: TokenTags, payload: KVPayload, namespace: str | None = None
     ) -> tuple[RequestKV, torch.Tensor, dict]:
         policy = payload.policy
         method = self.methods.for_policy(policy)
@@ -405,7 +446,7 @@ class Engine:
             reuse = next((i + 1 for i, a in enumerate(tags.actionable) if a), T)
         # request-local ids never match again: their holes go to no session namespace
         store_session = None if is_request_local(payload.session_id) else payload.session_id
-        req = self.store.begin_request(store_session, tags.token_ids[:reuse])
+        req = self.store.begin_request(store_session, tags.token_ids[:reuse], namespace)
         try:
             actionable = torch.tensor(tags.actionable, dtype=torch.bool)
             observer = method.observer(
@@ -475,6 +516,9 @@ class Engine:
         finish = "length"
         view = LiveView(self.store, req)
         for _ in range(gen.max_tokens):
+            if gen.should_stop is not None and gen.should_stop():
+                finish = "abort"
+                break
             tok = self._sample(logits, gen, generator)
             if tok in self._stop_ids:
                 finish = "stop"
@@ -490,7 +534,10 @@ class Engine:
             if len(out) == gen.max_tokens:
                 break
             pos = req.seq_len
-            slots = self.store.extend(req, [tok])
+            try:
+                slots = self.store.extend(req, [tok])
+            except OutOfSlots:  # the pool ran out: return what was generated
+                break
             cache = StoreCache(view, torch.tensor([pos]), slots)
             logits = self._forward([tok], torch.tensor([pos]), cache, keep=1)[-1]
             raw += pos + 1
