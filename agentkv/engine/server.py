@@ -234,6 +234,10 @@ def _usage(result: ChatResult, namespace: str | None = None) -> dict[str, Any]:
     }
 
 
+FLUSH_PATH = "/v1/agentkv/flush"
+UNAUTHENTICATED_PATHS = frozenset({"/health", FLUSH_PATH})
+
+
 def _caller(raw: Request) -> str:
     """The tenant that :func:`create_app`'s auth dependency resolved for this request."""
     return raw.state.tenant
@@ -245,8 +249,9 @@ def create_app(engine: Engine, options: ServerOptions | None = None) -> FastAPI:
     tenancy = Tenancy(options)
 
     async def authenticate(raw: Request) -> None:
-        """Every route but ``/health`` needs a valid key when keys are configured."""
-        if raw.url.path == "/health":
+        """Every route but ``/health`` needs a valid key when keys are configured (admin
+        routes check the admin key themselves)."""
+        if raw.url.path in UNAUTHENTICATED_PATHS:
             return
         tenant = tenancy.tenant(raw.headers.get("authorization"))
         if tenant is None:
@@ -328,7 +333,7 @@ def create_app(engine: Engine, options: ServerOptions | None = None) -> FastAPI:
         return {"session_id": session_id, "slots_freed": freed}
 
     # --------------------------------------------------------------------- admin
-    @app.post("/v1/agentkv/flush")
+    @app.post(FLUSH_PATH)
     def flush(raw: Request) -> dict[str, Any]:
         """Drop the whole prefix cache, every tenant's (admin key; open without any keys)."""
         if not tenancy.is_admin(raw.headers.get("authorization")):
