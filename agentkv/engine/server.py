@@ -448,12 +448,14 @@ async def _read_json(raw: Request, limit: int) -> dict[str, Any]:
 
 def _first_error(e: ValidationError, body: Any) -> tuple[str, Any]:
     """The most specific validation error (deepest in the body: inside a union, the member
-    that got furthest) and its dotted field path."""
-    best: tuple[int, str, Any] | None = None
+    that got furthest; at equal depth a failed check beats a wrong type) and its dotted
+    field path."""
+    best: tuple[tuple[int, bool], str, Any] | None = None
     for err in e.errors():
         field, depth = _loc_path(err["loc"], body, err["type"] == "missing")
-        if best is None or depth > best[0]:
-            best = (depth, field, err)
+        rank = (depth, not err["type"].endswith("_type"))
+        if best is None or rank > best[0]:
+            best = (rank, field, err)
     assert best is not None
     return best[1], best[2]
 
