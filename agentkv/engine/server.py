@@ -344,7 +344,8 @@ def create_app(engine: Engine, options: ServerOptions | None = None) -> FastAPI:
                 "permission_error",
             )
         freed = engine.flush_prefix_cache()
-        return {"slots_freed": freed, "free_slots": engine.store.allocator.free_count}
+        free = engine.store.allocator.free_count
+        return {"slots_freed": freed, "free_slots": free, "capacity": engine.kv_capacity}
 
     # ------------------------------------------------------------ chat completions
     @app.post(
