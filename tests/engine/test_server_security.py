@@ -144,3 +144,31 @@ def test_options_from_env(monkeypatch):
     opts = ServerOptions.from_env()
     assert opts.api_keys == ("k1", "k2") and opts.admin_api_key == "adm"
     assert ServerOptions.from_env(["flag"]).api_keys == ("flag",)  # a flag wins over the env
+
+
+def test_another_tenant_cannot_perturb_a_sessions_query_memory(
+    secure, tenant_a, tenant_b, engine, sid
+):
+    """The issue's second finding: an explicit ``session_id`` from another client joined that
+    session's IntentKV QueryMemory. Now each tenant's id names its own session."""
+    import torch
+
+    from agentkv.policies import IntentKV
+    from agentkv.session import scope_session_id
+
+    tenancy = secure.config.app.state.tenancy
+    ns_a = tenancy.namespace(tenancy.tenant(f"Bearer {KEY_A}"))
+    memory = engine.methods.for_policy(IntentKV()).memory
+    p = {"version": 1, "session_id": sid, "policy": {"method": "intentkv", "budget": 8}}
+    body = {"messages": secret_chat(sid, "memory"), "max_tokens": 1}
+    body["custom_params"] = {"agentkv": json.dumps(p)}
+    assert tenant_a.post("/v1/chat/completions", json=body).status_code == 200
+    before = memory.get(scope_session_id(ns_a, sid))
+    assert before is not None
+    other = {**body, "messages": [{"role": "user", "content": "Something else entirely."}]}
+    assert tenant_b.post("/v1/chat/completions", json=other).status_code == 200
+    after = memory.get(scope_session_id(ns_a, sid))
+    assert after is not None and torch.equal(before, after)
+    assert tenant_a.delete(f"/v1/agentkv/sessions/{sid}").status_code == 200
+    assert tenant_b.delete(f"/v1/agentkv/sessions/{sid}").status_code == 200
+    assert scope_session_id(ns_a, sid) not in memory
