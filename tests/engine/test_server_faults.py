@@ -249,6 +249,33 @@ def test_disconnect_cancels_a_non_streaming_request(server, engine, http, runs_t
     assert r.status_code == 200 and r.json()["usage"]["agentkv"]["prefix_hit_tokens"] > 0
 
 
+def test_engine_should_stop_hook(engine, sid):
+    """The engine's cancel hook: polled before prefill (a request cancelled while it waited
+    for the engine never starts) and before each decode step (``finish_reason="abort"``)."""
+    from agentkv.engine.engine import GenerationConfig, RequestCancelled
+    from agentkv.wire import KVPayload
+
+    payload = KVPayload(session_id=sid)
+    logged = len(engine.request_log)
+    gen = GenerationConfig(max_tokens=MAX, should_stop=lambda: True)
+    with pytest.raises(RequestCancelled):
+        engine.chat(LONG_ANSWER, payload=payload, gen=gen)
+    assert len(engine.request_log) == logged and engine.store.stats().num_requests == 0
+    polls = []
+
+    def stop_at_fourth_poll() -> bool:
+        polls.append(1)
+        return len(polls) >= 4
+
+    gen = GenerationConfig(max_tokens=MAX, should_stop=stop_at_fourth_poll)
+    result = engine.chat(LONG_ANSWER, payload=payload, gen=gen)
+    # poll 1: before prefill; polls 2, 3: before tokens 1, 2; poll 4: stop
+    assert result.finish_reason == "abort" and len(result.token_ids) == 2
+    assert engine.request_log[-1].completion_tokens == 2
+    engine.store.check_invariants()
+    engine.end_session(sid)
+
+
 # ---------------------------------------------------------- admission control
 SMALL_POOL = 128
 
