@@ -52,6 +52,7 @@ class RequestCancelled(RuntimeError):
 
 
 DEFAULT_MAX_TOKENS = 256
+SAMPLING_EPS = 1e-5  # temperatures below this decode greedily
 
 
 @dataclass
@@ -507,7 +508,7 @@ class Engine:
         self, req, logits, gen: GenerationConfig, stream: _ContentStream | None
     ) -> tuple[list[int], str, tuple[int, int]]:
         generator = None
-        if gen.temperature > 0:
+        if gen.temperature >= SAMPLING_EPS:
             generator = torch.Generator(device="cpu")
             # no seed: a fresh one, without reseeding torch's global generator
             generator.manual_seed(gen.seed if gen.seed is not None else secrets.randbits(63))
@@ -568,7 +569,7 @@ class Engine:
 
     @staticmethod
     def _sample(logits: torch.Tensor, gen: GenerationConfig, generator) -> int:
-        if gen.temperature <= 0:
+        if gen.temperature < SAMPLING_EPS:  # greedy (as vLLM): logits / 1e-300 is inf, NaN
             return int(torch.argmax(logits))
         probs = torch.softmax(logits.float().cpu() / gen.temperature, dim=-1)
         if gen.top_p < 1.0:

@@ -184,6 +184,17 @@ def test_tool_choice_required_or_named_is_a_400_none_hides_the_tools(http):
     assert usage["none"] < usage["auto"]  # the tool schemas were not rendered
 
 
+def test_tiny_temperature_decodes_greedily(http):
+    """Found by the schemathesis fuzz: ``temperature=1e-300`` made the logits inf and
+    sampling raise (HTTP 500). Below 1e-5 it decodes greedily, as vLLM does."""
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
+    greedy = http.post("/v1/chat/completions", json=body).json()
+    for t in (1e-300, 5e-324, 1e-6):
+        r = http.post("/v1/chat/completions", json={**body, "temperature": t})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"] == greedy["choices"][0]["message"]
+
+
 # ---------------------------------------------------------------- cancellation
 def wait_idle(engine, session_prefix: str, timeout: float = 60.0):
     """The request log entry of the (only) request of a session, once the engine is idle."""
