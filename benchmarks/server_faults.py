@@ -1,7 +1,8 @@
 """The issue-14 probes of ``agentkv serve``, measured: what a hostile-but-fair client gets.
 
-1. cross-tenant prefix-cache probe: tenant B sends tenant A's exact secret prompt and a wrong
-   guess; ``usage.agentkv.prefix_hit_tokens`` of each (A's own repeat for contrast);
+1. cross-tenant prefix-cache probe: tenant B sends tenant A's exact secret prompt, tenant C a
+   wrong guess (each its tenant's first request); ``usage.agentkv.prefix_hit_tokens`` of each,
+   A's own repeat for contrast;
 2. abandoned streams: N streams closed after their first chunk, then a 1-token request:
    its latency, and how long until the engine is idle;
 3. an oversized body (5 MB of content): time to its 413;
@@ -28,7 +29,7 @@ from agentkv.engine.engine import Engine
 from agentkv.engine.server import BackgroundServer
 from agentkv.engine.tenancy import ServerOptions
 
-KEY_A, KEY_B = "tenant-a", "tenant-b"
+KEY_A, KEY_B, KEY_C = "tenant-a", "tenant-b", "tenant-c"
 LONG_ANSWER = [{"role": "user", "content": "Count from 1 to 300, separated by commas."}]
 
 
@@ -54,7 +55,7 @@ def main() -> int:
     args = ap.parse_args()
 
     engine = Engine(device=args.device, kv_slots=2048)
-    opts = ServerOptions(api_keys=(KEY_A, KEY_B))
+    opts = ServerOptions(api_keys=(KEY_A, KEY_B, KEY_C))
     out: dict = {
         "command": " ".join(sys.argv),
         "machine": f"{platform.node()} {platform.machine()} {args.device}",
@@ -66,13 +67,14 @@ def main() -> int:
         with (
             httpx.Client(base_url=root, headers=auth, timeout=600) as a,
             httpx.Client(base_url=root, headers={"authorization": f"Bearer {KEY_B}"}) as b,
+            httpx.Client(base_url=root, headers={"authorization": f"Bearer {KEY_C}"}) as c,
         ):
             prompt = secret("TANGERINE-OCTOPUS-42")
             hits(a, prompt)
             out["probe"] = {
                 "a_repeat_hits": hits(a, prompt),
-                "b_wrong_guess_hits": hits(b, secret("TANGERINE-WALRUS-42")),
                 "b_exact_hits": hits(b, prompt),
+                "c_wrong_guess_hits": hits(c, secret("TANGERINE-WALRUS-42")),
             }
 
             # 2. abandoned streams, then one short request
