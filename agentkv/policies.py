@@ -228,6 +228,9 @@ class UniformQuant(KVPolicy):
     method: Literal["uniform_quant"] = "uniform_quant"
     quantizes: ClassVar[bool] = True
     bits: Literal[2, 4] = 4
+    residual: int = Field(
+        128, ge=0, le=MAX_BUDGET, description="most recent tokens kept at full precision (KIVI R)"
+    )
 
 
 Policy = Annotated[

@@ -205,9 +205,12 @@ def _decode_split_kernel(
     stride_qh,
     slot_ptr,
     stride_sb,
+    stride_sh,
     seq_lens_ptr,
     int2_lens_ptr,
     int4_lens_ptr,
+    stride_lb,
+    stride_lh,
     hm_ptr,
     stride_hb,
     stride_hh,
@@ -257,13 +260,14 @@ def _decode_split_kernel(
     h = tl.program_id(1)
     b = tl.program_id(2)
 
-    seq_len = tl.load(seq_lens_ptr + b)
+    len_off = b * stride_lb + h * stride_lh
+    seq_len = tl.load(seq_lens_ptr + len_off)
     n2 = 0
     n4 = 0
     if HAS_INT2:
-        n2 = tl.load(int2_lens_ptr + b)
+        n2 = tl.load(int2_lens_ptr + len_off)
     if HAS_INT4:
-        n4 = tl.load(int4_lens_ptr + b)
+        n4 = tl.load(int4_lens_ptr + len_off)
     is2 = s < S2
     is4 = (s >= S2) & (s < S2 + S4)
     seg_start = tl.where(is2, 0, tl.where(is4, n2, n2 + n4))
@@ -276,7 +280,7 @@ def _decode_split_kernel(
     hmask = offs_h < G
     offs_d = tl.arange(0, D)
     q_rows = q_ptr + b * stride_qb + (h * G + offs_h)[:, None] * stride_qh
-    slot_row = slot_ptr + b.to(tl.int64) * stride_sb
+    slot_row = slot_ptr + b.to(tl.int64) * stride_sb + h * stride_sh
     hm_row = hm_ptr + b.to(tl.int64) * stride_hb + h * stride_hh
     row_o = (b * (Hkv * G) + h * G + offs_h).to(tl.int64) * S_total + s
     dt = q_ptr.dtype.element_ty
@@ -670,7 +674,24 @@ def validate_decode_inputs(
     dead_id: int = DEAD,
 ) -> None:
     """Check the segment contract of the module docstring (device sync; for tests and
-    debugging, not for the hot path). Raises ValueError on the first violation."""
+    debugging, not for the hot path). Raises ValueError on the first violation. Per-head
+    inputs (``slot_map [B, Hkv, L]``, lengths ``[B, Hkv]``) are checked row by row."""
+    if slot_map.dim() == 3:
+        bh = slot_map.shape[0] * slot_map.shape[1]
+
+        def rows(x: torch.Tensor | None) -> torch.Tensor | None:
+            if x is None:
+                return None
+            return (x if x.dim() == 2 else x[:, None]).expand(slot_map.shape[:2]).reshape(bh)
+
+        return validate_decode_inputs(
+            pools,
+            slot_map.reshape(bh, -1),
+            rows(seq_lens),  # type: ignore[arg-type]
+            rows(int2_lens),
+            rows(int4_lens),
+            dead_id,
+        )
     b, length = slot_map.shape
     z = torch.zeros(b, dtype=torch.long, device=slot_map.device)
     n2 = int2_lens.long() if int2_lens is not None else z
@@ -718,9 +739,11 @@ def decode_attention(
     """Decode attention of one query token per request over mixed-precision, holed KV.
 
     q: [B, Hq, D] bf16/fp16 (Hq a multiple of Hkv). pools: the layer's :class:`KVPools`.
-    slot_map: [B, L] int32 unified slot ids (segment contract in the module docstring).
-    seq_lens: [B] int32 positions used. int2_lens / int4_lens: [B] int32 segment lengths
-    (None = empty). head_mask: [B, Hkv, L] bool, True = attend (per-head eviction).
+    slot_map: [B, L] int32 unified slot ids (segment contract in the module docstring), or
+    [B, Hkv, L] per-KV-head slot maps (each head's own cells; the contract holds per head).
+    seq_lens: [B] (or [B, Hkv] with per-head maps) int32 positions used. int2_lens /
+    int4_lens: same shape as seq_lens, segment lengths (None = empty). head_mask:
+    [B, Hkv, L] bool, True = attend (per-head eviction).
     sm_scale: defaults to 1/sqrt(D). dead_id: the DEAD slot id (default 0), masked by id.
     max_lens: host bounds of the segment lengths (default: L for each present segment).
     split_len: positions per split (multiple of 64; default from :func:`plan_split_len`).
@@ -730,9 +753,12 @@ def decode_attention(
     hkv = pools.num_kv_heads
     if d != pools.head_dim or hq % hkv:
         raise ValueError(f"q {tuple(q.shape)} does not match pools (Hkv={hkv}, D={pools.head_dim})")
-    if slot_map.dim() != 2 or slot_map.shape[0] != b:
-        raise ValueError(f"slot_map must be [B={b}, L], got {tuple(slot_map.shape)}")
-    if head_mask is not None and head_mask.shape != (b, hkv, slot_map.shape[1]):
+    per_head = slot_map.dim() == 3
+    if not (slot_map.dim() == 2 and slot_map.shape[0] == b) and not (
+        per_head and tuple(slot_map.shape[:2]) == (b, hkv)
+    ):
+        raise ValueError(f"slot_map must be [B={b}, L] or [B, Hkv={hkv}, L], got {tuple(slot_map.shape)}")
+    if head_mask is not None and head_mask.shape != (b, hkv, slot_map.shape[-1]):
         raise ValueError(f"head_mask must be [B, Hkv, L], got {tuple(head_mask.shape)}")
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)
     if resolve_backend(backend, q.device) == "torch":
@@ -743,7 +769,7 @@ def decode_attention(
         )
 
     cfg = config or DecodeConfig()
-    length = slot_map.shape[1]
+    length = slot_map.shape[-1]
     has2 = int2_lens is not None and pools.int2 is not None
     has4 = int4_lens is not None and pools.int4 is not None
     if max_lens is None:
@@ -774,6 +800,15 @@ def decode_attention(
             hm = hm.contiguous()
     n2 = int2_lens if has2 else seq_lens
     n4 = int4_lens if has4 else seq_lens
+    if max(t.dim() for t in (seq_lens, n2, n4)) == 2:
+        seq_lens, n2, n4 = (
+            (t if t.dim() == 2 else t[:, None]).expand(b, hkv).contiguous()
+            for t in (seq_lens, n2, n4)
+        )
+        stride_lb, stride_lh = hkv, 1
+    else:
+        seq_lens, n2, n4 = (t.contiguous() for t in (seq_lens, n2, n4))
+        stride_lb, stride_lh = 1, 0
 
     part_o = torch.empty(b, hq, s_total, d, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(b, hq, s_total, dtype=torch.float32, device=q.device)
@@ -785,9 +820,12 @@ def decode_attention(
         q.stride(1),
         slot_map,
         slot_map.stride(0),
+        slot_map.stride(1) if per_head else 0,
         seq_lens,
         n2,
         n4,
+        stride_lb,
+        stride_lh,
         hm,
         hm.stride(0) if head_mask is not None else 0,
         hm.stride(1) if head_mask is not None else 0,

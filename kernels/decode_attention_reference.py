@@ -25,18 +25,24 @@ def decode_attention_ref(
     sm_scale: float | None = None,
     dead_id: int = DEAD,
 ) -> torch.Tensor:
-    """q: [B, Hq, D]; slot_map: [B, L] unified slot ids; seq_lens: [B];
-    head_mask: [B, Hkv, L] bool (True = attend) or None. Returns [B, Hq, D] in q's dtype."""
+    """q: [B, Hq, D]; slot_map: [B, L] unified slot ids, or [B, Hkv, L] per-KV-head maps;
+    seq_lens: [B] (or [B, Hkv]); head_mask: [B, Hkv, L] bool (True = attend) or None.
+    Returns [B, Hq, D] in q's dtype."""
     b, hq, d = q.shape
     hkv = pools.num_kv_heads
     g = hq // hkv
-    length = slot_map.shape[1]
+    length = slot_map.shape[-1]
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)
     pos = torch.arange(length, device=slot_map.device)
-    live = (pos[None, :] < seq_lens[:, None].long()) & (slot_map != dead_id)  # [B, L]
-    slots = torch.where(live, slot_map, torch.full_like(slot_map, dead_id))  # never read padding
-    k, v = dequant_gather_ref(pools, slots, dead_id, torch.float32)  # [B, L, Hkv, D]
-    live = live[:, None, :].expand(b, hkv, length)
+    per_head = slot_map.dim() == 3
+    sm = slot_map if per_head else slot_map[:, None, :].expand(b, hkv, length)
+    lens = seq_lens.long()
+    lens = lens.expand(b, hkv) if lens.dim() == 2 else lens[:, None].expand(b, hkv)
+    live = (pos[None, None, :] < lens[:, :, None]) & (sm != dead_id)  # [B, Hkv, L]
+    slots = torch.where(live, sm, torch.full_like(sm, dead_id))  # never read padding
+    k, v = dequant_gather_ref(  # [B, L, Hkv, D]
+        pools, slots.transpose(1, 2), dead_id, torch.float32, per_head=True
+    )
     if head_mask is not None:
         live = live & head_mask.bool()
     qg = q.float().reshape(b, hkv, g, d)

@@ -23,39 +23,51 @@ def dequant_gather_ref(
     slots: torch.Tensor,
     dead_id: int = DEAD,
     out_dtype: torch.dtype | None = None,
+    per_head: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Torch reference of :func:`dequant_gather`."""
-    s = slots.reshape(-1).long()
-    n, h, d = s.numel(), pools.num_kv_heads, pools.head_dim
+    h, d = pools.num_kv_heads, pools.head_dim
+    if per_head:
+        if slots.shape[-1] != h:
+            raise ValueError(f"per-head slots must be [..., Hkv={h}], got {tuple(slots.shape)}")
+        s = slots.reshape(-1, h).long()
+        lead = slots.shape[:-1]
+    else:
+        s = slots.reshape(-1, 1).long().expand(-1, h)
+        lead = slots.shape
+    n = s.shape[0]
+    hh = torch.arange(h, device=s.device)[None, :].expand(n, h)
     k = torch.zeros(n, h, d, dtype=torch.float32, device=s.device)
     v = torch.zeros_like(k)
     full = (s < pools.int4_base) & (s != dead_id)
-    k[full] = pools.full.k[s[full]].float()
-    v[full] = pools.full.v[s[full]].float()
+    k[full] = pools.full.k[s[full], hh[full]].float()
+    v[full] = pools.full.v[s[full], hh[full]].float()
     if pools.int4 is not None:
         sel = (s >= pools.int4_base) & (s < pools.int2_base)
-        i = s[sel] - pools.int4_base
+        i, hs = s[sel] - pools.int4_base, hh[sel]
         p4 = pools.int4
-        k[sel] = dequantize_int4_ref(p4.k[i], p4.k_scale[i], p4.k_zero[i])
-        v[sel] = dequantize_int4_ref(p4.v[i], p4.v_scale[i], p4.v_zero[i])
+        k[sel] = dequantize_int4_ref(p4.k[i, hs], p4.k_scale[i, hs], p4.k_zero[i, hs])
+        v[sel] = dequantize_int4_ref(p4.v[i, hs], p4.v_scale[i, hs], p4.v_zero[i, hs])
     if pools.int2 is not None:
         sel = s >= pools.int2_base
-        j = s[sel] - pools.int2_base
+        j, hs = s[sel] - pools.int2_base, hh[sel]
         page, row = j // INT2_PAGE, j % INT2_PAGE
         p2 = pools.int2
-        codes = unpack_int2(p2.k[page, :, row]).float()  # [n, H, D]
-        k[sel] = codes * p2.k_scale[page].float() + p2.k_zero[page].float()
+        codes = unpack_int2(p2.k[page, hs, row]).float()  # [m, D]
+        k[sel] = codes * p2.k_scale[page, hs].float() + p2.k_zero[page, hs].float()
         v[sel] = dequantize_token_groups_ref(
-            p2.v[page, :, row], p2.v_scale[page, :, row], p2.v_zero[page, :, row], 2
+            p2.v[page, hs, row], p2.v_scale[page, hs, row], p2.v_zero[page, hs, row], 2
         )
     dt = out_dtype or pools.dtype
-    shape = (*slots.shape, h, d)
+    shape = (*lead, h, d)
     return k.to(dt).reshape(shape), v.to(dt).reshape(shape)
 
 
 @triton.jit
 def _dequant_gather_kernel(
     slots_ptr,
+    stride_st,
+    stride_sh,
     T,
     dead_id,
     int4_base,
@@ -91,7 +103,7 @@ def _dequant_gather_kernel(
     h = tl.program_id(1)
     t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     tm = t < T
-    s = tl.load(slots_ptr + t, mask=tm, other=dead_id).to(tl.int64)
+    s = tl.load(slots_ptr + t * stride_st + h * stride_sh, mask=tm, other=dead_id).to(tl.int64)
     offs_d = tl.arange(0, D)
     offs_g = tl.arange(0, NG)
     is_full = tm & (s != dead_id) & (s < int4_base)
@@ -237,18 +249,33 @@ def dequant_gather(
     out_dtype: torch.dtype | None = None,
     backend: Backend = "auto",
     block_t: int = 32,
+    per_head: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Gather and dequantize the K and V rows of ``slots``.
 
     pools: one layer's :class:`KVPools`. slots: [...] int32/int64 unified slot ids, any
-    mix of precisions. Returns (k, v), each [..., Hkv, D] of ``out_dtype`` (default the
-    full pool's dtype); rows whose slot is ``dead_id`` are zero.
+    mix of precisions, the same id for every KV head; or, with ``per_head=True``,
+    [..., Hkv]: head ``h`` of row ``i`` reads cell ``(slots[..., i, h], h)`` (per-(layer, head)
+    slot maps). Returns (k, v), each [..., Hkv, D] of ``out_dtype`` (default the full pool's
+    dtype); rows whose slot is ``dead_id`` are zero.
     """
     dt = out_dtype or pools.dtype
     if resolve_backend(backend, slots.device) == "torch":
-        return dequant_gather_ref(pools, slots, dead_id, dt)
-    flat = slots.reshape(-1)
-    n, h, d = flat.numel(), pools.num_kv_heads, pools.head_dim
+        return dequant_gather_ref(pools, slots, dead_id, dt, per_head)
+    h, d = pools.num_kv_heads, pools.head_dim
+    if per_head:
+        if slots.shape[-1] != h:
+            raise ValueError(f"per-head slots must be [..., Hkv={h}], got {tuple(slots.shape)}")
+        # head-major, contiguous per head: coalesced slot loads (and Triton 3.6 fails to
+        # compile the token-major strided load on sm_90)
+        flat = slots.reshape(-1, h).t().contiguous()
+        lead = slots.shape[:-1]
+        stride_st, stride_sh = 1, flat.stride(0)
+    else:
+        flat = slots.reshape(-1)
+        lead = slots.shape
+        stride_st, stride_sh = flat.stride(0), 0
+    n = flat.shape[-1]
     k = torch.empty(n, h, d, dtype=dt, device=slots.device)
     v = torch.empty_like(k)
     if n:
@@ -272,6 +299,8 @@ def dequant_gather(
         grid = (triton.cdiv(n, block_t), h)
         _dequant_gather_kernel[grid](
             flat,
+            stride_st,
+            stride_sh,
             n,
             dead_id,
             pools.int4_base,
@@ -293,5 +322,5 @@ def dequant_gather(
             HAS_INT2=p2 is not None,
             num_warps=4,
         )
-    shape = (*slots.shape, h, d)
+    shape = (*lead, h, d)
     return k.reshape(shape), v.reshape(shape)

@@ -51,7 +51,8 @@ def _check_head_dim(head_dim: int) -> None:
 class FullPool:
     """Full-precision token pool.
 
-    k, v: [num_slots, Hkv, D] bf16 or fp16. Slot ``DEAD`` (0) is reserved and never read.
+    k, v: [num_slots, Hkv, D] bf16 or fp16 (fp32 on the torch path, e.g. a CPU engine).
+    Slot ``DEAD`` (0) is reserved and never read.
     """
 
     k: torch.Tensor
@@ -156,11 +157,12 @@ class KVPools:
     int2: Int2Pool | None = None
 
     def __post_init__(self) -> None:
-        _check_head_dim(self.head_dim)
+        if self.int4 is not None or self.int2 is not None:
+            _check_head_dim(self.head_dim)
         if self.full.k.shape != self.full.v.shape:
             raise ValueError("full.k and full.v must have the same shape")
-        if self.full.k.dtype not in (torch.bfloat16, torch.float16):
-            raise ValueError(f"full pool dtype must be bf16 or fp16, got {self.full.k.dtype}")
+        if self.full.k.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise ValueError(f"full pool dtype must be bf16, fp16 or fp32, got {self.full.k.dtype}")
         for name, pool in (("int4", self.int4), ("int2", self.int2)):
             if pool is None:
                 continue

@@ -6,8 +6,10 @@ next step after a user message) and ``observe`` (the next step after tool result
 makes a real model call on the conversation so far, then the reference trajectory's own
 assistant message and the tool results / user reply that follow are appended, so every
 policy sees the same conversation (a 135M model cannot play the airline agent itself).
-The table compares per-node KV telemetry of FullCache, IntentKV at several budgets, and the
-baselines.
+The table compares per-node KV telemetry of FullCache, IntentKV at several budgets, the
+eviction baselines and UniformQuant: peak live KV (the KV attended, counted at full precision)
+beside peak resident KV (the bytes the pools hold: quantized cells at their size, evicted
+cells freed per (layer, KV head)).
 """
 
 from __future__ import annotations
@@ -21,7 +23,15 @@ from agentkv.bench.traces import load_tau_bench
 from agentkv.engine.engine import Engine
 from agentkv.engine.server import BackgroundServer
 from agentkv.engine.telemetry import KVUsage
-from agentkv.policies import H2O, FullCache, IntentKV, KVPolicy, SnapKV, StreamingLLM
+from agentkv.policies import (
+    H2O,
+    FullCache,
+    IntentKV,
+    KVPolicy,
+    SnapKV,
+    StreamingLLM,
+    UniformQuant,
+)
 
 
 class ReplayState(TypedDict):
@@ -67,7 +77,7 @@ def build_replay_graph(trajectory: Sequence[dict[str, Any]], llm: Any):
 
 def demo_policies(budgets: Sequence[int]) -> list[KVPolicy]:
     """FullCache, IntentKV at each budget (and the lowest without the protected system block),
-    and the baselines at a 1024-token budget."""
+    the eviction baselines at a 1024-token budget, and UniformQuant INT4 / INT2."""
     low = min(budgets) if budgets else 256
     return [
         FullCache(),
@@ -76,6 +86,8 @@ def demo_policies(budgets: Sequence[int]) -> list[KVPolicy]:
         StreamingLLM(budget=1024),
         SnapKV(budget=1024),
         H2O(budget=1024),
+        UniformQuant(bits=4),
+        UniformQuant(bits=2),
     ]
 
 
@@ -88,6 +100,7 @@ def _node_rows(usages: Sequence[KVUsage]) -> dict[str, dict[str, float]]:
             r["peak_prompt"] = max(r["peak_prompt"], u.peak_request_tokens)
             r["peak_live"] = max(r["peak_live"], u.live_kv_tokens)
             r["peak_bytes"] = max(r["peak_bytes"], u.live_kv_bytes)
+            r["peak_resident"] = max(r["peak_resident"], u.resident_kv_bytes)
             r["prompt"] += u.prompt_tokens
             r["hits"] += u.prefix_hit_tokens
             r["evicted"] += u.evicted_tokens
@@ -152,16 +165,20 @@ def format_table(results: dict[str, dict[str, dict[str, float]]]) -> str:
     full = next((v["ALL"] for k, v in results.items() if k.startswith("full")), None)
     lines = [
         "| policy | node | calls | peak request tokens | peak live KV tokens | peak live KV MiB "
-        "| vs full | evicted | prefix-hit rate | wall s |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| peak resident KV MiB | resident vs full | evicted | prefix-hit rate | wall s |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for label, nodes in results.items():
         for node in sorted(nodes, key=lambda n: (n == "ALL", n)):
             r = nodes[node]
-            ratio = f"{r['peak_live'] / full['peak_live']:.2f}x" if full and node == "ALL" else ""
+            ratio = (
+                f"{r['peak_resident'] / full['peak_resident']:.2f}x"
+                if full and node == "ALL" and full["peak_resident"]
+                else ""
+            )
             lines.append(
                 f"| {label} | {node} | {int(r['calls'])} | {int(r['peak_prompt'])} | {r['peak_live']:.0f} "
-                f"| {r['peak_bytes'] / 2**20:.1f} | {ratio} | {int(r['evicted'])} "
+                f"| {r['peak_bytes'] / 2**20:.1f} | {r['peak_resident'] / 2**20:.1f} | {ratio} | {int(r['evicted'])} "
                 f"| {r['hits'] / max(r['prompt'], 1):.2f} | {r['wall']:.1f} |"
             )
     return "\n".join(lines)

@@ -64,6 +64,8 @@ class TurnRecord:
     raw_kv_reads: int
     effective_kv_reads: int
     wall_time_s: float
+    resident_kv_bytes: int = 0  # what the pools hold (all precisions); 0 in older results
+    quantized_entries: int = 0
 
 
 @dataclass
@@ -83,6 +85,7 @@ class PolicySummary:
     mean_peak_live_kv_tokens: float = 0.0
     max_live_kv_tokens: float = 0.0
     mean_peak_live_kv_bytes: float = 0.0
+    mean_peak_resident_kv_bytes: float = 0.0  # the memory a server could give to others
     max_planned_over_budget: float = 0.0  # max of planned live - (budget + forced); <= 0 holds
     raw_kv_reads: int = 0
     effective_kv_reads: int = 0
@@ -171,6 +174,8 @@ def _run_policy(
                     raw_kv_reads=u.raw_kv_reads,
                     effective_kv_reads=u.effective_kv_reads,
                     wall_time_s=u.wall_time_s,
+                    resident_kv_bytes=u.resident_kv_bytes,
+                    quantized_entries=u.quantized_entries,
                     **fid,
                 )
             )
@@ -221,6 +226,8 @@ def summarize(label: str, policy: KVPolicy, records: Sequence[TurnRecord]) -> Po
     s.mean_peak_live_kv_tokens = sum(peaks) / len(peaks)
     s.max_live_kv_tokens = max(peaks)
     s.mean_peak_live_kv_bytes = sum(peak_bytes) / len(peak_bytes)
+    peak_res = [max(r.resident_kv_bytes or r.live_kv_bytes for r in rs) for rs in by_trace.values()]
+    s.mean_peak_resident_kv_bytes = sum(peak_res) / len(peak_res)
     if budget is not None and policy.evicts:
         s.max_planned_over_budget = max(
             r.planned_live_kv_tokens - (budget + r.forced_tokens) for r in records
@@ -356,15 +363,16 @@ def _report(
 def summary_table(report: ReplayReport) -> str:
     lines = [
         f"| policy | top-1 agree [95% CI] | mean KL | ΔNLL | greedy EM@{report.greedy_tokens} | peak req tokens | mean peak live KV "
-        "tokens | mean peak live KV MiB | eff/raw KV reads | prefix-hit rate (turn≥2) | wall s |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "tokens | mean peak live KV MiB | mean peak resident KV MiB | eff/raw KV reads | prefix-hit rate (turn≥2) | wall s |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for s in report.summaries:
         ratio = s.effective_kv_reads / s.raw_kv_reads if s.raw_kv_reads else 0.0
         lines.append(
             f"| {s.label} | {s.top1_agreement:.3f} [{s.top1_ci95[0]:.3f}, {s.top1_ci95[1]:.3f}] | {s.mean_kl:.4f} | {s.nll_delta:+.4f} "
             f"| {s.greedy_exact_match:.2f} | {s.peak_request_tokens} | {s.mean_peak_live_kv_tokens:.0f} "
-            f"| {s.mean_peak_live_kv_bytes / 2**20:.1f} | {ratio:.2f} | {s.prefix_hit_rate_turn2plus:.2f} "
+            f"| {s.mean_peak_live_kv_bytes / 2**20:.1f} | {s.mean_peak_resident_kv_bytes / 2**20:.1f} "
+            f"| {ratio:.2f} | {s.prefix_hit_rate_turn2plus:.2f} "
             f"| {s.wall_time_s:.0f} |"
         )
     return "\n".join(lines)
@@ -411,8 +419,8 @@ def plot(report: ReplayReport, path: Path) -> None:
     for s in report.summaries:
         groups[_family(s)].append(s)
     for family, items in groups.items():
-        items = sorted(items, key=lambda s: s.mean_peak_live_kv_bytes)
-        x = [s.mean_peak_live_kv_bytes / 2**20 for s in items]
+        items = sorted(items, key=lambda s: s.mean_peak_resident_kv_bytes)
+        x = [s.mean_peak_resident_kv_bytes / 2**20 for s in items]
         style = {"marker": "o", "markersize": 5, "label": family}
         if family == "full":
             style = {
@@ -445,7 +453,7 @@ def plot(report: ReplayReport, path: Path) -> None:
     axes[1].set_ylabel("mean KL(full || policy), nats")
     axes[1].set_yscale("log")
     for ax in axes:
-        ax.set_xlabel("mean peak live KV (MiB)")
+        ax.set_xlabel("mean peak resident KV (MiB, what the pools hold)")
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
     fig.suptitle(f"Fidelity vs memory — {len(report.traces)} trajectories, {report.model}")

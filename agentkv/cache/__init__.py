@@ -1,31 +1,37 @@
-"""KV store: token-slot pools, per-request slot maps, the dead slot, a reference-counted slot
-allocator and a hole-preserving prefix cache (modelled on SGLang's ``ReqToTokenPool``,
+"""KV store: mixed-precision pools (the kernels' full / INT4 / INT2 layout), per-request slot
+maps at (layer, KV head) grain, the dead slot, a reference-counted cell allocator and a
+hole-preserving prefix cache (modelled on SGLang's ``ReqToTokenPool``,
 ``TokenToKVPoolAllocator``, ``MHATokenToKVPool`` and ``RadixCache``). See ``docs/cache.md``.
 """
 
-from agentkv.cache.attention_metadata import (
-    BatchKVIndices,
-    LayerKVIndex,
-    build_batch_kv_indices,
-    build_layer_kv_index,
-)
 from agentkv.cache.dead_slot import DEAD, live_slots
+from agentkv.cache.decode_index import DecodeIndex
 from agentkv.cache.kv_pool import KVPool
-from agentkv.cache.kv_store import EvictResult, KVStore, KVStoreStats, RequestKV, RequestKVStats
+from agentkv.cache.kv_store import (
+    EvictResult,
+    KVStore,
+    KVStoreStats,
+    PrecisionResult,
+    RequestKV,
+    RequestKVStats,
+)
+from agentkv.cache.precision import Precision
 from agentkv.cache.prefix_cache import MatchResult, PrefixCache, TreeNode
-from agentkv.cache.slot_allocator import OutOfSlots, SlotAllocator, SlotRefcountError
+from agentkv.cache.slot_allocator import OutOfSlots, PoolLayout, SlotAllocator, SlotRefcountError
 from agentkv.cache.slot_map import SlotMap
 
 __all__ = [
     "DEAD",
-    "BatchKVIndices",
+    "DecodeIndex",
     "EvictResult",
     "KVPool",
     "KVStore",
     "KVStoreStats",
-    "LayerKVIndex",
     "MatchResult",
     "OutOfSlots",
+    "PoolLayout",
+    "Precision",
+    "PrecisionResult",
     "PrefixCache",
     "RequestKV",
     "RequestKVStats",
@@ -33,7 +39,5 @@ __all__ = [
     "SlotMap",
     "SlotRefcountError",
     "TreeNode",
-    "build_batch_kv_indices",
-    "build_layer_kv_index",
     "live_slots",
 ]

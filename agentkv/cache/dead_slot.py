@@ -1,9 +1,10 @@
 """The reserved dead slot.
 
-Row 0 of every KV pool is the dead slot. It is reserved when the allocator starts, is never
-handed out and never freed, and attention never reads it: evicting logical position ``p`` of a
-request is ``slot_map[p] = DEAD``, and the attention metadata drops DEAD entries from the index
-list (no K value can stand in for a mask, since ``q . k`` takes either sign).
+Row 0 of every full-precision pool is the dead slot (one constant, defined by
+:mod:`agentkv.kernels.pools`). It is never handed out, never freed, and attention never reads
+it: evicting position ``p`` in column (layer, KV head) ``c`` is ``slot_map[c, p] = DEAD``, and
+both the attention metadata and the kernels drop DEAD entries by id (no K value can stand in
+for a mask, since ``q . k`` takes either sign).
 
 This is SGLang's own padded slot 0 (``TokenToKVPoolAllocator`` hands out ``1..size``), so the
 SGLang extension maps DEAD onto it one to one.
@@ -11,12 +12,11 @@ SGLang extension maps DEAD onto it one to one.
 
 from __future__ import annotations
 
-from typing import Final
-
 import torch
 
-DEAD: Final[int] = 0
-"""Slot id of the dead slot (row 0 of every pool buffer)."""
+from agentkv.kernels.pools import DEAD
+
+__all__ = ["DEAD", "live_slots"]
 
 
 def live_slots(slots: torch.Tensor) -> torch.Tensor:

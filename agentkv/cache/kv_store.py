@@ -1,18 +1,26 @@
 """The KV store facade the engines use.
 
-It wires the allocator, the pool, per-request slot maps and the prefix cache together, and is
-the only place that moves references between them:
+It wires the cell allocator, the mixed-precision pools, per-request slot maps and the prefix
+cache together, and is the only place that moves references between them:
 
-- ``begin_request``: match the prefix cache (session namespace, else shared); the request's map
-  starts as the matched slots, holes included, and takes its own reference on each.
-- ``extend``: allocate slots for positions to be computed (LRU-evicting the prefix cache when
-  short); the map holds the allocation's reference.
-- ``evict`` / ``evict_per_head``: redirect to DEAD / clear mask bits; drop the map's reference of
-  each position that became DEAD. A slot still held by the prefix cache or a sibling request
-  stays resident, so evicting inside a cached prefix frees nothing and breaks nothing.
-- ``finish_request``: insert the request into the prefix cache (the leading intact run into the
-  shared namespace; the whole sequence, holes and masks included, into the session namespace
-  when it has holes), then drop the map's references.
+- ``begin_request``: match the prefix cache (session namespace, else shared); the request's
+  map starts as the matched cells (holes and quantized cells included) and takes its own
+  reference on each.
+- ``extend``: allocate a full-precision cell in every (layer, KV head) column for each
+  position to be computed (LRU-evicting the prefix cache when short).
+- ``evict`` / ``evict_per_head``: redirect cells to DEAD and drop the map's reference on each;
+  a cell still held by the prefix cache or a sibling request stays resident, so evicting
+  inside a cached prefix frees nothing and breaks nothing.
+- ``set_precision``: quantize live full-precision cells once, on the write path, into fresh
+  INT4 cells or INT2 pages of the same column, then release the full cells (no hidden
+  full-precision copy).
+- ``finish_request``: insert the request into the prefix cache (the leading intact run into
+  the shared namespace; the whole sequence, holes and quantized cells included, into the
+  session namespace), then drop the map's references.
+
+Memory is freed at (layer, KV head) grain: each column allocates its own cells, so a
+per-head eviction or demotion returns that head's bytes. ``resident_bytes`` counts the cells
+a request holds, by precision.
 
 Lifecycle on SGLang terms: ``begin_request`` = ``match_prefix`` + ``inc_lock_ref``;
 ``extend`` = ``alloc`` into ``req_to_token``; ``cache_unfinished_request`` /
@@ -27,12 +35,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from agentkv.cache.attention_metadata import build_layer_kv_index
 from agentkv.cache.dead_slot import DEAD
 from agentkv.cache.kv_pool import KVPool
+from agentkv.cache.precision import Precision
 from agentkv.cache.prefix_cache import PrefixCache, TreeNode
-from agentkv.cache.slot_allocator import OutOfSlots, SlotAllocator, SlotRefcountError
+from agentkv.cache.slot_allocator import OutOfSlots, PoolLayout, SlotAllocator, SlotRefcountError
 from agentkv.cache.slot_map import SlotMap
+from agentkv.kernels import INT2_PAGE
+from agentkv.kernels.backend import Backend
+
+QUANTIZED = (Precision.INT4, Precision.INT2)
 
 
 @dataclass(eq=False)
@@ -43,8 +55,8 @@ class RequestKV:
         request_id: store-local id.
         session_id: session namespace for holes, or ``None`` (then holes are never reused).
         token_ids: every token known so far (prompt, then decoded tokens as they are extended);
-            ``token_ids[:len(slot_map)]`` have a slot.
-        slot_map: logical position -> slot (+ keep mask).
+            ``token_ids[:len(slot_map)]`` have cells.
+        slot_map: (layer, KV head) column x position -> cell.
         num_cached: positions already in the pool when the request began (prefix-cache hit,
             holes included): prefill starts at this position.
         prefix_hit_tokens: same count, kept for telemetry.
@@ -67,12 +79,12 @@ class RequestKV:
 
     @property
     def seq_len(self) -> int:
-        """Positions with a slot (``len(slot_map)``)."""
+        """Positions with cells (``len(slot_map)``)."""
         return len(self.slot_map)
 
     @property
     def num_pending(self) -> int:
-        """Known tokens without a slot yet (the next ``extend`` allocates them)."""
+        """Known tokens without cells yet (the next ``extend`` allocates them)."""
         return len(self.token_ids) - len(self.slot_map)
 
 
@@ -81,13 +93,23 @@ class EvictResult:
     """Outcome of one eviction call.
 
     Attributes:
-        entries_evicted: (layer, KV head, position) entries that went from live to evicted.
-        positions_dead: positions newly redirected to DEAD (each dropped one slot reference).
-        slots_freed: slots that went back to the free list (reference count reached 0).
+        entries_evicted: (layer, KV head, position) cells that went from live to evicted.
+        positions_dead: positions newly left with no live cell in any column.
+        slots_freed: cells that went back to the free lists (reference count reached 0).
     """
 
     entries_evicted: int
     positions_dead: int
+    slots_freed: int
+
+
+@dataclass(frozen=True)
+class PrecisionResult:
+    """Outcome of one :meth:`KVStore.set_precision` call: cells moved to each precision
+    (``int4`` includes INT2-bound cells that did not fill a page) and full cells freed."""
+
+    int4: int
+    int2: int
     slots_freed: int
 
 
@@ -98,12 +120,16 @@ class RequestKVStats:
     Attributes:
         seq_len: positions with a slot map entry.
         num_cached: prefix-cache hit length (holes included).
-        resident_slots: positions holding a real slot: memory this request keeps alive (slots
-            shared with other holders included).
-        dead_positions: positions redirected to DEAD.
-        live_kv_entries: live (layer, KV head, position) entries.
-        effective_live_tokens: ``live_kv_entries / (L * Hkv)`` (mask-weighted live KV).
-        resident_bytes: ``resident_slots * bytes_per_token``.
+        resident_slots: positions with at least one live cell.
+        dead_positions: positions with no live cell.
+        live_kv_entries: live (layer, KV head, position) cells.
+        effective_live_tokens: ``live_kv_entries / (L * Hkv)``.
+        resident_bytes: bytes of every cell the request holds (shared ones included), scales
+            included: what the pools hold for it.
+        resident_bytes_by_precision: the same split by ``"full" | "int4" | "int2"``.
+        cells_by_precision: live cells per precision.
+        effective_bytes: ``effective_live_tokens * bytes_per_token`` (live KV as if full).
+        slot_map_bytes: host bytes of the slot map itself (``8 * L * Hkv * seq_len``).
     """
 
     seq_len: int
@@ -113,6 +139,10 @@ class RequestKVStats:
     live_kv_entries: int
     effective_live_tokens: float
     resident_bytes: int
+    resident_bytes_by_precision: dict[str, int]
+    cells_by_precision: dict[str, int]
+    effective_bytes: int
+    slot_map_bytes: int
 
 
 @dataclass(frozen=True)
@@ -120,20 +150,20 @@ class KVStoreStats:
     """Store-wide telemetry.
 
     Attributes:
-        capacity: slots that can be handed out (pool rows minus the dead slot).
-        free_slots: slots on the free list.
-        used_slots: slots held by requests and / or the prefix cache (memory actually held).
-        bytes_per_token: bytes of one slot over all layers, K and V.
-        used_bytes: ``used_slots * bytes_per_token``.
-        pool_bytes: bytes of the whole pool (dead slot included).
+        capacity: full-precision cells per column that can be handed out.
+        free_slots: free full-precision cells in the fullest column (tokens that can still be
+            extended).
+        used_slots: full-precision cells in use, averaged over columns (token units).
+        bytes_per_token: bytes of one token at full precision over all layers and heads.
+        used_bytes: bytes of every cell in use (all precisions, all holders).
+        used_bytes_by_precision: the same split by precision.
+        pool_bytes: bytes of all pool buffers.
         num_requests: in-flight requests.
         num_sessions: sessions with a prefix-cache namespace.
         prefix_cache_nodes: radix-tree nodes over all namespaces.
-        prefix_cache_tokens: positions stored in the prefix cache (holes included; a slot in
-            two namespaces counts twice).
-        requests_resident_slots: sum of in-flight requests' resident slots (shared slots
-            counted once per request).
-        requests_effective_live_tokens: sum of in-flight requests' mask-weighted live KV.
+        prefix_cache_tokens: positions stored in the prefix cache (holes included).
+        requests_resident_slots: sum of in-flight requests' resident positions.
+        requests_effective_live_tokens: sum of in-flight requests' live cells per column.
     """
 
     capacity: int
@@ -141,6 +171,7 @@ class KVStoreStats:
     used_slots: int
     bytes_per_token: int
     used_bytes: int
+    used_bytes_by_precision: dict[str, int]
     pool_bytes: int
     num_requests: int
     num_sessions: int
@@ -151,15 +182,19 @@ class KVStoreStats:
 
 
 class KVStore:
-    """Token-slot KV store with dead-slot eviction and a hole-preserving prefix cache.
+    """Mixed-precision KV store with per-(layer, head) cells and a hole-preserving prefix cache.
 
     Args:
         num_layers: ``L``.
         num_kv_heads: ``Hkv``.
         head_dim: ``D``.
-        num_slots: pool rows, the dead slot (row 0) included; ``num_slots - 1`` are usable.
-        dtype: K/V element dtype.
+        num_slots: full-precision pool rows per layer, the dead slot (row 0) included;
+            ``num_slots - 1`` tokens fit at full precision.
+        dtype: full-precision K/V dtype.
         device: pool device; bookkeeping (maps, counts, tree) stays on the CPU.
+        int4_slots: INT4 pool rows per layer (default ``num_slots``; 0 = no INT4 pool).
+        int2_pages: INT2 pages (32 rows) per layer (default ``num_slots // 32``; 0 = none).
+        backend: kernels backend for gathers (default: Triton on CUDA, torch on CPU).
     """
 
     def __init__(
@@ -170,12 +205,22 @@ class KVStore:
         num_slots: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        int4_slots: int | None = None,
+        int2_pages: int | None = None,
+        backend: Backend | None = None,
     ) -> None:
+        quantizable = head_dim % 32 == 0 and head_dim & (head_dim - 1) == 0
+        if int4_slots is None:
+            int4_slots = num_slots if quantizable else 0
+        if int2_pages is None:
+            int2_pages = num_slots // INT2_PAGE if quantizable else 0
+        self.layout = PoolLayout(num_slots, int4_slots, int2_pages)
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
-        self.allocator = SlotAllocator(num_slots)
-        self.pool = KVPool(num_layers, num_slots, num_kv_heads, head_dim, dtype, device)
-        self.prefix_cache = PrefixCache(self.allocator, num_layers, num_kv_heads)
+        self.num_columns = num_layers * num_kv_heads
+        self.allocator = SlotAllocator(self.num_columns, self.layout)
+        self.pool = KVPool(num_layers, num_kv_heads, head_dim, self.layout, dtype, device, backend)
+        self.prefix_cache = PrefixCache(self.allocator)
         self._ids = itertools.count()
         self._requests: dict[int, RequestKV] = {}
 
@@ -190,7 +235,7 @@ class KVStore:
 
         Matches at most ``T - 1`` tokens (the last prompt token is always computed, so the
         forward pass yields logits), takes the request's own reference on every matched
-        non-DEAD slot and locks the matched path against LRU eviction. ``namespace`` (a
+        non-DEAD cell and locks the matched path against LRU eviction. ``namespace`` (a
         tenant's cache salt) scopes the match and, later, the caching of this request.
         """
         tokens = torch.as_tensor(token_ids, dtype=torch.int64).reshape(-1).tolist()
@@ -199,8 +244,10 @@ class KVStore:
         match = self.prefix_cache.match(
             session_id, torch.tensor(tokens), max_len=len(tokens) - 1, namespace=namespace
         )
-        slot_map = SlotMap(self.num_layers, self.num_kv_heads, match.slots, match.keep_mask)
-        self.allocator.incref(slot_map.held_slots())
+        slot_map = SlotMap(
+            self.num_layers, self.num_kv_heads, match.slots, full_limit=self.layout.int4_base
+        )
+        self.allocator.incref(slot_map.slots)
         self.prefix_cache.lock(match.last_node)
         req = RequestKV(
             request_id=next(self._ids),
@@ -219,10 +266,11 @@ class KVStore:
     def extend(
         self, req: RequestKV, new_token_ids: Sequence[int] | torch.Tensor | None = None
     ) -> torch.Tensor:
-        """Append ``new_token_ids`` (if any) and allocate slots for every position without one.
+        """Append ``new_token_ids`` (if any) and allocate full-precision cells for every
+        position without one.
 
-        Returns int64 ``[n]`` slots of positions ``seq_len_before .. seq_len_before + n - 1``,
-        to be written with :meth:`write_kv`. When fewer than ``n`` slots are free, evicts
+        Returns int64 ``[L * Hkv, n]`` cells of positions ``seq_len_before ..``, to be
+        written with :meth:`write_kv`. When a column has fewer than ``n`` free cells, evicts
         least-recently-used prefix-cache nodes first; raises :class:`OutOfSlots` (the request
         unchanged) if that is still not enough.
         """
@@ -234,19 +282,18 @@ class KVStore:
         )
         n = req.num_pending + len(new)
         if n == 0:
-            return torch.empty(0, dtype=torch.int64)
+            return torch.empty(self.num_columns, 0, dtype=torch.int64)
         self._reserve(n)
-        slots = self.allocator.alloc(n)
+        cells = self.allocator.alloc(n)
         req.token_ids.extend(new)
-        req.slot_map.append(slots)
-        return slots
+        req.slot_map.append(cells)
+        return cells
 
     def cache_unfinished_request(self, req: RequestKV, num_tokens: int | None = None) -> int:
         """Publish the request's first ``num_tokens`` positions (default all) to the shared
-        namespace now, before its own evictions (SGLang ``cache_unfinished_req``): call it after
-        prefill to share, say, the system prompt with other sessions even if this request then
-        evicts parts of it. Only the leading intact run can be shared; returns the count
-        published. The published path stays locked until the request finishes."""
+        namespace now, before its own evictions (SGLang ``cache_unfinished_req``). Only the
+        leading intact run can be shared; returns the count published. The published path
+        stays locked until the request finishes."""
         self._check_live(req)
         n = req.slot_map.intact_prefix_len()
         if num_tokens is not None:
@@ -254,7 +301,9 @@ class KVStore:
         if n == 0:
             return 0
         node = self.prefix_cache.insert(
-            torch.tensor(req.token_ids[:n]), req.slot_map.slots[:n].clone(), namespace=req.namespace
+            torch.tensor(req.token_ids[:n]),
+            req.slot_map.slots[:, :n].clone(),
+            namespace=req.namespace,
         )
         self.prefix_cache.lock(node)
         req._locked.append(node)
@@ -262,9 +311,9 @@ class KVStore:
 
     def finish_request(self, req: RequestKV, cache: bool = True) -> None:
         """End ``req``. With ``cache=True``, store it in the prefix cache first: the leading
-        intact run in the shared namespace; the whole sequence with its holes and keep mask in
-        the session namespace when it has holes (and a session id). Then drop the request's
-        references and locks. Raises ``RuntimeError`` when called twice."""
+        intact run in the shared namespace; the whole sequence with its holes and quantized
+        cells in the session namespace when it has any (and a session id). Then drop the
+        request's references and locks. Raises ``RuntimeError`` when called twice."""
         self._check_live(req)
         sm = req.slot_map
         t = len(sm)
@@ -273,18 +322,13 @@ class KVStore:
             intact = sm.intact_prefix_len()
             if intact > 0:
                 self.prefix_cache.insert(
-                    tokens[:intact], sm.slots[:intact].clone(), namespace=req.namespace
+                    tokens[:intact], sm.slots[:, :intact].clone(), namespace=req.namespace
                 )
             if intact < t and req.session_id is not None:
-                mask = sm.keep_mask
                 self.prefix_cache.insert(
-                    tokens,
-                    sm.slots.clone(),
-                    None if mask is None else mask.clone(),
-                    session_id=req.session_id,
-                    namespace=req.namespace,
+                    tokens, sm.slots.clone(), session_id=req.session_id, namespace=req.namespace
                 )
-        self.allocator.decref(sm.held_slots())
+        self.allocator.decref(sm.slots)
         for node in req._locked:
             self.prefix_cache.unlock(node)
         req._locked.clear()
@@ -292,59 +336,152 @@ class KVStore:
         del self._requests[req.request_id]
 
     def end_session(self, session_id: str, namespace: str | None = None) -> int:
-        """Drop the session's prefix-cache namespace; returns slots freed. In-flight requests
+        """Drop the session's prefix-cache namespace; returns cells freed. In-flight requests
         of the session keep their KV (their own references)."""
         return self.prefix_cache.end_session(session_id, namespace)
 
     def flush_prefix_cache(self) -> int:
-        """Drop every prefix-cache namespace; returns slots freed."""
+        """Drop every prefix-cache namespace; returns cells freed."""
         return self.prefix_cache.flush()
 
-    def evict_prefix_cache(self, num_slots: int) -> int:
-        """LRU-evict unlocked prefix-cache leaves until ``num_slots`` slots are freed or none is
-        left; returns slots freed."""
-        return self.prefix_cache.evict(num_slots)
+    def evict_prefix_cache(self, num_cells: int) -> int:
+        """LRU-evict unlocked prefix-cache leaves until ``num_cells`` cells are freed or none
+        is left; returns cells freed."""
+        return self.prefix_cache.evict(num_cells)
 
     # ------------------------------------------------------------------ KV
-    def write_kv(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store K, V (``[n, Hkv, D]``) of ``layer`` into ``slots`` (int64 ``[n]``)."""
-        self.pool.write(layer, slots, k, v)
+    def write_kv(self, layer: int, cells: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store K, V (``[n, Hkv, D]``) of ``layer`` into full-precision ``cells``: the
+        layer's rows of :meth:`extend`'s result, int64 ``[Hkv, n]``."""
+        self.pool.write(layer, cells, k, v)
+
+    def layer_cells(self, cells: torch.Tensor, layer: int) -> torch.Tensor:
+        """Rows of ``layer`` in a ``[L * Hkv, n]`` cell tensor: ``[Hkv, n]``."""
+        h = self.num_kv_heads
+        return cells[layer * h : (layer + 1) * h]
 
     def read_kv(
         self, req: RequestKV, layer: int
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """K/V that ``layer`` of ``req`` attends to, DEAD and fully evicted positions dropped.
+        """K/V that ``layer`` of ``req`` attends to, dequantized, positions with no live cell
+        in the layer dropped.
 
         Returns ``(k, v, positions, head_mask)`` on the pool device: ``k``, ``v``
-        ``[n, Hkv, D]``; ``positions`` int64 ``[n]`` logical positions (ascending);
-        ``head_mask`` bool ``[Hkv, n]`` (``True`` = KV head may attend to that key) or ``None``
-        when all heads see all ``n`` keys.
+        ``[n, Hkv, D]`` in the pool dtype (zeros where a head's cell is DEAD); ``positions``
+        int64 ``[n]`` logical positions (ascending); ``head_mask`` bool ``[Hkv, n]`` (``True``
+        = KV head may attend to that key) or ``None`` when all heads see all ``n`` keys.
         """
-        idx = build_layer_kv_index(req.slot_map, layer, device=self.pool.device)
-        k, v = self.pool.gather(layer, idx.slots)
-        return k, v, idx.positions, idx.head_mask
+        cells = req.slot_map.layer_slots(layer)
+        live = cells != DEAD
+        keep = live.any(dim=0)
+        pos = torch.nonzero(keep).reshape(-1)
+        sel = cells[:, pos]
+        k, v = self.pool.gather(layer, sel)
+        hm = live[:, pos]
+        head_mask = None if bool(hm.all()) else hm.to(self.pool.device)
+        return k, v, pos.to(self.pool.device), head_mask
 
     # ------------------------------------------------------------ eviction
     def evict(self, req: RequestKV, positions: Sequence[int] | torch.Tensor) -> EvictResult:
         """Evict logical ``positions`` (int64 ``[k]``) of ``req`` in every layer and head."""
         self._check_live(req)
-        before = req.slot_map.live_entries()
+        before_live, before_res = req.slot_map.live_entries(), req.slot_map.num_resident
         released = req.slot_map.evict(positions)
-        return self._release(req, before, released)
+        return self._release(req, before_live, before_res, released)
 
     def evict_per_head(self, req: RequestKV, keep_mask: torch.Tensor) -> EvictResult:
         """Evict per (layer, KV head): ``keep_mask`` bool ``[L, Hkv, T']`` (``T' <= seq_len``),
-        ``False`` = evict. Positions left with no live head become DEAD."""
+        ``False`` = evict that cell (its bytes go back to that column's free list)."""
         self._check_live(req)
-        before = req.slot_map.live_entries()
-        released = req.slot_map.evict_heads(keep_mask)
-        return self._release(req, before, released)
+        before_live, before_res = req.slot_map.live_entries(), req.slot_map.num_resident
+        released = req.slot_map.evict_cells(keep_mask)
+        return self._release(req, before_live, before_res, released)
+
+    # ----------------------------------------------------------- precision
+    def set_precision(
+        self, req: RequestKV, precision: torch.Tensor, int2_leftover: str = "int4"
+    ) -> PrecisionResult:
+        """Quantize live full-precision cells of ``req`` as ``precision`` says.
+
+        Args:
+            precision: int8 :class:`Precision` values broadcastable to ``[L, Hkv, T']``
+                (``T' <= seq_len``; e.g. ``[T']`` per position or ``[L, 1, T']`` per layer).
+                ``INT4`` / ``INT2`` demote a live full-precision cell; ``FULL`` and
+                ``EVICTED`` leave it (evict first with :meth:`evict_per_head`). Quantized cells
+                never move back to full precision.
+            int2_leftover: INT2 cells are quantized per column in pages of 32 (position
+                order); the ``< 32`` that do not fill a page go to INT4 (``"int4"``, as
+                TriAxialKV does) or stay at full precision until a later call fills the page
+                (``"full"``, for decode).
+
+        Raises :class:`OutOfSlots` when a column's quantized pool has no room even after
+        evicting the prefix cache.
+        """
+        self._check_live(req)
+        sm = req.slot_map
+        L, H = self.num_layers, self.num_kv_heads
+        t = int(precision.shape[-1])
+        if t > len(sm):
+            raise ValueError(f"precision covers {t} positions but the request has {len(sm)}")
+        prec = torch.as_tensor(precision, dtype=torch.int8).to("cpu")
+        prec = prec.expand(L, H, t).reshape(L * H, t)
+        full = sm.full_precision()[:, :t]
+        to4 = full & (prec == int(Precision.INT4))
+        to2 = full & (prec == int(Precision.INT2))
+        if not bool(to4.any()) and not bool(to2.any()):
+            return PrecisionResult(0, 0, 0)
+        # INT2 pages: per column, the INT2-bound cells in position order, 32 at a time
+        page_cols, page_pos = [], []
+        counts = to2.sum(dim=1)
+        for c in torch.nonzero(counts).reshape(-1).tolist():
+            pos = torch.nonzero(to2[c]).reshape(-1)
+            n_full = (pos.numel() // INT2_PAGE) * INT2_PAGE
+            rest = pos[n_full:]
+            if rest.numel():
+                to2[c, rest] = False
+                if int2_leftover == "int4":
+                    to4[c, rest] = True
+            if n_full:
+                page_pos.append(pos[:n_full].view(-1, INT2_PAGE))
+                page_cols.append(torch.full((n_full // INT2_PAGE,), c, dtype=torch.int64))
+        n4 = int(to4.sum())
+        n2p = sum(int(p.shape[0]) for p in page_pos)
+        self._reserve_quantized(to4.sum(dim=1), counts // INT2_PAGE)
+        freed = 0
+        if n4:
+            cols, pos = torch.nonzero(to4, as_tuple=True)
+            new = self.allocator.alloc_int4(cols)
+            old = sm.slots[cols, pos]
+            self._demote(cols, old, new, Precision.INT4)
+            sm.replace(cols, pos, new)
+            freed += self.allocator.decref_pairs(cols, old)
+        if n2p:
+            cols = torch.cat(page_cols)
+            pos = torch.cat(page_pos)  # [P, 32]
+            rows = self.allocator.alloc_int2_pages(cols)  # [P, 32]
+            old = sm.slots[cols[:, None], pos]
+            self._demote(cols, old, rows, Precision.INT2)
+            c32 = cols[:, None].expand_as(pos).reshape(-1)
+            sm.replace(c32, pos.reshape(-1), rows.reshape(-1))
+            freed += self.allocator.decref_pairs(c32, old.reshape(-1))
+        return PrecisionResult(n4, n2p * INT2_PAGE, freed)
+
+    def _demote(self, cols: torch.Tensor, old: torch.Tensor, new: torch.Tensor, p: Precision):
+        layers = cols // self.num_kv_heads
+        heads = cols % self.num_kv_heads
+        for layer in torch.unique(layers).tolist():
+            sel = layers == layer
+            self.pool.demote(layer, heads[sel], old[sel], new[sel], p)
 
     # ----------------------------------------------------------- telemetry
     def request_stats(self, req: RequestKV) -> RequestKVStats:
         """Telemetry of one request."""
         sm = req.slot_map
         resident = sm.num_resident
+        prec = self.layout.precision(sm.slots)
+        cells = {p.label: int((prec == int(p)).sum()) for p in (Precision.FULL, *QUANTIZED)}
+        cb = self.pool.cell_bytes
+        by_prec = {p.label: int(round(cells[p.label] * cb[p])) for p in cb}
         return RequestKVStats(
             seq_len=len(sm),
             num_cached=req.num_cached,
@@ -352,19 +489,27 @@ class KVStore:
             dead_positions=len(sm) - resident,
             live_kv_entries=sm.live_entries(),
             effective_live_tokens=sm.effective_live_tokens(),
-            resident_bytes=resident * self.pool.bytes_per_token,
+            resident_bytes=sum(by_prec.values()),
+            resident_bytes_by_precision=by_prec,
+            cells_by_precision=cells,
+            effective_bytes=int(round(sm.effective_live_tokens() * self.pool.bytes_per_token)),
+            slot_map_bytes=8 * self.num_columns * len(sm),
         )
 
     def stats(self) -> KVStoreStats:
         """Store-wide telemetry."""
         a, bpt = self.allocator, self.pool.bytes_per_token
+        used = a.used_cells()
+        cb = self.pool.cell_bytes
+        by_prec = {p.label: int(round(used[p] * cb[p])) for p in used}
         reqs = list(self._requests.values())
         return KVStoreStats(
             capacity=a.capacity,
             free_slots=a.free_count,
-            used_slots=a.used_count,
+            used_slots=round(used[Precision.FULL] / self.num_columns),
             bytes_per_token=bpt,
-            used_bytes=a.used_count * bpt,
+            used_bytes=sum(by_prec.values()),
+            used_bytes_by_precision=by_prec,
             pool_bytes=self.pool.total_bytes,
             num_requests=len(reqs),
             num_sessions=len(self.prefix_cache.sessions()),
@@ -381,53 +526,65 @@ class KVStore:
     def check_invariants(self) -> None:
         """Recount every reference and lock from scratch and compare with the live state.
 
-        For tests and debug runs (cost ``O(num_slots + cached tokens)``). Checks: each slot's
-        count equals the number of request maps and prefix-cache nodes holding it; the free
-        list is exactly the unreferenced slots, without repeats or DEAD; DEAD is unreferenced;
-        the shared namespace holds no hole; each map's DEAD entries are exactly its positions
-        with no live head; a slot sits at one logical position wherever it is held; lock
-        counts match the in-flight requests. Raises :class:`SlotRefcountError` on a violation.
+        For tests and debug runs. Checks: each cell's count equals the number of request maps
+        and prefix-cache nodes holding it; each column's free lists are exactly its
+        unreferenced cells (INT2: pages with no referenced row), without repeats or DEAD;
+        the shared namespace holds only intact full-precision cells; a cell sits at one
+        logical position wherever it is held; lock counts match the in-flight requests.
+        Raises :class:`SlotRefcountError` on a violation.
         """
-        n = self.allocator.num_slots
-        expected = torch.zeros(n, dtype=torch.int32)
-        where = torch.full((n,), -1, dtype=torch.int64)
+        lay = self.layout
+        C, U = self.num_columns, lay.num_ids
+        expected = torch.zeros(C * U, dtype=torch.int32)
+        where = torch.full((C * U,), -1, dtype=torch.int64)
+        col_of = torch.arange(C)[:, None]
 
-        def hold(slots: torch.Tensor, start: int, what: str) -> None:
-            pos = torch.arange(start, start + int(slots.numel()))
-            live = slots != DEAD
-            s, p = slots[live], pos[live]
-            expected.index_add_(0, s, torch.ones_like(s, dtype=torch.int32))
-            seen = where[s]
+        def hold(cells: torch.Tensor, start: int, what: str) -> None:
+            pos = torch.arange(start, start + int(cells.shape[1]))[None, :].expand_as(cells)
+            live = cells != DEAD
+            flat = (col_of.expand_as(cells) * U + cells)[live]
+            p = pos[live]
+            expected.index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+            seen = where[flat]
             clash = (seen >= 0) & (seen != p)
             if bool(clash.any()):
-                raise SlotRefcountError(f"{what}: slot(s) {s[clash].tolist()[:8]} moved position")
-            where[s] = p
+                raise SlotRefcountError(f"{what}: cell(s) moved position")
+            where[flat] = p
 
         for req in self._requests.values():
-            sm = req.slot_map
-            hold(sm.slots, 0, f"request {req.request_id}")
-            mask = sm.keep_mask
-            if mask is not None and bool((mask.any(dim=1).any(dim=0) != sm.resident()).any()):
-                raise SlotRefcountError(f"request {req.request_id}: DEAD entries != fully evicted")
-        roots = {id(r) for r in self.prefix_cache.roots()}
+            hold(req.slot_map.slots, 0, f"request {req.request_id}")
         for sid, start, node in self.prefix_cache.iter_nodes():
             hold(node.value, start, f"prefix-cache node of {sid!r}")
-            if sid is None and (node.keep_mask is not None or bool((node.value == DEAD).any())):
-                raise SlotRefcountError("the shared namespace holds a hole")
-        rc = self.allocator.refcount()
-        if int(rc[DEAD]) != 0 or bool((rc != expected).any()):
-            bad = torch.nonzero(rc != expected).reshape(-1)[:8].tolist()
+            if sid is None and not self.prefix_cache._intact(node.value):
+                raise SlotRefcountError("the shared namespace holds a hole or a quantized cell")
+        rc = self.allocator.refcount().view(-1)
+        if bool((rc != expected).any()):
+            bad = torch.nonzero(rc != expected).reshape(-1)[:8]
             raise SlotRefcountError(
-                f"refcount mismatch at slots {bad}: counted {expected[bad].tolist()}, "
-                f"allocator has {rc[bad].tolist()}"
+                f"refcount mismatch at cells {(bad % U).tolist()}: counted "
+                f"{expected[bad].tolist()}, allocator has {rc[bad].tolist()}"
             )
-        free = self.allocator.free_slots()
-        unreferenced = torch.nonzero(rc == 0).reshape(-1)
-        unreferenced = unreferenced[unreferenced != DEAD]
-        if free.numel() != unreferenced.numel() or not torch.equal(
-            free.sort().values, unreferenced
-        ):
-            raise SlotRefcountError("the free list is not exactly the unreferenced slots")
+        rc2 = rc.view(C, U)
+        if bool((rc2[:, DEAD] != 0).any()):
+            raise SlotRefcountError("the dead slot holds a reference")
+        for c in range(C):
+            for prec, lo, hi in (
+                (Precision.FULL, 1, lay.int4_base),
+                (Precision.INT4, lay.int4_base, lay.int2_base),
+            ):
+                free = self.allocator.free_ids(c, prec)
+                unref = lo + torch.nonzero(rc2[c, lo:hi] == 0).reshape(-1)
+                if free.numel() != unref.numel() or not torch.equal(free.sort().values, unref):
+                    raise SlotRefcountError(
+                        f"column {c}: the {prec.label} free list is not the unreferenced cells"
+                    )
+            if lay.int2_pages:
+                pages = rc2[c, lay.int2_base :].view(lay.int2_pages, INT2_PAGE)
+                unref = torch.nonzero((pages == 0).all(dim=1)).reshape(-1)
+                free = self.allocator.free_ids(c, Precision.INT2)
+                if free.numel() != unref.numel() or not torch.equal(free.sort().values, unref):
+                    raise SlotRefcountError(f"column {c}: the INT2 free pages are wrong")
+        roots = {id(r) for r in self.prefix_cache.roots()}
         locks: dict[int, int] = {}
         for req in self._requests.values():
             for node in req._locked:
@@ -448,20 +605,39 @@ class KVStore:
             raise RuntimeError(f"request {req.request_id} is finished or not from this store")
 
     def _reserve(self, n: int) -> None:
-        short = n - self.allocator.free_count
-        if short > 0:
-            self.prefix_cache.evict(short)
-        if n > self.allocator.free_count:
+        a = self.allocator
+        if n > a.free_count:
+            self.prefix_cache.evict_until(lambda _freed: a.free_count >= n)
+        if n > a.free_count:
             raise OutOfSlots(
-                f"need {n} KV slots, {self.allocator.free_count} free of "
-                f"{self.allocator.capacity} after evicting every unlocked prefix-cache node; "
-                f"{len(self._requests)} requests in flight hold the rest"
+                f"need {n} KV cells per (layer, head), {a.free_count} free of {a.capacity} "
+                f"after evicting every unlocked prefix-cache node; {len(self._requests)} "
+                "requests in flight hold the rest"
             )
 
-    def _release(self, req: RequestKV, before: int, released: torch.Tensor) -> EvictResult:
+    def _reserve_quantized(self, int4: torch.Tensor, int2_pages: torch.Tensor) -> None:
+        a = self.allocator
+
+        def enough(_freed: int = 0) -> bool:
+            return bool((a.free_cells(Precision.INT4) >= int4).all()) and bool(
+                (a.free_cells(Precision.INT2) >= int2_pages).all()
+            )
+
+        if not enough():
+            self.prefix_cache.evict_until(enough)
+        if not enough():
+            raise OutOfSlots(
+                "the quantized pools are full: need up to "
+                f"{int(int4.max())} INT4 cells and {int(int2_pages.max())} INT2 pages in a "
+                f"column, layout {self.layout}"
+            )
+
+    def _release(
+        self, req: RequestKV, before_live: int, before_res: int, released: torch.Tensor
+    ) -> EvictResult:
         freed = self.allocator.decref(released)
         return EvictResult(
-            entries_evicted=before - req.slot_map.live_entries(),
-            positions_dead=int(released.numel()),
-            slots_freed=int(freed.numel()),
+            entries_evicted=before_live - req.slot_map.live_entries(),
+            positions_dead=before_res - req.slot_map.num_resident,
+            slots_freed=freed,
         )

@@ -7,10 +7,14 @@ lock their matched path (``lock_ref`` on the node and its ancestors) so LRU evic
 
 What differs, and why:
 
-- **Namespaces.** The *shared* namespace holds only un-evicted content (no DEAD, no mask):
-  any session whose prompt starts with those tokens may reuse it. Each session has its own
-  namespace whose nodes also carry DEAD entries and a per-(layer, head) ``keep_mask``: the
-  session's earlier eviction decisions, replayed exactly on its next turn. This is SGLang's
+- **Cells per (layer, KV head).** A node's value is ``[L * Hkv, n]``: the cell of each
+  position in each column (:mod:`agentkv.cache.slot_map`), so evictions and precision moves
+  made per (layer, head) are stored as they are.
+- **Namespaces.** The *shared* namespace holds only intact content (every cell live, at full
+  precision): any session whose prompt starts with those tokens may reuse it. Each session
+  has its own namespace whose nodes also carry DEAD and quantized cells: the session's earlier
+  eviction and quantization decisions, matched as they are on its next turn (no
+  re-quantization, no full-precision re-prefill). This is SGLang's
   ``RadixKey.extra_key`` isolation with ``extra_key = session_id`` (here one root per
   namespace, so ending a session drops one subtree).
 - **Tenant namespaces (cache salt).** ``match`` / ``insert`` / ``end_session`` take an optional
@@ -29,12 +33,12 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
 
-from agentkv.cache.dead_slot import DEAD, live_slots
+from agentkv.cache.dead_slot import DEAD
 from agentkv.cache.slot_allocator import SlotAllocator
 
 
@@ -44,9 +48,8 @@ class TreeNode:
 
     Attributes:
         key: int64 ``[n]`` token ids (empty for a root).
-        value: int64 ``[n]`` slots of those tokens; DEAD only in session namespaces.
-        keep_mask: bool ``[L, Hkv, n]`` live bits, or ``None`` (all live except DEAD). Always
-            ``None`` in the shared namespace.
+        value: int64 ``[L * Hkv, n]`` cells of those tokens; DEAD and quantized cells only in
+            session namespaces.
         parent: parent node (``None`` for a root).
         session_id: namespace: the session id, or ``None`` for the shared namespace.
         children: first token id -> child.
@@ -55,8 +58,7 @@ class TreeNode:
     """
 
     key: torch.Tensor
-    value: torch.Tensor
-    keep_mask: torch.Tensor | None = field(repr=False)
+    value: torch.Tensor = field(repr=False)
     parent: TreeNode | None = field(repr=False)
     session_id: str | None
     children: dict[int, TreeNode] = field(default_factory=dict, repr=False)
@@ -77,15 +79,14 @@ class MatchResult:
 
     Attributes:
         length: matched tokens ``m`` (holes included).
-        slots: int64 ``[m]`` slots of the matched positions; DEAD at the session's holes.
-        keep_mask: bool ``[L, Hkv, m]``, or ``None`` when no matched node carries one.
+        slots: int64 ``[L * Hkv, m]`` cells of the matched positions; DEAD at the session's
+            holes.
         last_node: node where the match ends (lock it while the request runs).
         from_session: whether the match came from the session's namespace (else shared).
     """
 
     length: int
     slots: torch.Tensor
-    keep_mask: torch.Tensor | None
     last_node: TreeNode
     from_session: bool
 
@@ -105,34 +106,17 @@ def _common_prefix_len(a: torch.Tensor, b: torch.Tensor) -> int:
     return n if neq.numel() == 0 else int(neq[0, 0])
 
 
-def _all_live(mask: torch.Tensor | None) -> bool:
-    return mask is None or bool(mask.all())
-
-
-def _slice(mask: torch.Tensor | None, a: int, b: int) -> torch.Tensor | None:
-    return None if mask is None else mask[:, :, a:b]
-
-
-def _norm_mask(mask: torch.Tensor | None, value: torch.Tensor) -> torch.Tensor | None:
-    """A copy of ``mask``, or ``None`` when it says no more than "live unless DEAD"."""
-    if mask is None or bool((mask == (value != DEAD).view(1, 1, -1)).all()):
-        return None
-    return mask.clone()
-
-
 class PrefixCache:
     """Prefix cache with a shared namespace and one namespace per session.
 
     Args:
-        allocator: the slot allocator whose references the nodes hold.
-        num_layers: ``L`` (shape of keep masks).
-        num_kv_heads: ``Hkv`` (shape of keep masks).
+        allocator: the cell allocator whose references the nodes hold.
     """
 
-    def __init__(self, allocator: SlotAllocator, num_layers: int, num_kv_heads: int) -> None:
+    def __init__(self, allocator: SlotAllocator) -> None:
         self.allocator = allocator
-        self.num_layers = num_layers
-        self.num_kv_heads = num_kv_heads
+        self.num_columns = allocator.num_columns
+        self.full_limit = allocator.layout.int4_base
         self._clock = itertools.count(1)
         self._shared = self._new_root(None)
         # session roots by id; with a tenant namespace ``ns``: ``(ns, id)`` for a session,
@@ -149,8 +133,8 @@ class PrefixCache:
     ) -> MatchResult:
         """Longest prefix of ``token_ids`` (int64 ``[T]``, capped at ``max_len``) cached in the
         session's namespace or the shared one; on a tie the session's wins, and so it does
-        whenever its match holds one of the session's holes (DEAD positions or evicted heads):
-        a longer shared match would heal evictions the session already decided (e.g. when
+        whenever its match holds one of the session's holes or quantized cells: a longer
+        shared match would heal evictions (or undo quantization) the session already decided (e.g. when
         another session cached the same conversation unevicted). Splits the node where the
         match ends and refreshes access times along the matched path. ``namespace`` (a tenant's
         cache salt) scopes both lookups."""
@@ -168,30 +152,17 @@ class PrefixCache:
         path = self._walk(best_root, tokens[:best_len])
         last = path[-1] if path else best_root
         if path:
-            slots = torch.cat([n.value for n in path])
+            slots = torch.cat([n.value for n in path], dim=1)
         else:
-            slots = torch.empty(0, dtype=torch.int64)
-        mask = None
-        if any(n.keep_mask is not None for n in path):
-            shape = (self.num_layers, self.num_kv_heads, -1)
-            mask = torch.cat(
-                [
-                    n.keep_mask
-                    if n.keep_mask is not None
-                    else (n.value != DEAD).view(1, 1, -1).expand(shape)
-                    for n in path
-                ],
-                dim=2,
-            )
-        return MatchResult(best_len, slots, mask, last, from_session)
+            slots = torch.empty(self.num_columns, 0, dtype=torch.int64)
+        return MatchResult(best_len, slots, last, from_session)
 
-    @staticmethod
-    def _has_hole(path: list[TreeNode]) -> bool:
-        return any(
-            bool((n.value == DEAD).any())
-            or (n.keep_mask is not None and not bool(n.keep_mask.all()))
-            for n in path
-        )
+    def _has_hole(self, path: list[TreeNode]) -> bool:
+        return any(not self._intact(n.value) for n in path)
+
+    def _intact(self, value: torch.Tensor) -> bool:
+        """Every cell live and at full precision."""
+        return bool(((value != DEAD) & (value < self.full_limit)).all())
 
     def sessions(self) -> list[str | tuple[str, str | None]]:
         """Session ids that have a namespace now (``(namespace, id)`` in a tenant namespace)."""
@@ -216,6 +187,10 @@ class PrefixCache:
         """Non-root nodes over all namespaces."""
         return sum(1 for _ in self.iter_nodes())
 
+    def held_cells(self) -> int:
+        """Live cells held by nodes over all namespaces (a cell in two nodes counts twice)."""
+        return sum(int((n.value != DEAD).sum()) for _, _, n in self.iter_nodes())
+
     @property
     def cached_tokens(self) -> int:
         """Token positions stored over all namespaces (holes included, shared slots counted
@@ -227,37 +202,30 @@ class PrefixCache:
         self,
         token_ids: torch.Tensor,
         slots: torch.Tensor,
-        keep_mask: torch.Tensor | None = None,
         session_id: str | None = None,
         namespace: str | None = None,
     ) -> TreeNode:
-        """Store ``token_ids`` (int64 ``[T]``) -> ``slots`` (int64 ``[T]``) and, in a session
-        namespace, ``keep_mask`` (bool ``[L, Hkv, T]`` or ``None``).
+        """Store ``token_ids`` (int64 ``[T]``) -> cells ``slots`` (int64 ``[L * Hkv, T]``).
 
-        ``session_id=None`` inserts into the shared namespace, which accepts only un-evicted
-        content (no DEAD, mask all live). Takes one reference per non-DEAD slot newly held by
-        a node. Returns the node where the inserted sequence ends (a root when ``T == 0``, creating
-        no namespace). ``namespace``: the tenant namespace (cache salt) to insert into.
+        ``session_id=None`` inserts into the shared namespace, which accepts only intact
+        content (every cell live at full precision). Takes one reference per non-DEAD cell
+        newly held by a node. Returns the node where the inserted sequence ends (a root when
+        ``T == 0``, creating no namespace). ``namespace``: the tenant namespace (cache salt).
         """
         tokens = torch.as_tensor(token_ids, dtype=torch.int64).reshape(-1)
-        vals = torch.as_tensor(slots, dtype=torch.int64).reshape(-1)
+        vals = torch.as_tensor(slots, dtype=torch.int64)
         n = int(tokens.numel())
-        if int(vals.numel()) != n:
-            raise ValueError(f"token_ids [{n}] and slots [{int(vals.numel())}] differ in length")
-        if keep_mask is not None and tuple(keep_mask.shape) != (
-            self.num_layers,
-            self.num_kv_heads,
-            n,
-        ):
-            raise ValueError(f"keep_mask must be [{self.num_layers}, {self.num_kv_heads}, {n}]")
+        if tuple(vals.shape) != (self.num_columns, n):
+            raise ValueError(
+                f"slots must be [{self.num_columns}, {n}] for {n} tokens, got {list(vals.shape)}"
+            )
         shared = session_id is None
         key = _ns_key(namespace, session_id)
         if n == 0:
             return self._sessions.get(key, self._shared) if key is not None else self._shared
         if shared:
-            if bool((vals == DEAD).any()) or not _all_live(keep_mask):
-                raise ValueError("the shared namespace takes only un-evicted content")
-            keep_mask = None
+            if not self._intact(vals):
+                raise ValueError("the shared namespace takes only intact full-precision content")
             root = self._shared_root(namespace, create=True)
         else:
             assert session_id is not None and key is not None
@@ -271,21 +239,19 @@ class PrefixCache:
             if child is None:
                 child = TreeNode(
                     key=tokens[pos:].clone(),
-                    value=vals[pos:].clone(),
-                    keep_mask=_norm_mask(_slice(keep_mask, pos, n), vals[pos:]),
+                    value=vals[:, pos:].clone(),
                     parent=node,
                     session_id=session_id,
                     last_access=now,
                 )
-                self.allocator.incref(live_slots(child.value))
+                self.allocator.incref(child.value)
                 node.children[int(tokens[pos])] = child
                 return child
             m = _common_prefix_len(child.key, tokens[pos:])
             if m < len(child):
                 child = self._split(child, m)
             if not shared:
-                v = vals[pos : pos + m]
-                self._overwrite(child, v, _norm_mask(_slice(keep_mask, pos, pos + m), v))
+                self._overwrite(child, vals[:, pos : pos + m])
             child.last_access = now
             node, pos = child, pos + m
         return node
@@ -304,12 +270,18 @@ class PrefixCache:
             node.lock_ref -= 1
             node = node.parent  # type: ignore[assignment]
 
-    def evict(self, num_slots: int) -> int:
-        """Delete least-recently-used unlocked leaves, in every namespace, until ``num_slots``
-        slots went back to the free list or nothing evictable is left. Returns slots freed
-        (may exceed ``num_slots``; a node whose slots other holders still reference frees
-        fewer slots than its length)."""
-        if num_slots <= 0:
+    def evict(self, num_cells: int) -> int:
+        """Delete least-recently-used unlocked leaves, in every namespace, until ``num_cells``
+        cells (summed over columns) went back to the free lists or nothing evictable is left.
+        Returns cells freed (a node whose cells other holders still reference frees fewer)."""
+        if num_cells <= 0:
+            return 0
+        return self.evict_until(lambda freed: freed >= num_cells)
+
+    def evict_until(self, enough: Callable[[int], bool]) -> int:
+        """Delete least-recently-used unlocked leaves until ``enough(cells freed so far)``
+        holds or nothing evictable is left; returns cells freed."""
+        if enough(0):
             return 0
         tie = itertools.count()
         heap = [
@@ -319,7 +291,7 @@ class PrefixCache:
         ]
         heapq.heapify(heap)
         freed = 0
-        while freed < num_slots and heap:
+        while heap and not enough(freed):
             _, _, node = heapq.heappop(heap)
             parent = node.parent
             freed += self._delete_leaf(node)
@@ -360,8 +332,12 @@ class PrefixCache:
         return root
 
     def _new_root(self, session_id: str | None) -> TreeNode:
-        empty = torch.empty(0, dtype=torch.int64)
-        return TreeNode(key=empty, value=empty, keep_mask=None, parent=None, session_id=session_id)
+        return TreeNode(
+            key=torch.empty(0, dtype=torch.int64),
+            value=torch.empty(self.num_columns, 0, dtype=torch.int64),
+            parent=None,
+            session_id=session_id,
+        )
 
     def _peek(self, root: TreeNode, tokens: torch.Tensor) -> int:
         """Matched length, without changing the tree."""
@@ -398,10 +374,7 @@ class PrefixCache:
         assert parent is not None and 0 < m < len(child)
         upper = TreeNode(
             key=child.key[:m].clone(),
-            value=child.value[:m].clone(),
-            keep_mask=_norm_mask(
-                None if child.keep_mask is None else child.keep_mask[:, :, :m], child.value[:m]
-            ),
+            value=child.value[:, :m].clone(),
             parent=parent,
             session_id=child.session_id,
             lock_ref=child.lock_ref,
@@ -410,34 +383,31 @@ class PrefixCache:
         upper.children[int(child.key[m])] = child
         parent.children[int(child.key[0])] = upper
         child.key = child.key[m:].clone()
-        child.value = child.value[m:].clone()
-        if child.keep_mask is not None:
-            child.keep_mask = _norm_mask(child.keep_mask[:, :, m:], child.value)
+        child.value = child.value[:, m:].clone()
         child.parent = upper
         return upper
 
-    def _overwrite(self, node: TreeNode, value: torch.Tensor, mask: torch.Tensor | None) -> None:
-        """Replace a session node's slots / mask (latest turn wins); references move along."""
-        self.allocator.incref(live_slots(value))
-        self.allocator.decref(live_slots(node.value))
+    def _overwrite(self, node: TreeNode, value: torch.Tensor) -> None:
+        """Replace a session node's cells (latest turn wins); references move along."""
+        self.allocator.incref(value)
+        self.allocator.decref(node.value)
         node.value = value.clone()
-        node.keep_mask = mask
 
     def _delete_leaf(self, node: TreeNode) -> int:
         parent = node.parent
         assert parent is not None and not node.children
         del parent.children[int(node.key[0])]
-        return int(self.allocator.decref(live_slots(node.value)).numel())
+        return self.allocator.decref(node.value)
 
     def _drop_tree(self, root: TreeNode) -> int:
         held: list[torch.Tensor] = []
         stack = list(root.children.values())
         while stack:
             node = stack.pop()
-            held.append(live_slots(node.value))
+            held.append(node.value)
             stack.extend(node.children.values())
         root.children = {}
-        return int(self.allocator.decref(torch.cat(held)).numel()) if held else 0
+        return self.allocator.decref(torch.cat(held, dim=1)) if held else 0
 
     def _drop_empty_sessions(self) -> None:
         for sid in [s for s, r in self._sessions.items() if not r.children]:

@@ -1,152 +1,287 @@
-"""Reference-counted allocator of KV pool slots.
+"""Reference-counted allocator of KV cells, one free list per (layer, KV head) column.
 
-The counterpart of SGLang's ``TokenToKVPoolAllocator`` (page size 1): it hands out row indices
-``1 .. num_slots - 1`` of the KV pool; row 0 is the dead slot (:data:`~agentkv.cache.DEAD`),
-reserved at start-up and never handed out. Unlike SGLang, where the radix tree owns a slot
-implicitly and requests free "their" part by position arithmetic, every holder of a slot here
-holds a counted reference: each request slot map and each prefix-cache node that contains the
-slot is one reference. A slot goes back to the free list exactly when its count reaches 0, so
-aliasing (sibling requests sharing a prefix, a session's holes, an earlier round already
-redirected to DEAD) never needs to be guessed.
+The counterpart of SGLang's ``TokenToKVPoolAllocator``, at (layer, KV head) grain and over
+three precisions. A *cell* is the storage of one token in one column ``c = layer * Hkv + h``;
+its id is a unified slot id of that layer's :class:`agentkv.kernels.KVPools` (row ``id`` of
+the full pool, of the INT4 pool after ``int4_base``, an INT2 page row after ``int2_base``),
+read at head ``h``. Every column has its own free lists, so a cell evicted or demoted in one
+(layer, head) goes back to that column's free list: memory is freed at the grain of the
+decision. Id 0 is the dead slot (:data:`~agentkv.cache.DEAD`) in every column, never handed
+out, never counted.
 
-Bookkeeping lives on the host (CPU tensors), whatever device the pool is on.
+Every holder of a cell (a request's slot map, a prefix-cache node) holds one counted
+reference; a cell is free exactly when its count is 0. INT2 cells come in pages of 32 rows of
+one column (keys share per-channel scales over the page): a page is handed out whole (each
+row with one reference) and goes back to the free list when all 32 rows are unreferenced.
+
+Cell tensors are int64 ``[C, n]`` (``C`` columns, ``n`` positions), ``DEAD`` where a column
+holds nothing; every method ignores DEAD entries. Bookkeeping lives on the host.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from agentkv.cache.dead_slot import DEAD
+from agentkv.cache.precision import Precision
+from agentkv.kernels import INT2_PAGE
 
 
 class OutOfSlots(RuntimeError):
-    """Raised when an allocation needs more free slots than there are."""
+    """Raised when an allocation needs more free cells than a column has."""
 
 
 class SlotRefcountError(RuntimeError):
-    """Raised on a reference-count violation: double free, a reference taken on a free slot,
-    the dead slot passed where a real slot is needed, or a slot id out of range."""
+    """Raised on a reference-count violation: double free, a reference taken on a free cell,
+    or a cell id out of range."""
 
 
-def as_slot_tensor(slots: torch.Tensor | Sequence[int]) -> torch.Tensor:
-    """Return ``slots`` as a 1-D int64 CPU tensor (no copy when it already is one)."""
-    t = torch.as_tensor(slots, dtype=torch.int64)
-    if t.device.type != "cpu":
-        t = t.cpu()
-    return t.reshape(-1)
+@dataclass(frozen=True)
+class PoolLayout:
+    """Unified slot ids of one layer's pools (the same for every layer).
+
+    Attributes:
+        full_slots: rows of the full-precision pool, the dead slot (row 0) included.
+        int4_slots: rows of the INT4 pool.
+        int2_pages: 32-row pages of the INT2 pool.
+    """
+
+    full_slots: int
+    int4_slots: int = 0
+    int2_pages: int = 0
+
+    @property
+    def int4_base(self) -> int:
+        return self.full_slots
+
+    @property
+    def int2_base(self) -> int:
+        return self.full_slots + self.int4_slots
+
+    @property
+    def num_ids(self) -> int:
+        return self.int2_base + INT2_PAGE * self.int2_pages
+
+    def precision(self, ids: torch.Tensor) -> torch.Tensor:
+        """int8 :class:`Precision` of every id (``EVICTED`` for DEAD), same shape."""
+        out = torch.full_like(ids, int(Precision.FULL), dtype=torch.int8)
+        out[ids >= self.int4_base] = int(Precision.INT4)
+        out[ids >= self.int2_base] = int(Precision.INT2)
+        out[ids == DEAD] = int(Precision.EVICTED)
+        return out
+
+
+class _FreeStacks:
+    """One LIFO stack of free ids per column (vectorized push / pop)."""
+
+    def __init__(self, num_columns: int, ids: torch.Tensor) -> None:
+        self.stack = ids.to(torch.int64).repeat(num_columns, 1).contiguous()
+        # reversed, so the lowest id is popped first
+        self.stack = self.stack.flip(1).contiguous()
+        self.top = torch.full((num_columns,), int(ids.numel()), dtype=torch.int64)
+
+    def pop(self, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Take ``counts[c]`` ids from each column: ``(cols [m], ids [m])`` grouped by column."""
+        if bool((counts > self.top).any()):
+            c = int(torch.nonzero(counts > self.top)[0, 0])
+            raise OutOfSlots(
+                f"column {c} needs {int(counts[c])} cells, {int(self.top[c])} free"
+            )
+        cols = torch.repeat_interleave(torch.arange(counts.numel()), counts)
+        first = torch.cumsum(counts, 0) - counts
+        offs = torch.arange(int(counts.sum())) - torch.repeat_interleave(first, counts)
+        ids = self.stack[cols, self.top[cols] - 1 - offs]
+        self.top -= counts
+        return cols, ids
+
+    def push(self, cols: torch.Tensor, ids: torch.Tensor) -> None:
+        order = torch.argsort(cols, stable=True)
+        cols, ids = cols[order], ids[order]
+        counts = torch.bincount(cols, minlength=self.top.numel())
+        first = torch.cumsum(counts, 0) - counts
+        offs = torch.arange(int(cols.numel())) - torch.repeat_interleave(first, counts)
+        self.stack[cols, self.top[cols] + offs] = ids
+        self.top += counts
+
+    def contents(self, col: int) -> torch.Tensor:
+        return self.stack[col, : int(self.top[col])].clone()
 
 
 class SlotAllocator:
-    """Hands out pool slots with reference counts.
+    """Hands out KV cells per (layer, KV head) column, with reference counts.
 
     Args:
-        num_slots: rows in the KV pool, dead slot included; ``capacity = num_slots - 1``
-            slots can be handed out (SGLang's ``size``).
-
-    Every slot is in exactly one of three states: the dead slot (never counted), free
-    (count 0, on the free list) or in use (count >= 1).
+        num_columns: ``C = L * Hkv``.
+        layout: the pools' unified slot ids (:class:`PoolLayout`).
     """
 
-    def __init__(self, num_slots: int) -> None:
-        if num_slots < 2:
+    def __init__(self, num_columns: int, layout: PoolLayout) -> None:
+        if layout.full_slots < 2:
             raise ValueError(
-                f"num_slots must be >= 2 (one dead slot + one usable), got {num_slots}"
+                f"full_slots must be >= 2 (one dead slot + one usable), got {layout.full_slots}"
             )
-        self.num_slots = int(num_slots)
-        self._refcount = torch.zeros(self.num_slots, dtype=torch.int32)
-        # Free list, front is handed out first; freed slots are pushed to the front, so a slot
-        # freed too early is reused (and overwritten) quickly, which tests notice.
-        self._free = torch.arange(1, self.num_slots, dtype=torch.int64)
+        self.num_columns = int(num_columns)
+        self.layout = layout
+        self._refcount = torch.zeros(num_columns, layout.num_ids, dtype=torch.int32)
+        self._free = {
+            Precision.FULL: _FreeStacks(num_columns, torch.arange(1, layout.full_slots)),
+            Precision.INT4: _FreeStacks(
+                num_columns, torch.arange(layout.int4_base, layout.int2_base)
+            ),
+            Precision.INT2: _FreeStacks(num_columns, torch.arange(layout.int2_pages)),
+        }
 
+    # ------------------------------------------------------------ capacity
     @property
     def capacity(self) -> int:
-        """Slots that can ever be handed out (``num_slots - 1``; the dead slot is not)."""
-        return self.num_slots - 1
+        """Full-precision cells per column that can ever be handed out (``full_slots - 1``)."""
+        return self.layout.full_slots - 1
 
     @property
     def free_count(self) -> int:
-        """Slots on the free list now."""
-        return int(self._free.numel())
+        """Full-precision cells free in the column with the fewest: tokens that can still be
+        extended by a request."""
+        return int(self._free[Precision.FULL].top.min())
 
-    @property
-    def used_count(self) -> int:
-        """Slots with at least one reference (``capacity - free_count``)."""
-        return self.capacity - self.free_count
+    def free_cells(self, precision: Precision) -> torch.Tensor:
+        """int64 ``[C]`` free cells (INT2: free pages) per column."""
+        return self._free[precision].top.clone()
 
+    def used_cells(self) -> dict[Precision, int]:
+        """Cells with at least one reference, per precision, summed over columns (INT2 counts
+        rows of pages in use)."""
+        lay = self.layout
+        return {
+            Precision.FULL: self.num_columns * (lay.full_slots - 1)
+            - int(self._free[Precision.FULL].top.sum()),
+            Precision.INT4: self.num_columns * lay.int4_slots
+            - int(self._free[Precision.INT4].top.sum()),
+            Precision.INT2: INT2_PAGE
+            * (self.num_columns * lay.int2_pages - int(self._free[Precision.INT2].top.sum())),
+        }
+
+    # ---------------------------------------------------------- allocation
     def alloc(self, n: int) -> torch.Tensor:
-        """Take ``n`` free slots, each with one reference (the caller's).
-
-        Returns an int64 CPU tensor ``[n]`` of distinct slot ids, never DEAD.
-        Raises :class:`OutOfSlots` when fewer than ``n`` slots are free (nothing is taken).
-        """
+        """``n`` full-precision cells in every column, one reference each: int64 ``[C, n]``.
+        Raises :class:`OutOfSlots` (nothing taken) when a column has fewer than ``n`` free."""
         if n < 0:
-            raise ValueError(f"cannot allocate a negative number of slots ({n})")
-        if n > self.free_count:
-            raise OutOfSlots(
-                f"need {n} KV slots but only {self.free_count} of {self.capacity} are free "
-                f"({self.used_count} held by requests and the prefix cache)"
-            )
-        out, self._free = self._free[:n].clone(), self._free[n:]
-        self._refcount[out] = 1
+            raise ValueError(f"cannot allocate a negative number of cells ({n})")
+        counts = torch.full((self.num_columns,), n, dtype=torch.int64)
+        _, ids = self._free[Precision.FULL].pop(counts)
+        out = ids.view(self.num_columns, n)
+        self._count(out, 1)
         return out
 
-    def incref(self, slots: torch.Tensor | Sequence[int]) -> None:
-        """Add one reference per entry of ``slots`` (int64 ``[n]``; repeats count twice).
+    def alloc_int4(self, cols: torch.Tensor) -> torch.Tensor:
+        """One INT4 cell for each entry of ``cols`` (int64 ``[m]``, any order): ids ``[m]``."""
+        counts = torch.bincount(cols, minlength=self.num_columns)
+        got_cols, ids = self._free[Precision.INT4].pop(counts)
+        out = torch.empty_like(cols)
+        out[torch.argsort(cols, stable=True)] = ids
+        self._count_pairs(got_cols, ids, 1)
+        return out
 
-        Every slot must be in use (count >= 1): a reference can only be copied from a holder.
-        Raises :class:`SlotRefcountError` otherwise, or on DEAD / out-of-range ids.
-        """
-        s = self._checked(slots)
-        if s.numel() == 0:
+    def alloc_int2_pages(self, cols: torch.Tensor) -> torch.Tensor:
+        """One INT2 page for each entry of ``cols`` (int64 ``[p]``): row ids ``[p, 32]``, each
+        row with one reference."""
+        counts = torch.bincount(cols, minlength=self.num_columns)
+        got_cols, pages = self._free[Precision.INT2].pop(counts)
+        out_pages = torch.empty_like(cols)
+        out_pages[torch.argsort(cols, stable=True)] = pages
+        rows = self.layout.int2_base + out_pages[:, None] * INT2_PAGE + torch.arange(INT2_PAGE)
+        self._count_pairs(cols[:, None].expand_as(rows).reshape(-1), rows.reshape(-1), 1)
+        return rows
+
+    # ----------------------------------------------------------- references
+    def incref(self, cells: torch.Tensor) -> None:
+        """One more reference on every non-DEAD cell of ``cells`` (int64 ``[C, n]``). Each must
+        already be held (a reference can only be copied from a holder)."""
+        cols, ids = self._pairs(cells)
+        if ids.numel() == 0:
             return
-        uniq, counts = torch.unique(s, return_counts=True)
-        if bool((self._refcount[uniq] <= 0).any()):
-            bad = uniq[self._refcount[uniq] <= 0].tolist()
-            raise SlotRefcountError(f"incref of free slot(s) {bad[:8]}: take references by alloc()")
-        self._refcount[uniq] += counts.to(torch.int32)
+        if bool((self._refcount[cols, ids] <= 0).any()):
+            bad = ids[self._refcount[cols, ids] <= 0][:8].tolist()
+            raise SlotRefcountError(f"incref of free cell(s) {bad}: take references by alloc")
+        self._count_pairs(cols, ids, 1)
 
-    def decref(self, slots: torch.Tensor | Sequence[int]) -> torch.Tensor:
-        """Drop one reference per entry of ``slots`` (int64 ``[n]``; repeats count twice).
+    def decref(self, cells: torch.Tensor) -> int:
+        """Drop one reference per non-DEAD cell of ``cells`` (``[C, n]``); cells reaching 0 go
+        back to their column's free list (INT2 rows when their whole page is free). Returns
+        the cells freed (INT2: rows of freed pages). Raises :class:`SlotRefcountError`,
+        changing nothing, on a double free."""
+        cols, ids = self._pairs(cells)
+        return self.decref_pairs(cols, ids)
 
-        Slots whose count reaches 0 go back to the free list and are returned (int64 ``[m]``).
-        Raises :class:`SlotRefcountError`, changing nothing, if a count would go negative
-        (double free) or on DEAD / out-of-range ids.
-        """
-        s = self._checked(slots)
-        if s.numel() == 0:
-            return torch.empty(0, dtype=torch.int64)
-        uniq, counts = torch.unique(s, return_counts=True)
-        new = self._refcount[uniq] - counts.to(torch.int32)
+    def decref_pairs(self, cols: torch.Tensor, ids: torch.Tensor) -> int:
+        """:meth:`decref` of explicit ``(cols [m], ids [m])`` pairs (no DEAD)."""
+        if ids.numel() == 0:
+            return 0
+        flat = cols * self.layout.num_ids + ids
+        uniq, counts = torch.unique(flat, return_counts=True)
+        rc = self._refcount.view(-1)
+        new = rc[uniq] - counts.to(torch.int32)
         if bool((new < 0).any()):
-            bad = uniq[new < 0].tolist()
-            raise SlotRefcountError(f"double free of slot(s) {bad[:8]}")
-        self._refcount[uniq] = new
-        freed = uniq[new == 0]
-        if freed.numel():
-            self._free = torch.cat((freed, self._free))
+            bad = (uniq[new < 0] % self.layout.num_ids)[:8].tolist()
+            raise SlotRefcountError(f"double free of cell(s) {bad}")
+        rc[uniq] = new
+        zero = uniq[new == 0]
+        if zero.numel() == 0:
+            return 0
+        zc, zi = zero // self.layout.num_ids, zero % self.layout.num_ids
+        freed = 0
+        for prec, sel in (
+            (Precision.FULL, zi < self.layout.int4_base),
+            (Precision.INT4, (zi >= self.layout.int4_base) & (zi < self.layout.int2_base)),
+        ):
+            if bool(sel.any()):
+                self._free[prec].push(zc[sel], zi[sel])
+                freed += int(sel.sum())
+        sel = zi >= self.layout.int2_base
+        if bool(sel.any()):
+            page_key = torch.unique(zc[sel] * self.layout.int2_pages + (zi[sel] - self.layout.int2_base) // INT2_PAGE)
+            pc, pp = page_key // max(self.layout.int2_pages, 1), page_key % max(self.layout.int2_pages, 1)
+            rows = self.layout.int2_base + pp[:, None] * INT2_PAGE + torch.arange(INT2_PAGE)
+            empty = (self._refcount[pc[:, None], rows] == 0).all(dim=1)
+            if bool(empty.any()):
+                self._free[Precision.INT2].push(pc[empty], pp[empty])
+                freed += INT2_PAGE * int(empty.sum())
         return freed
 
-    def refcount(self, slots: torch.Tensor | Sequence[int] | None = None) -> torch.Tensor:
-        """Reference counts (int32), of ``slots`` or of every row (``[num_slots]``, row 0 is 0)."""
-        if slots is None:
+    def refcount(self, cells: torch.Tensor | None = None) -> torch.Tensor:
+        """Reference counts (int32): of ``cells`` (``[C, n]``, 0 at DEAD), or all ``[C, ids]``."""
+        if cells is None:
             return self._refcount.clone()
-        return self._refcount[as_slot_tensor(slots)].clone()
+        col = torch.arange(self.num_columns)[:, None].expand_as(cells)
+        out = self._refcount[col, cells].clone()
+        out[cells == DEAD] = 0
+        return out
 
-    def free_slots(self) -> torch.Tensor:
-        """The free list (int64 ``[free_count]``, a copy), for tests and debugging."""
-        return self._free.clone()
+    def free_ids(self, col: int, precision: Precision) -> torch.Tensor:
+        """The free list of one column (INT2: page numbers), for tests and debugging."""
+        return self._free[precision].contents(col)
 
-    def _checked(self, slots: torch.Tensor | Sequence[int]) -> torch.Tensor:
-        s = as_slot_tensor(slots)
-        if s.numel() == 0:
-            return s
-        if bool((s == DEAD).any()):
-            raise SlotRefcountError("the dead slot has no reference count; filter it out first")
-        if int(s.min()) < 0 or int(s.max()) >= self.num_slots:
+    # --------------------------------------------------------------- private
+    def _pairs(self, cells: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cells = torch.as_tensor(cells, dtype=torch.int64)
+        if cells.dim() != 2 or cells.shape[0] != self.num_columns:
+            raise ValueError(f"cells must be [C={self.num_columns}, n], got {list(cells.shape)}")
+        live = cells != DEAD
+        cols = torch.arange(self.num_columns)[:, None].expand_as(cells)[live]
+        ids = cells[live]
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.layout.num_ids):
             raise SlotRefcountError(
-                f"slot id out of range [1, {self.num_slots}): "
-                f"min {int(s.min())}, max {int(s.max())}"
+                f"cell id out of range [1, {self.layout.num_ids}): {int(ids.min())}..{int(ids.max())}"
             )
-        return s
+        return cols, ids
+
+    def _count(self, cells: torch.Tensor, delta: int) -> None:
+        cols, ids = self._pairs(cells)
+        self._count_pairs(cols, ids, delta)
+
+    def _count_pairs(self, cols: torch.Tensor, ids: torch.Tensor, delta: int) -> None:
+        flat = cols * self.layout.num_ids + ids
+        self._refcount.view(-1).index_add_(
+            0, flat, torch.full_like(flat, delta, dtype=torch.int32)
+        )

@@ -1,14 +1,15 @@
-"""Per-request slot map: logical position -> KV slot, plus an optional per-(layer, head) mask.
+"""Per-request slot map: (layer, KV head) column x logical position -> KV cell.
 
-The counterpart of one row of SGLang's ``req_to_token``: one slot per logical position, the
-same slot for every layer (a pool row holds all heads of a token of every layer's buffer).
-Eviction never moves anything: a position evicted everywhere is redirected to DEAD; a
-position evicted in only some layers / KV heads keeps its slot and loses its bits in
-``keep_mask``. Token ids, positions (hence RoPE phases) and surviving slots never change.
+The counterpart of one row of SGLang's ``req_to_token``, with one row per (layer, KV head)
+column ``c = layer * Hkv + h``: ``slots[c, p]`` is the unified slot id (full / INT4 / INT2,
+see :class:`agentkv.cache.PoolLayout`) holding position ``p`` of that column, or DEAD.
+Each column is independent: a position evicted or demoted in one (layer, head) changes only
+that column's cell, so its bytes go back to that column's free list. Token ids, positions
+(hence RoPE phases) and surviving cells never move; a precision change replaces a cell id.
 
-The map is plain data. It holds one reference on each non-DEAD slot it contains, but the
-counting itself is the allocator's: the evict methods return the slots whose reference this
-map just dropped, and the caller (``KVStore``) passes them to ``SlotAllocator.decref``.
+The map is plain data. It holds one reference on each non-DEAD cell; the counting itself is
+the allocator's: mutators return the cells whose reference the map just dropped, and the
+caller (``KVStore``) passes them to ``SlotAllocator.decref``.
 """
 
 from __future__ import annotations
@@ -21,17 +22,15 @@ from agentkv.cache.dead_slot import DEAD
 
 
 class SlotMap:
-    """Logical position -> slot map of one request.
+    """Column x position -> cell map of one request.
 
     Args:
         num_layers: ``L``.
         num_kv_heads: ``Hkv``.
-        slots: optional initial map, int64 ``[T]`` (may contain DEAD, e.g. from a prefix-cache
-            match with holes).
-        keep_mask: optional bool ``[L, Hkv, T]`` for the initial map; ``None`` means every
-            (layer, head) of every non-DEAD position is live.
-
-    Invariant: ``slots[p] == DEAD`` exactly when no (layer, head) of ``p`` is live.
+        slots: optional initial map, int64 ``[L * Hkv, T]`` (DEAD allowed, e.g. from a
+            prefix-cache match with holes).
+        full_limit: first id that is not full precision (``PoolLayout.int4_base``); ids below
+            it (and not DEAD) are full-precision cells.
     """
 
     def __init__(
@@ -39,25 +38,23 @@ class SlotMap:
         num_layers: int,
         num_kv_heads: int,
         slots: torch.Tensor | None = None,
-        keep_mask: torch.Tensor | None = None,
+        full_limit: int | None = None,
     ) -> None:
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
-        init = torch.empty(0, dtype=torch.int64) if slots is None else slots.to("cpu", torch.int64)
-        self._len = int(init.numel())
-        self._slots = torch.empty(max(16, self._len), dtype=torch.int64)
-        self._slots[: self._len] = init.reshape(-1)
-        self._mask: torch.Tensor | None = None
-        if keep_mask is not None:
-            if tuple(keep_mask.shape) != (num_layers, num_kv_heads, self._len):
-                raise ValueError(
-                    f"keep_mask must be [{num_layers}, {num_kv_heads}, {self._len}], "
-                    f"got {list(keep_mask.shape)}"
-                )
-            self._ensure_mask()
-            assert self._mask is not None
-            self._mask[:, :, : self._len] = keep_mask.to("cpu", torch.bool)
-        self._sync_dead_into_mask()
+        self.num_columns = num_layers * num_kv_heads
+        self.full_limit = full_limit
+        c = self.num_columns
+        init = (
+            torch.empty(c, 0, dtype=torch.int64)
+            if slots is None
+            else torch.as_tensor(slots).to("cpu", torch.int64)
+        )
+        if init.dim() != 2 or init.shape[0] != c:
+            raise ValueError(f"slots must be [L*Hkv={c}, T], got {list(init.shape)}")
+        self._len = int(init.shape[1])
+        self._slots = torch.empty(c, max(16, self._len), dtype=torch.int64)
+        self._slots[:, : self._len] = init
 
     # ------------------------------------------------------------------ views
     def __len__(self) -> int:
@@ -65,146 +62,125 @@ class SlotMap:
 
     @property
     def slots(self) -> torch.Tensor:
-        """int64 ``[T]``: slot of each logical position, DEAD where evicted (a view)."""
-        return self._slots[: self._len]
+        """int64 ``[L * Hkv, T]`` cells, DEAD where evicted (a view)."""
+        return self._slots[:, : self._len]
+
+    def layer_slots(self, layer: int) -> torch.Tensor:
+        """int64 ``[Hkv, T]`` cells of ``layer`` (a view)."""
+        h = self.num_kv_heads
+        return self._slots[layer * h : (layer + 1) * h, : self._len]
 
     @property
-    def keep_mask(self) -> torch.Tensor | None:
-        """bool ``[L, Hkv, T]`` live bits (a view), or ``None`` when no head was ever evicted
-        separately (then every non-DEAD position is live in every layer and head)."""
-        return None if self._mask is None else self._mask[:, :, : self._len]
+    def keep_mask(self) -> torch.Tensor:
+        """bool ``[L, Hkv, T]``: cells that are live (not DEAD)."""
+        return (self.slots != DEAD).view(self.num_layers, self.num_kv_heads, self._len)
 
     def resident(self) -> torch.Tensor:
-        """bool ``[T]``: positions that hold a slot (not DEAD)."""
-        return self.slots != DEAD
-
-    def held_slots(self) -> torch.Tensor:
-        """int64 ``[num_resident]``: the slots this map holds a reference on, in position order."""
-        s = self.slots
-        return s[s != DEAD].clone()
+        """bool ``[T]``: positions with a live cell in at least one column."""
+        return (self.slots != DEAD).any(dim=0)
 
     @property
     def num_resident(self) -> int:
-        """Positions holding a slot: memory this request keeps (shared slots included)."""
-        return int((self.slots != DEAD).sum())
+        """Positions with at least one live cell."""
+        return int(self.resident().sum())
 
     @property
     def num_dead(self) -> int:
-        """Positions redirected to DEAD."""
+        """Positions with no live cell in any column."""
         return self._len - self.num_resident
 
     def live_entries(self) -> int:
-        """Live (layer, KV head, position) entries: ``keep_mask.sum()``, or
-        ``num_resident * L * Hkv`` without a mask."""
-        if self._mask is None:
-            return self.num_resident * self.num_layers * self.num_kv_heads
-        return int(self.keep_mask.sum())  # type: ignore[union-attr]
+        """Live (column, position) cells."""
+        return int((self.slots != DEAD).sum())
 
     def effective_live_tokens(self) -> float:
-        """Mask-weighted live tokens: ``live_entries / (L * Hkv)``."""
-        return self.live_entries() / (self.num_layers * self.num_kv_heads)
+        """Live cells per column: ``live_entries / (L * Hkv)``."""
+        return self.live_entries() / self.num_columns
+
+    def full_precision(self) -> torch.Tensor:
+        """bool ``[L * Hkv, T]``: live cells at full precision."""
+        s = self.slots
+        live = s != DEAD
+        return live if self.full_limit is None else live & (s < self.full_limit)
 
     def intact_prefix_len(self) -> int:
-        """Length of the leading run of positions with no hole (not DEAD, every head live).
+        """Length of the leading run of positions live at full precision in every column.
 
-        These positions were computed with the whole earlier context visible, so their K/V is
-        exactly what an un-evicted request would hold: safe to share across sessions.
+        These positions hold exactly what an uncompressed request would: safe to share
+        across sessions.
         """
-        bad = self.slots == DEAD
-        if self._mask is not None:
-            bad = bad | ~self.keep_mask.all(dim=1).all(dim=0)  # type: ignore[union-attr]
+        bad = ~self.full_precision().all(dim=0)
         idx = torch.nonzero(bad)
         return self._len if idx.numel() == 0 else int(idx[0, 0])
 
-    def layer_live(self, layer: int) -> torch.Tensor:
-        """bool ``[T]``: positions with at least one live KV head in ``layer``."""
-        if self._mask is None:
-            return self.resident()
-        return self.keep_mask[layer].any(dim=0)  # type: ignore[index]
-
     # ------------------------------------------------------------- mutation
-    def append(self, slots: torch.Tensor) -> None:
-        """Add positions ``T .. T+n-1`` mapped to ``slots`` (int64 ``[n]``, no DEAD), live in
-        every layer and head. The caller hands this map its reference on each slot."""
-        s = slots.to("cpu", torch.int64).reshape(-1)
+    def append(self, cells: torch.Tensor) -> None:
+        """Add positions ``T .. T+n-1`` with cells int64 ``[L * Hkv, n]`` (no DEAD). The
+        caller hands this map its reference on each cell."""
+        s = torch.as_tensor(cells).to("cpu", torch.int64)
+        if s.dim() != 2 or s.shape[0] != self.num_columns:
+            raise ValueError(f"cells must be [{self.num_columns}, n], got {list(s.shape)}")
         if bool((s == DEAD).any()):
-            raise ValueError("append() takes real slots; DEAD only enters a map by eviction")
-        n = int(s.numel())
+            raise ValueError("append() takes real cells; DEAD only enters a map by eviction")
+        n = int(s.shape[1])
         self._reserve(self._len + n)
-        self._slots[self._len : self._len + n] = s
-        if self._mask is not None:
-            self._mask[:, :, self._len : self._len + n] = True
+        self._slots[:, self._len : self._len + n] = s
         self._len += n
 
     def evict(self, positions: torch.Tensor | Sequence[int]) -> torch.Tensor:
-        """Evict ``positions`` (int64 ``[k]``, any order, repeats and already-dead ones allowed)
-        in every layer and head: ``map[p] = DEAD``.
+        """Evict ``positions`` (int64 ``[k]``; repeats and dead ones allowed) in every column.
 
-        Returns int64 ``[m]``: the slots that lost this map's reference (one per position that
-        was resident), for the caller to ``decref``.
+        Returns int64 ``[L * Hkv, k']``: the cells that lost this map's reference (DEAD where
+        there was none), for the caller to ``decref``.
         """
         pos = torch.as_tensor(positions, dtype=torch.int64).reshape(-1).unique()
-        if pos.numel() == 0:
-            return torch.empty(0, dtype=torch.int64)
-        if int(pos.min()) < 0 or int(pos.max()) >= self._len:
+        if pos.numel() and (int(pos.min()) < 0 or int(pos.max()) >= self._len):
             raise IndexError(f"positions must be in [0, {self._len}), got {pos.tolist()[:8]}...")
-        old = self._slots[pos]
-        released = old[old != DEAD].clone()
-        self._slots[pos] = DEAD
-        if self._mask is not None:
-            self._mask[:, :, pos] = False
+        released = self._slots[:, pos].clone()
+        self._slots[:, pos] = DEAD
         return released
 
-    def evict_heads(self, keep_mask: torch.Tensor) -> torch.Tensor:
-        """Evict per (layer, KV head): ``keep_mask`` bool ``[L, Hkv, T']`` with ``T' <= T``;
-        ``False`` evicts that entry, ``True`` keeps it if it is still live (nothing comes back).
-        Positions ``>= T'`` are untouched. A position left with no live entry becomes DEAD.
+    def evict_cells(self, keep: torch.Tensor) -> torch.Tensor:
+        """Evict per column: ``keep`` bool ``[L, Hkv, T']`` (or ``[L * Hkv, T']``), ``T' <= T``;
+        ``False`` evicts that cell, ``True`` keeps it if live (nothing comes back). Positions
+        ``>= T'`` are untouched.
 
-        Returns int64 ``[m]``: the slots that lost this map's reference.
+        Returns int64 ``[L * Hkv, T']``: cells that lost this map's reference (else DEAD).
         """
-        L, H = self.num_layers, self.num_kv_heads
-        if keep_mask.dim() != 3 or tuple(keep_mask.shape[:2]) != (L, H):
-            raise ValueError(f"keep_mask must be [{L}, {H}, T'], got {list(keep_mask.shape)}")
-        t = int(keep_mask.shape[2])
+        lh = (self.num_layers, self.num_kv_heads)
+        k = keep.reshape(self.num_columns, -1) if keep.dim() == 3 and keep.shape[:2] == lh else keep
+        if k.dim() != 2 or k.shape[0] != self.num_columns:
+            raise ValueError(
+                f"keep must be [{self.num_layers}, {self.num_kv_heads}, T'], got {list(keep.shape)}"
+            )
+        t = int(k.shape[1])
         if t > self._len:
-            raise ValueError(f"keep_mask covers {t} positions but the map has {self._len}")
-        self._ensure_mask()
-        assert self._mask is not None
-        self._mask[:, :, :t] &= keep_mask.to("cpu", torch.bool)
-        now_dead = ~self._mask[:, :, :t].any(dim=1).any(dim=0) & (self._slots[:t] != DEAD)
-        released = self._slots[:t][now_dead].clone()
-        self._slots[:t][now_dead] = DEAD
+            raise ValueError(f"keep covers {t} positions but the map has {self._len}")
+        k = k.to("cpu", torch.bool)
+        view = self._slots[:, :t]
+        released = torch.where(k, torch.full_like(view, DEAD), view)
+        view[~k] = DEAD
         return released
+
+    def replace(self, cols: torch.Tensor, positions: torch.Tensor, cells: torch.Tensor) -> torch.Tensor:
+        """Point ``(cols[i], positions[i])`` at ``cells[i]`` (a precision change; the caller
+        hands over the new references). Returns the old cells (int64 ``[m]``) whose reference
+        this map dropped."""
+        old = self._slots[cols, positions].clone()
+        if bool((old == DEAD).any()):
+            raise ValueError("replace() moves live cells only")
+        self._slots[cols, positions] = cells
+        return old
 
     def clone(self) -> SlotMap:
         """Independent copy (references are not copied: the caller accounts for them)."""
-        return SlotMap(self.num_layers, self.num_kv_heads, self.slots.clone(), self.keep_mask)
+        return SlotMap(self.num_layers, self.num_kv_heads, self.slots.clone(), self.full_limit)
 
     # -------------------------------------------------------------- private
     def _reserve(self, n: int) -> None:
-        cap = int(self._slots.numel())
+        cap = int(self._slots.shape[1])
         if n <= cap:
             return
-        new_cap = max(n, 2 * cap)
-        grown = torch.empty(new_cap, dtype=torch.int64)
-        grown[: self._len] = self._slots[: self._len]
+        grown = torch.empty(self.num_columns, max(n, 2 * cap), dtype=torch.int64)
+        grown[:, : self._len] = self._slots[:, : self._len]
         self._slots = grown
-        if self._mask is not None:
-            m = torch.ones(self.num_layers, self.num_kv_heads, new_cap, dtype=torch.bool)
-            m[:, :, : self._len] = self._mask[:, :, : self._len]
-            self._mask = m
-
-    def _ensure_mask(self) -> None:
-        if self._mask is None:
-            cap = int(self._slots.numel())
-            self._mask = torch.ones(self.num_layers, self.num_kv_heads, cap, dtype=torch.bool)
-            self._mask[:, :, : self._len] = (self._slots[: self._len] != DEAD).view(1, 1, -1)
-
-    def _sync_dead_into_mask(self) -> None:
-        """Check the invariant for an initial (slots, mask) pair; clear mask bits of DEAD."""
-        if self._mask is None:
-            return
-        m = self._mask[:, :, : self._len]
-        m &= (self.slots != DEAD).view(1, 1, -1)
-        if bool((~m.any(dim=1).any(dim=0) & (self.slots != DEAD)).any()):
-            raise ValueError("a position with no live (layer, head) must map to DEAD")

@@ -26,17 +26,48 @@ from typing import Any
 import torch
 
 from agentkv.annotation import MessageAnnotation, annotate_messages
-from agentkv.cache import DEAD, KVStore, OutOfSlots, RequestKV
+from agentkv.cache import KVStore, OutOfSlots, Precision, RequestKV
 from agentkv.engine.chat_template import ChatRenderer
+from agentkv.engine.kernel_decode import KernelDecode
 from agentkv.engine.model_loader import load_model
 from agentkv.engine.store_cache import CACHE_KWARG, LiveView, StoreCache
 from agentkv.engine.telemetry import KVUsage, SessionMetrics
 from agentkv.engine.tool_calls import parse_tool_calls
-from agentkv.methods import Method, MethodSet, ModelShape, ObserveRequest, Plan, PlanContext
-from agentkv.policies import FullCache
+from agentkv.methods import (
+    DecodePrecision,
+    MethodSet,
+    ModelShape,
+    ObserveRequest,
+    Plan,
+    PlanContext,
+)
+from agentkv.policies import FullCache, KVPolicy, parse_policy, parse_policy_spec
 from agentkv.session import is_request_local, resolve_session_id, scope_session_id
+from agentkv.tags import Modality, Role, TagCode, Temporal
 from agentkv.token_tagger import TokenTags
 from agentkv.wire import KVPayload
+
+
+@dataclass
+class CompressionResult:
+    """A policy's prefill + plan on raw token ids (:meth:`Engine.compress`).
+
+    Attributes:
+        precision: int8 ``[L, Hkv, T]`` :class:`~agentkv.cache.Precision` of every cell after
+            the plan (``EVICTED`` = 0, ``INT2`` = 2, ``INT4`` = 4, ``FULL`` = 16).
+        kept: bool ``[L, Hkv, T]`` (``precision != EVICTED``).
+        forced: bool ``[T]``: positions the method had to keep (query span, protected prefix).
+        logits: float32 ``[V]`` next-token logits after the last token (before the plan).
+        usage: telemetry of the run (resident and effective bytes, evictions, ...).
+        plan: the method's :class:`~agentkv.methods.Plan`.
+    """
+
+    precision: torch.Tensor
+    kept: torch.Tensor
+    forced: torch.Tensor
+    logits: torch.Tensor
+    usage: KVUsage
+    plan: Plan
 
 
 class RequestError(ValueError):
@@ -68,6 +99,8 @@ class GenerationConfig:
     top_p: float = 1.0
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
+    #: keep decoding past end-of-turn tokens (benchmarks: a fixed number of decode steps).
+    ignore_eos: bool = False
     should_stop: Callable[[], bool] | None = field(default=None, repr=False, compare=False)
 
 
@@ -174,8 +207,14 @@ class Engine:
         model: local HF model directory, or None for the default SmolLM2-135M-Instruct.
         device: ``"cpu"``, ``"cuda"``, ... (default: CUDA when available).
         dtype: model and KV dtype (default float32 on CPU, bfloat16 on CUDA).
-        kv_slots: KV pool rows (tokens), the dead slot included.
+        kv_slots: full-precision KV cells per (layer, KV head), the dead slot included (the
+            tokens that fit at full precision).
         chunk_size: prefill chunk (tokens).
+        int4_slots / int2_pages: quantized pool sizes per layer (defaults: ``kv_slots`` INT4
+            cells and ``kv_slots // 32`` INT2 pages).
+        decode_attention: ``"kernels"`` decodes through the fused Triton kernel over the
+            pools (default on CUDA), ``"dense"`` through the gathered view and torch SDPA
+            (default on CPU), ``"reference"`` through the kernels' torch reference (tests).
     """
 
     def __init__(
@@ -185,6 +224,9 @@ class Engine:
         dtype: torch.dtype | None = None,
         kv_slots: int = 32768,
         chunk_size: int = 512,
+        int4_slots: int | None = None,
+        int2_pages: int | None = None,
+        decode_attention: str | None = None,
     ):
         self.model, self.tokenizer = load_model(model, device, dtype)
         self.device = next(self.model.parameters()).device
@@ -206,7 +248,14 @@ class Engine:
             kv_slots,
             dtype=self.dtype,
             device=self.device,
+            int4_slots=int4_slots,
+            int2_pages=int2_pages,
         )
+        if decode_attention is None:
+            decode_attention = "kernels" if self.device.type == "cuda" else "dense"
+        if decode_attention not in ("kernels", "dense", "reference"):
+            raise ValueError(f"decode_attention must be kernels|dense|reference, got {decode_attention!r}")
+        self.decode_attention = decode_attention
         self.methods = MethodSet(self.shape)
         self.renderer = ChatRenderer(self.tokenizer)
         self.chunk_size = chunk_size
@@ -271,12 +320,21 @@ class Engine:
             req, logits, plan_info = self._prefill_and_plan(tags, payload, prepared.namespace)
             ok = False
             try:
-                out_ids, finish, (raw, eff) = self._decode(req, logits, gen, stream)
+                t1 = self._sync_time()
+                out_ids, finish, (raw, eff) = self._decode(req, logits, gen, stream, plan_info)
+                t2 = self._sync_time()
                 usage = self._usage(req, payload, tags, len(out_ids), plan_info, t0)
                 ok = True
             finally:
                 self.store.finish_request(req, cache=ok)  # a failed request is never cached
-        usage = usage.model_copy(update={"raw_kv_reads": raw, "effective_kv_reads": eff})
+        usage = usage.model_copy(
+            update={
+                "raw_kv_reads": raw,
+                "effective_kv_reads": eff,
+                "prefill_time_s": round(t1 - t0, 4),
+                "decode_time_s": round(t2 - t1, 4),
+            }
+        )
         self._record(usage)
         text = self._truncate_at_stop(self.tokenizer.decode(out_ids, skip_special_tokens=True), gen)
         content, calls = parse_tool_calls(text)
@@ -322,7 +380,7 @@ class Engine:
                 greedy = self._greedy_fork(req, logits, greedy_tokens) if greedy_tokens else []
                 positions = torch.arange(n, n + len(target_ids) - 1)
                 if positions.numel():
-                    slots = self.store.extend(req, target_ids[:-1])
+                    slots = self.store.extend(req, target_ids[:-1])  # [L * Hkv, m - 1]
                     cache = StoreCache(LiveView(self.store, req), positions, slots)
                     tail_logits = self._forward(
                         target_ids[:-1], positions, cache, keep=positions.numel()
@@ -344,6 +402,69 @@ class Engine:
         self._record(usage)
         return ScoreResult(torch.tensor(target_ids), all_logits.float().cpu(), usage, greedy)
 
+    def compress(
+        self,
+        token_ids: Sequence[int] | TokenTags,
+        policy: KVPolicy | Mapping[str, Any] | str = "full",
+        actionable: Sequence[bool] | None = None,
+        session_id: str | None = None,
+    ) -> CompressionResult:
+        """Run ``policy``'s prefill + plan on raw ``token_ids`` (no chat template, no tags:
+        every token is user text of the current turn) and return the decision per cell, as
+        kvpress users evaluate a press on a context.
+
+        Args:
+            token_ids: the context, ``T >= 1`` ids; or a rendered, tagged chat
+                (``engine.renderer.encode(...)``), whose tags the method then reads.
+            policy: a policy, its wire dict or a spec string (``"snapkv:budget=64"``).
+            actionable: optional bool ``[T]``: the query span (IntentKV reads it; forced).
+            session_id: reuse / extend a session's prefix cache (default: request-local,
+                nothing cached).
+        """
+        ids = list(token_ids.token_ids) if isinstance(token_ids, TokenTags) else [
+            int(t) for t in token_ids
+        ]
+        if not ids:
+            raise RequestError("token_ids must not be empty", field="token_ids")
+        if isinstance(policy, str):
+            policy = parse_policy_spec(policy)
+        elif not isinstance(policy, KVPolicy):
+            policy = parse_policy(policy)
+        T = len(ids)
+        act = [False] * T if actionable is None else [bool(a) for a in actionable]
+        if len(act) != T:
+            raise RequestError(f"actionable has {len(act)} entries for {T} tokens", "actionable")
+        if isinstance(token_ids, TokenTags):
+            tags = token_ids
+            if actionable is not None:
+                tags = dataclasses.replace(tags, actionable=act)
+        else:
+            code = TagCode.pack(Role.USER, Modality.TEXT, Temporal.CURRENT)
+            tags = TokenTags(ids, [code] * T, [0] * T, 0, act, T)
+        sid = session_id or f"req:{secrets.token_hex(8)}"
+        payload = KVPayload(session_id=sid, policy=policy)
+        self._check_length(T, 0)
+        t0 = time.perf_counter()
+        with self._lock:
+            req, logits, info = self._prefill_and_plan(tags, payload)
+            try:
+                usage = self._usage(req, payload, tags, 0, info, t0)
+                prec = self.store.layout.precision(req.slot_map.slots)
+            finally:
+                self.store.finish_request(req, cache=session_id is not None)
+        L, H = self.shape.num_layers, self.shape.num_kv_heads
+        prec = prec.view(L, H, T)
+        kept = prec != int(Precision.EVICTED)
+        return CompressionResult(
+            prec, kept, info["forced_mask"], logits.float().cpu(), usage, info["plan"]
+        )
+
+    def _sync_time(self) -> float:
+        """Wall clock after the device finished queued work (phase timings)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
     def _record(self, usage: KVUsage) -> None:
         """One request's telemetry into the session aggregates and the request log."""
         self.sessions.record(usage)
@@ -361,13 +482,14 @@ class Engine:
 
     def flush_prefix_cache(self) -> int:
         """Drop the whole prefix cache (every tenant and session namespace, the shared ones
-        included; in-flight requests keep their KV). Returns slots freed."""
+        included; in-flight requests keep their KV). Returns cells freed."""
         with self._lock:
             return self.store.flush_prefix_cache()
 
     @property
     def kv_capacity(self) -> int:
-        """KV slots (tokens) one request can ever hold: the pool, less the dead slot."""
+        """Full-precision KV cells (tokens) one request can ever hold per (layer, KV head):
+        the pool less the dead slot."""
         return self.store.allocator.capacity
 
     # ---------------------------------------------------------------- internals
@@ -443,7 +565,7 @@ class Engine:
         # or the plan would depend on what other requests happened to cache (a retry, another
         # session with the same opening).
         reuse = T
-        if type(method).observer is not Method.observer:
+        if method.observes_prefill:
             reuse = next((i + 1 for i, a in enumerate(tags.actionable) if a), T)
         # request-local ids never match again: their holes go to no session namespace
         store_session = None if is_request_local(payload.session_id) else payload.session_id
@@ -460,7 +582,7 @@ class Engine:
             for c0 in range(start, T, self.chunk_size):
                 c1 = min(c0 + self.chunk_size, T)
                 positions = torch.arange(c0, c1)
-                cache = StoreCache(view, positions, slots[c0 - start : c1 - start], observer)
+                cache = StoreCache(view, positions, slots[:, c0 - start : c1 - start], observer)
                 logits = self._forward(tags.token_ids[c0:c1], positions, cache, keep=1)[-1]
             assert logits is not None
             ctx = PlanContext(
@@ -468,8 +590,8 @@ class Engine:
                 session_id=payload.session_id,
                 shape=self.shape,
                 seq_len=T,
-                live=(req.slot_map.slots != DEAD).cpu(),
-                forced=torch.tensor(tags.forced(getattr(policy, "protect_system", True))),
+                live=req.slot_map.resident(),
+                forced=torch.tensor(tags.forced(method.protects_system(policy))),
                 actionable=actionable,
                 tag_codes=torch.tensor(tags.codes, dtype=torch.uint8),
                 read_keys=lambda layer: self._read_keys(req, layer),
@@ -478,6 +600,7 @@ class Engine:
             plan = method.plan(ctx)
             info = self._apply(req, plan)
             info["forced"] = int(ctx.forced.sum())
+            info["forced_mask"] = ctx.forced
         except BaseException:
             self.store.finish_request(req, cache=False)
             raise
@@ -488,7 +611,8 @@ class Engine:
         return k, pos, head_mask
 
     def _apply(self, req: RequestKV, plan: Plan) -> dict:
-        evicted_tokens = evicted_entries = 0
+        """Evict, then quantize what survives; remember the plan's decode rule."""
+        evicted_tokens = evicted_entries = quantized = 0
         if plan.evict is not None and plan.evict.numel():
             res = self.store.evict(req, plan.evict)
             evicted_tokens += res.positions_dead
@@ -497,15 +621,41 @@ class Engine:
             res = self.store.evict_per_head(req, plan.keep_mask)
             evicted_tokens += res.positions_dead
             evicted_entries += res.entries_evicted
+        if plan.precision is not None:
+            q = self.store.set_precision(req, plan.precision)
+            quantized += q.int4 + q.int2
         return {
             "evicted_tokens": evicted_tokens,
             "evicted_entries": evicted_entries,
+            "quantized": quantized,
             "note": plan.note,
             "planned_live": float(req.slot_map.effective_live_tokens()),
+            "decode": plan.decode,
+            "plan": plan,
+            # decode-time quantization starts after the positions the plan decided
+            "demote_from": max(req.seq_len - plan.decode.residual, 0) if plan.decode else 0,
         }
 
+    def _demote_tail(self, req: RequestKV, info: dict) -> bool:
+        """Quantize the oldest full-precision positions outside the residual window, 32 at a
+        time (a page), as the plan's :class:`DecodePrecision` says. True if anything moved."""
+        rule: DecodePrecision | None = info["decode"]
+        if rule is None:
+            return False
+        start = info["demote_from"]
+        pages = (req.seq_len - rule.residual - start) // 32
+        if pages <= 0:
+            return False
+        end = start + 32 * pages
+        prec = torch.full((end,), int(Precision.FULL), dtype=torch.int8)
+        prec[start:end] = int(rule.precision)
+        q = self.store.set_precision(req, prec, int2_leftover="full")
+        info["demote_from"] = end
+        info["quantized"] += q.int4 + q.int2
+        return True
+
     def _decode(
-        self, req, logits, gen: GenerationConfig, stream: _ContentStream | None
+        self, req, logits, gen: GenerationConfig, stream: _ContentStream | None, info: dict
     ) -> tuple[list[int], str, tuple[int, int]]:
         generator = None
         if gen.temperature >= SAMPLING_EPS:
@@ -516,12 +666,16 @@ class Engine:
         raw = eff = 0
         finish = "length"
         view = LiveView(self.store, req)
+        kernel = None
+        if self.decode_attention != "dense":
+            backend = "torch" if self.decode_attention == "reference" else "triton"
+            kernel = KernelDecode(self.store, req, gen.max_tokens, backend)
         for _ in range(gen.max_tokens):
             if gen.should_stop is not None and gen.should_stop():
                 finish = "abort"
                 break
             tok = self._sample(logits, gen, generator)
-            if tok in self._stop_ids:
+            if tok in self._stop_ids and not gen.ignore_eos:
                 finish = "stop"
                 break
             out.append(tok)
@@ -539,10 +693,19 @@ class Engine:
                 slots = self.store.extend(req, [tok])
             except OutOfSlots:  # the pool ran out: return what was generated
                 break
-            cache = StoreCache(view, torch.tensor([pos]), slots)
+            if kernel is not None:
+                kernel.append(slots)
+            cache = StoreCache(view, torch.tensor([pos]), slots, kernel=kernel)
             logits = self._forward([tok], torch.tensor([pos]), cache, keep=1)[-1]
             raw += pos + 1
-            eff += int(round(cache.attended_keys / self.shape.num_layers))
+            if kernel is not None:
+                eff += int(round(req.slot_map.effective_live_tokens()))
+            else:
+                eff += int(round(cache.attended_keys / self.shape.num_layers))
+            if self._demote_tail(req, info):  # a page filled: the views re-read the pools
+                view = LiveView(self.store, req)
+                if kernel is not None:
+                    kernel.rebuild()
         return out, finish, (raw, eff)
 
     def _greedy_fork(self, req: RequestKV, logits: torch.Tensor, n_tokens: int) -> list[int]:
@@ -594,7 +757,6 @@ class Engine:
         self, req, payload: KVPayload, tags: TokenTags, completion: int, plan_info: dict, t0: float
     ) -> KVUsage:
         stats = self.store.request_stats(req)
-        bpt = self.store.pool.bytes_per_token
         T = len(tags)
         return KVUsage(
             method=payload.policy.method,
@@ -607,9 +769,12 @@ class Engine:
             prefix_hit_rate=req.prefix_hit_tokens / T if T else 0.0,
             peak_request_tokens=T + completion,
             live_kv_tokens=round(stats.effective_live_tokens, 2),
-            live_kv_bytes=int(stats.effective_live_tokens * bpt),
+            live_kv_bytes=stats.effective_bytes,
             resident_kv_tokens=stats.resident_slots,
             resident_kv_bytes=stats.resident_bytes,
+            resident_kv_bytes_by_precision=stats.resident_bytes_by_precision,
+            quantized_entries=plan_info["quantized"],
+            slot_map_bytes=stats.slot_map_bytes,
             planned_live_kv_tokens=round(plan_info["planned_live"], 2),
             forced_tokens=plan_info["forced"],
             evicted_tokens=plan_info["evicted_tokens"],

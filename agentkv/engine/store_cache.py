@@ -22,6 +22,7 @@ from transformers import AttentionInterface
 from transformers.cache_utils import Cache
 
 from agentkv.cache import KVStore, RequestKV
+from agentkv.engine.kernel_decode import KernelDecode
 from agentkv.methods import PrefillObserver
 
 ATTN_NAME = "agentkv"
@@ -78,9 +79,11 @@ class StoreCache(Cache):
     Args:
         view: the request's :class:`LiveView` (the keys attended, extended by this pass).
         positions: int64 ``[n]`` logical positions of the new tokens (ascending).
-        write_slots: int64 ``[n]`` slots of the new positions (from ``KVStore.extend``); None
-            for a fork whose K/V lives only in the view (nothing written to the store).
+        write_slots: int64 ``[L * Hkv, n]`` cells of the new positions (from
+            ``KVStore.extend``); None for a fork whose K/V lives only in the view (nothing
+            written to the store).
         observer: the method's prefill observer, or None.
+        kernel: decode through the fused kernel (one new position; the view is not used).
     """
 
     is_compileable = False
@@ -91,8 +94,10 @@ class StoreCache(Cache):
         positions: torch.Tensor,
         write_slots: torch.Tensor | None = None,
         observer: PrefillObserver | None = None,
+        kernel: KernelDecode | None = None,
     ):
         super().__init__(layers=[])
+        self.kernel = kernel
         self.view = view
         self.store = view.store
         device = self.store.pool.device
@@ -114,9 +119,15 @@ class StoreCache(Cache):
         """``key_states``/``value_states`` ``[1, Hkv, n, D]`` -> attended K/V ``[1, Hkv, m, D]``."""
         k_new = key_states[0].transpose(0, 1)
         v_new = value_states[0].transpose(0, 1)
+        if self.kernel is not None:  # the kernel reads the pools: write, nothing to gather
+            assert self.write_slots is not None, "kernel decode writes to the store"
+            self.store.write_kv(layer_idx, self.store.layer_cells(self.write_slots, layer_idx), k_new, v_new)
+            return key_states, value_states
         self.view._base(layer_idx, self.first_position)  # gather before writing
         if self.write_slots is not None:
-            self.store.write_kv(layer_idx, self.write_slots, k_new, v_new)
+            self.store.write_kv(
+                layer_idx, self.store.layer_cells(self.write_slots, layer_idx), k_new, v_new
+            )
         k, v, pos, head_mask = self.view.extend(
             layer_idx, k_new, v_new, self.positions, self.first_position
         )
@@ -162,6 +173,8 @@ def agentkv_attention(
             "the agentkv attention runs only inside the agentkv engine (no StoreCache given)"
         )
     layer = module.layer_idx
+    if cache.kernel is not None:
+        return cache.kernel.attend(layer, query, scaling), None
     k_pos = cache.key_positions[layer]
     head_mask = cache.head_masks[layer]
     q_pos = cache.positions

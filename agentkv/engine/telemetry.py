@@ -6,7 +6,12 @@ K+V bytes over all layers at the engine's KV dtype.
 - peak request tokens: prompt + generated tokens of the request;
 - live KV tokens: effective live KV after pruning (mask-weighted: live (layer, KV head,
   position) entries / (L * Hkv)), at the end of the request;
-- resident KV tokens: positions holding a real slot (memory the request keeps alive);
+- resident KV tokens: positions with at least one live cell;
+- resident KV bytes: bytes of every cell the request holds, at its precision (full / INT4 /
+  INT2, scales included): what the pools really hold for it, split by precision in
+  ``resident_kv_bytes_by_precision``; ``live_kv_bytes`` is the same live KV counted at full
+  precision (the effective bytes), so ``resident / live`` is the memory saved by quantization
+  and per-head freeing;
 - raw KV reads: sum over the forward passes of the request of the keys a full cache would
   attend (per query position, summed over decode steps; prefill counts once per chunk);
 - effective KV reads: the same sum over keys actually attended;
@@ -39,6 +44,11 @@ class KVUsage(BaseModel):
     live_kv_bytes: int
     resident_kv_tokens: int
     resident_kv_bytes: int
+    resident_kv_bytes_by_precision: dict[str, int] = Field(
+        default_factory=dict, description="resident bytes split by full / int4 / int2"
+    )
+    quantized_entries: int = Field(0, description="(layer, KV head, position) cells quantized")
+    slot_map_bytes: int = Field(0, description="host bytes of the request's slot map")
     planned_live_kv_tokens: float = Field(
         0.0, description="effective live KV right after the plan, before decode / target tokens"
     )
@@ -48,6 +58,8 @@ class KVUsage(BaseModel):
     raw_kv_reads: int
     effective_kv_reads: int
     wall_time_s: float
+    prefill_time_s: float = Field(0.0, description="prefill + plan (s), chat requests")
+    decode_time_s: float = Field(0.0, description="decode steps (s), chat requests")
     plan_note: str = ""
 
 

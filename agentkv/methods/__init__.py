@@ -3,8 +3,16 @@
 Importing this package registers every implementation with :mod:`agentkv.methods.base`.
 """
 
-from agentkv.methods import full_cache, h2o, intentkv, snapkv, streaming_llm  # noqa: F401
+from agentkv.methods import (  # noqa: F401
+    full_cache,
+    h2o,
+    intentkv,
+    snapkv,
+    streaming_llm,
+    uniform_quant,
+)
 from agentkv.methods.base import (
+    DecodePrecision,
     Method,
     MethodSet,
     ModelShape,
@@ -17,6 +25,7 @@ from agentkv.methods.base import (
 )
 
 __all__ = [
+    "DecodePrecision",
     "Method",
     "MethodSet",
     "ModelShape",

@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from agentkv.cache.precision import Precision
 from agentkv.policies import KVPolicy
 
 #: ``read_keys(layer) -> (k [n, Hkv, D], positions int64 [n], head_mask bool [Hkv, n] | None)``:
@@ -64,26 +65,49 @@ class PlanContext:
     observation: Any = None
 
 
+@dataclass(frozen=True)
+class DecodePrecision:
+    """What happens to tokens a request appends after its plan (decode steps): once more than
+    ``residual`` of them are at full precision, the oldest are quantized to ``precision``,
+    32 at a time (a whole page), so the newest ``residual`` stay at full precision (KIVI)."""
+
+    precision: Precision
+    residual: int
+
+
 @dataclass
 class Plan:
-    """A method's decision for one request.
+    """A method's decision for one request: evict, then quantize what survives.
 
     Attributes:
         evict: int64 ``[k]`` positions evicted in every layer and head, or None.
         keep_mask: bool ``[L, Hkv, T]`` per-(layer, KV head) keep decision (False = evict), or
-            None. Positions kept by no head become DEAD.
+            None. A cell evicted in one (layer, head) frees that cell's bytes.
+        precision: int8 :class:`~agentkv.cache.Precision` values broadcastable to
+            ``[L, Hkv, T]`` (``[T]`` per position, ``[L, 1, T]`` per layer, ...): ``INT4`` /
+            ``INT2`` quantize a kept full-precision cell (INT2 in pages of 32 per column; the
+            rest of a column's INT2 cells that do not fill a page go to INT4), ``FULL`` keeps
+            it. None = everything kept stays at full precision.
+        decode: what decode steps do with the tokens they append (None: stay full).
         scores: optional float ``[T]`` (or ``[L, Hkv, T]``) scores, for telemetry and tests.
         note: free text for telemetry (e.g. "below budget: nothing evicted").
     """
 
     evict: torch.Tensor | None = None
     keep_mask: torch.Tensor | None = None
+    precision: torch.Tensor | None = None
+    decode: DecodePrecision | None = None
     scores: torch.Tensor | None = None
     note: str = ""
 
     @property
     def is_noop(self) -> bool:
-        return (self.evict is None or self.evict.numel() == 0) and self.keep_mask is None
+        return (
+            (self.evict is None or self.evict.numel() == 0)
+            and self.keep_mask is None
+            and self.precision is None
+            and self.decode is None
+        )
 
 
 class PrefillObserver:
@@ -126,10 +150,23 @@ class ObserveRequest:
 
 
 class Method:
-    """Base class: a stateless-per-request scorer with optional per-session state."""
+    """Base class: a stateless-per-request scorer with optional per-session state.
+
+    A method declares what it needs; the engine never asks which method it runs:
+    :attr:`observes_prefill` (the engine then computes, rather than reuses from the prefix
+    cache, the positions up to the actionable query, so the observer sees them) and
+    :meth:`protects_system` (the system / template prefix joins the forced set).
+    """
 
     #: the policy ``method`` name this implementation serves.
     name: ClassVar[str] = ""
+    #: whether :meth:`observer` returns an observer that must see the actionable query's
+    #: prefill (queries are not stored, so those positions cannot come from the cache).
+    observes_prefill: ClassVar[bool] = False
+
+    def protects_system(self, policy: KVPolicy) -> bool:
+        """Whether the protected system / template prefix is forced (kept) for ``policy``."""
+        return True
 
     def __init__(self, shape: ModelShape):
         self.shape = shape

@@ -27,6 +27,7 @@ from agentkv.policies import H2O, KVPolicy
 @register_method
 class H2OMethod(Method):
     name = "h2o"
+    observes_prefill = True
 
     def observer(self, policy: KVPolicy, req: ObserveRequest) -> PrefillObserver | None:
         return AttentionColumnSums(req)

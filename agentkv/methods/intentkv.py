@@ -62,6 +62,11 @@ class _QueryMean(PrefillObserver):
 @register_method
 class IntentKVMethod(Method):
     name = "intentkv"
+    observes_prefill = True
+
+    def protects_system(self, policy: KVPolicy) -> bool:
+        assert isinstance(policy, IntentKV)
+        return policy.protect_system
 
     def __init__(self, shape: ModelShape, memory_capacity: int = 1024):
         super().__init__(shape)

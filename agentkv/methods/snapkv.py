@@ -29,6 +29,7 @@ from agentkv.policies import KVPolicy, SnapKV
 @register_method
 class SnapKVMethod(Method):
     name = "snapkv"
+    observes_prefill = True
 
     def observer(self, policy: KVPolicy, req: ObserveRequest) -> PrefillObserver | None:
         assert isinstance(policy, SnapKV)

@@ -36,6 +36,11 @@ def test_demo_reports_per_node_kv_telemetry(engine):
     squeezed = results["intentkv(budget=32, protect_system=False)"]["ALL"]
     assert squeezed["evicted"] > 0
     assert squeezed["peak_live"] < full["ALL"]["peak_live"]
+    # memory is resident bytes: quantization shrinks them, per-head eviction frees them
+    int4 = results["uniform_quant()"]["ALL"]
+    assert int4["peak_live"] >= full["ALL"]["peak_live"] - 1
+    assert int4["peak_resident"] < 0.6 * full["ALL"]["peak_resident"]
+    assert squeezed["peak_resident"] < full["ALL"]["peak_resident"]
     # later calls of a thread reuse its earlier turns from the prefix cache
     assert full["ALL"]["hits"] > 0
     table = "\n".join(lines)

@@ -1,15 +1,18 @@
 import pytest
 import torch
 
-from agentkv.cache import DEAD, KVStore, OutOfSlots, SlotRefcountError
+from agentkv.cache import DEAD, KVStore, OutOfSlots, Precision, SlotRefcountError
+from agentkv.kernels import INT2_PAGE
 
-from .kv_fill import check_content, fill
+from .kv_fill import check_content, fill, kv_value
 
-L, H, D = 2, 2, 4
+L, H, D = 2, 2, 32
+C = L * H
+P4, P2 = int(Precision.INT4), int(Precision.INT2)
 
 
-def store(num_slots=64):
-    return KVStore(L, H, D, num_slots)
+def store(num_slots=64, **kw):
+    return KVStore(L, H, D, num_slots, **kw)
 
 
 def run(st, session, tokens, decode=()):
@@ -21,10 +24,43 @@ def run(st, session, tokens, decode=()):
     return req
 
 
+def drained(st, sessions=()):
+    """End ``sessions``, flush the prefix cache: every cell of every precision is free."""
+    for s in sessions:
+        st.end_session(s)
+    st.flush_prefix_cache()
+    st.check_invariants()
+    a = st.allocator
+    lay = st.layout
+    assert a.free_cells(Precision.FULL).tolist() == [lay.full_slots - 1] * C
+    assert a.free_cells(Precision.INT4).tolist() == [lay.int4_slots] * C
+    assert a.free_cells(Precision.INT2).tolist() == [lay.int2_pages] * C
+    s = st.stats()
+    assert s.free_slots == s.capacity and s.used_bytes == 0
+    assert bool((a.refcount() == 0).all())
+
+
+def cells_of(st, req, precision):
+    return int((st.layout.precision(req.slot_map.slots) == int(precision)).sum())
+
+
+def test_default_layout_and_dead_constant():
+    st = store()
+    assert (st.layout.full_slots, st.layout.int4_slots, st.layout.int2_pages) == (64, 64, 2)
+    pools = pytest.importorskip("agentkv.kernels.pools")
+    assert pools.DEAD == DEAD
+    lay0 = st.pool.layers[0]
+    assert (lay0.int4_base, lay0.int2_base) == (st.layout.int4_base, st.layout.int2_base)
+    # a head_dim the quantizers cannot take gets no quantized pools
+    plain = KVStore(L, H, 4, 16)
+    assert (plain.layout.int4_slots, plain.layout.int2_pages) == (0, 0)
+
+
 def test_request_lifecycle_and_prefix_hit():
     st = store()
     r1 = run(st, "A", [1, 2, 3, 4], decode=[5, 6])
     assert r1.num_cached == 0 and r1.seq_len == 6 and r1.token_ids == [1, 2, 3, 4, 5, 6]
+    assert r1.slot_map.slots.shape == (C, 6)
     check_content(st, r1)
     st.finish_request(r1)
     st.check_invariants()
@@ -36,9 +72,9 @@ def test_request_lifecycle_and_prefix_hit():
     st.finish_request(r2)
     with pytest.raises(RuntimeError):
         st.finish_request(r2)
-    st.flush_prefix_cache()
-    st.check_invariants()
-    assert st.stats().free_slots == st.stats().capacity
+    with pytest.raises(RuntimeError):
+        st.extend(r2, [1])
+    drained(st)
 
 
 def test_last_prompt_token_is_always_computed():
@@ -46,7 +82,12 @@ def test_last_prompt_token_is_always_computed():
     st.finish_request(run(st, None, [1, 2, 3]))
     r = st.begin_request(None, [1, 2, 3])
     assert r.num_cached == 2 and r.num_pending == 1
+    assert st.extend(r).shape == (C, 1)
+    assert st.extend(r).shape == (C, 0)  # nothing pending
     st.finish_request(r, cache=False)
+    with pytest.raises(ValueError):
+        st.begin_request(None, [])
+    drained(st)
 
 
 def test_sibling_requests_share_prefix_and_eviction_in_one_frees_nothing():
@@ -54,65 +95,91 @@ def test_sibling_requests_share_prefix_and_eviction_in_one_frees_nothing():
     st.finish_request(run(st, "S", [9, 8, 7, 6, 5]))
     a = run(st, "A", [9, 8, 7, 6, 5, 1])
     b = run(st, "B", [9, 8, 7, 6, 5, 2])
-    used = st.stats().used_slots
+    used = st.stats().used_bytes
     res = st.evict(a, [0, 1, 2])  # inside the prefix-cache-protected prefix
-    assert res.positions_dead == 3 and res.slots_freed == 0
-    assert st.stats().used_slots == used
-    res = st.evict(a, [5])  # a's own, unshared position
-    assert res.positions_dead == 1 and res.slots_freed == 1
+    assert res.positions_dead == 3 and res.entries_evicted == 3 * C and res.slots_freed == 0
+    assert st.stats().used_bytes == used
+    res = st.evict(a, [5])  # a's own, unshared position: one cell per column
+    assert res.positions_dead == 1 and res.slots_freed == C
     check_content(st, a)
-    check_content(st, b)  # b still reads the original slots and K/V
+    check_content(st, b)  # b still reads the original cells and K/V
     assert b.slot_map.num_dead == 0
     st.check_invariants()
     for r in (a, b):
         st.finish_request(r)
-    st.end_session("A")
-    st.end_session("B")
-    st.flush_prefix_cache()
-    assert st.stats().free_slots == st.stats().capacity
+    drained(st, ["A", "B", "S"])
 
 
-def test_per_head_eviction_frees_only_when_all_heads_go():
+def test_per_head_eviction_frees_exactly_that_columns_cell():
     st = store()
     r = run(st, None, [1, 2, 3, 4])
+    cb = st.pool.cell_bytes[Precision.FULL]
+    before = st.request_stats(r)
+    free_before = st.allocator.free_cells(Precision.FULL)
+    cell = int(r.slot_map.slots[1, 1])  # layer 0, head 1, position 1
     keep = torch.ones(L, H, 4, dtype=torch.bool)
-    keep[0, 0, 1] = False
+    keep[0, 1, 1] = False
     res = st.evict_per_head(r, keep)
-    assert (res.entries_evicted, res.positions_dead, res.slots_freed) == (1, 0, 0)
+    assert (res.entries_evicted, res.positions_dead, res.slots_freed) == (1, 0, 1)
+    free = st.allocator.free_cells(Precision.FULL)
+    assert (free - free_before).tolist() == [0, 1, 0, 0]  # only column 1 got a cell back
+    assert st.allocator.free_ids(1, Precision.FULL).tolist()[-1] == cell
+    after = st.request_stats(r)
+    assert before.resident_bytes - after.resident_bytes == cb
+    assert st.stats().used_bytes == after.resident_bytes  # nobody else holds anything
     keep[:, :, 1] = False
     res = st.evict_per_head(r, keep)
-    assert (res.entries_evicted, res.positions_dead, res.slots_freed) == (L * H - 1, 1, 1)
+    assert (res.entries_evicted, res.positions_dead, res.slots_freed) == (C - 1, 1, C - 1)
     rs = st.request_stats(r)
     assert rs.resident_slots == 3 and rs.dead_positions == 1
-    assert rs.live_kv_entries == 3 * L * H
-    assert rs.resident_bytes == 3 * st.pool.bytes_per_token
+    assert rs.live_kv_entries == 3 * C
+    assert rs.resident_bytes == 3 * st.pool.bytes_per_token == rs.effective_bytes
+    assert rs.resident_bytes_by_precision == {"full": 3 * C * cb, "int4": 0, "int2": 0}
+    assert rs.slot_map_bytes == 8 * C * 4
     keep = torch.ones(L, H, 4, dtype=torch.bool)
     keep[1, 1, 2] = False
     st.evict_per_head(r, keep)
-    assert st.request_stats(r).effective_live_tokens == pytest.approx(3 - 1 / (L * H))
+    assert st.request_stats(r).effective_live_tokens == pytest.approx(3 - 1 / C)
     check_content(st, r)
     k, _, pos, hm = st.read_kv(r, 1)
     assert pos.tolist() == [0, 2, 3] and hm.tolist() == [[True] * 3, [True, False, True]]
+    assert bool((k[1, 1] == 0).all())  # the dead head reads zeros
     st.check_invariants()
     st.finish_request(r, cache=False)
-    assert st.stats().free_slots == st.stats().capacity
+    drained(st)
 
 
 def test_extend_evicts_lru_prefix_cache_then_raises_out_of_slots():
-    st = store(num_slots=9)  # 8 usable
+    st = store(num_slots=9)  # 8 usable per column
     st.finish_request(run(st, None, [1, 2, 3, 4]))
     st.finish_request(run(st, None, [5, 6, 7]))
     assert st.stats().free_slots == 1
     r = run(st, None, [10, 11, 12, 13, 14])  # needs 5: evicts the LRU entry [1, 2, 3, 4]
     assert st.prefix_cache.match(None, torch.tensor([1, 2])).length == 0
     assert st.prefix_cache.match(None, torch.tensor([5, 6])).length == 2
-    with pytest.raises(OutOfSlots, match="need 4 KV slots"):
+    with pytest.raises(OutOfSlots, match="need 4 KV cells"):
         st.extend(r, [1, 2, 3, 4])
     assert r.seq_len == 5 and len(r.token_ids) == 5  # unchanged
     st.check_invariants()
     st.finish_request(r, cache=False)
-    st.flush_prefix_cache()
-    assert st.stats().free_slots == 8
+    drained(st)
+
+
+def test_per_head_frees_make_room_only_in_their_column():
+    """Extending needs a free cell in every column: a column full elsewhere still blocks."""
+    st = store(num_slots=5)  # 4 usable per column
+    r = run(st, None, [1, 2, 3, 4])
+    keep = torch.ones(L, H, 4, dtype=torch.bool)
+    keep[0, 0, :2] = False  # two cells of column 0 only
+    st.evict_per_head(r, keep)
+    assert st.allocator.free_cells(Precision.FULL).tolist() == [2, 0, 0, 0]
+    with pytest.raises(OutOfSlots):
+        st.extend(r, [5])
+    st.evict(r, [0])
+    fill(st, r, st.extend(r, [5]))
+    check_content(st, r)
+    st.finish_request(r, cache=False)
+    drained(st)
 
 
 def test_locked_prefix_is_not_evicted_under_pressure():
@@ -123,6 +190,7 @@ def test_locked_prefix_is_not_evicted_under_pressure():
         st.extend(r, [0] * 4)
     assert st.prefix_cache.match(None, torch.tensor([1, 2, 3, 4])).length == 4
     st.finish_request(r)
+    drained(st)
 
 
 def test_cache_unfinished_request_shares_system_prompt_before_own_eviction():
@@ -131,33 +199,41 @@ def test_cache_unfinished_request_shares_system_prompt_before_own_eviction():
     a = run(st, "A", system + [1, 2])
     assert st.cache_unfinished_request(a, num_tokens=len(system)) == 4
     st.evict(a, [1, 2, 5])  # evicts inside the just-published prompt: memory stays
+    st.set_precision(a, torch.full((4,), P4, dtype=torch.int8))  # and quantizes the rest
+    assert st.cache_unfinished_request(a) == 0  # nothing intact left to publish
     b = st.begin_request("B", system + [3])
     assert b.num_cached == 4 and b.slot_map.num_dead == 0
-    assert (
-        b.slot_map.slots.tolist()
-        == st.prefix_cache.match(None, torch.tensor(system)).slots.tolist()
-    )
+    assert torch.equal(b.slot_map.slots, st.prefix_cache.match(None, torch.tensor(system)).slots)
+    assert cells_of(st, b, Precision.FULL) == 4 * C
     fill(st, b, st.extend(b))
+    check_content(st, a)
     check_content(st, b)
     st.check_invariants()
     for r in (a, b):
         st.finish_request(r)
     st.check_invariants()
-    for s in ("A", "B"):
-        st.end_session(s)
-    st.flush_prefix_cache()
-    assert st.stats().free_slots == st.stats().capacity
+    drained(st, ["A", "B"])
 
 
 def test_refcount_errors_surface():
     st = store()
     r = run(st, None, [1, 2])
-    slot = int(r.slot_map.slots[0])
-    st.allocator.decref([slot])  # someone else drops the map's reference by mistake...
+    one = torch.full_like(r.slot_map.slots[:, :1], DEAD)
+    one[2, 0] = r.slot_map.slots[2, 0]
+    st.allocator.decref(one)  # someone else drops the map's reference by mistake...
     with pytest.raises(SlotRefcountError, match="refcount mismatch"):
         st.check_invariants()
     with pytest.raises(SlotRefcountError, match="double free"):
-        st.allocator.decref([slot])
+        st.allocator.decref(one)
+
+
+def test_check_invariants_catches_a_cell_at_two_positions():
+    st = store()
+    r = run(st, None, [1, 2, 3])
+    st.allocator.incref(r.slot_map.slots[:, :1])
+    r.slot_map._slots[0, 2] = r.slot_map._slots[0, 0]  # the same cell at positions 0 and 2
+    with pytest.raises(SlotRefcountError):
+        st.check_invariants()
 
 
 def test_stats_fields():
@@ -165,18 +241,19 @@ def test_stats_fields():
     r = run(st, "A", [1, 2, 3])
     s = st.stats()
     assert (s.capacity, s.used_slots, s.free_slots) == (63, 3, 60)
-    assert s.used_bytes == 3 * s.bytes_per_token and s.pool_bytes == 64 * s.bytes_per_token
+    assert s.used_bytes == 3 * s.bytes_per_token == s.used_bytes_by_precision["full"]
+    assert s.bytes_per_token == C * 2 * D * 4
+    assert s.pool_bytes == st.pool.total_bytes > 64 * s.bytes_per_token
     assert s.num_requests == 1 and s.requests_resident_slots == 3
+    assert s.requests_effective_live_tokens == 3
     st.evict(r, [1])
     st.finish_request(r)
     s = st.stats()
     assert s.num_requests == 0 and s.num_sessions == 1 and s.prefix_cache_tokens == 1 + 3
-    assert DEAD not in st.allocator.free_slots().tolist()
-
-
-def test_dead_constant_agrees_with_kernels_pools():
-    pools = pytest.importorskip("agentkv.kernels.pools")
-    assert pools.DEAD == DEAD
+    assert s.prefix_cache_nodes == 2
+    for c in range(C):
+        assert DEAD not in st.allocator.free_ids(c, Precision.FULL).tolist()
+    drained(st, ["A"])
 
 
 def test_request_without_session_shares_only_its_intact_prefix():
@@ -188,8 +265,20 @@ def test_request_without_session_shares_only_its_intact_prefix():
     r2 = st.begin_request(None, [1, 2, 3, 4, 5, 6, 7])
     assert r2.num_cached == 3 and r2.slot_map.num_dead == 0  # holes never leak to others
     st.finish_request(r2, cache=False)
-    st.flush_prefix_cache()
-    assert st.stats().free_slots == st.stats().capacity
+    drained(st)
+
+
+def test_one_head_evicted_ends_the_shared_prefix():
+    st = store()
+    r = run(st, None, [1, 2, 3, 4, 5])
+    keep = torch.ones(L, H, 5, dtype=torch.bool)
+    keep[1, 0, 2] = False
+    st.evict_per_head(r, keep)
+    st.finish_request(r)
+    r2 = st.begin_request("X", [1, 2, 3, 4, 5, 6])
+    assert r2.num_cached == 2 and r2.slot_map.live_entries() == 2 * C
+    st.finish_request(r2, cache=False)
+    drained(st)
 
 
 def test_evict_per_head_plan_may_cover_a_prefix_of_the_sequence():
@@ -197,26 +286,247 @@ def test_evict_per_head_plan_may_cover_a_prefix_of_the_sequence():
     r = run(st, "A", [1, 2, 3], decode=[4, 5])
     keep = torch.zeros(L, H, 3, dtype=torch.bool)  # plan made at prefill time
     res = st.evict_per_head(r, keep)
-    assert res.positions_dead == 3 and r.slot_map.slots[3:].ne(DEAD).all()
+    assert res.positions_dead == 3 and r.slot_map.slots[:, 3:].ne(DEAD).all()
     with pytest.raises(ValueError):
         st.evict_per_head(r, torch.ones(L, H, 6, dtype=torch.bool))
     st.finish_request(r, cache=False)
-    assert st.stats().free_slots == st.stats().capacity
+    drained(st)
 
 
 def test_end_session_while_a_request_runs_keeps_its_kv():
     st = store()
     a1 = run(st, "A", [1, 2, 3, 4])
     st.evict(a1, [1])
+    st.set_precision(a1, torch.tensor([P4, P4, 16, 16], dtype=torch.int8))
     st.finish_request(a1)
     a2 = st.begin_request("A", [1, 2, 3, 4, 5])
-    assert a2.prefix_from_session
+    assert a2.prefix_from_session and cells_of(st, a2, Precision.INT4) == C
     fill(st, a2, st.extend(a2))
     st.end_session("A")
-    check_content(st, a2)  # the request's own references keep its slots
+    check_content(st, a2)  # the request's own references keep its cells
     st.check_invariants()
     st.finish_request(a2)  # re-creates A's namespace with its holes
     assert st.prefix_cache.sessions() == ["A"]
-    st.end_session("A")
-    st.flush_prefix_cache()
-    assert st.stats().free_slots == st.stats().capacity
+    drained(st, ["A"])
+
+
+# ------------------------------------------------------------------ precision moves
+def test_set_precision_int4_moves_cells_and_frees_full_ones():
+    st = store()
+    r = run(st, None, list(range(1, 9)))
+    cb = st.pool.cell_bytes
+    prec = torch.full((6,), P4, dtype=torch.int8)
+    prec[2] = int(Precision.FULL)
+    prec[3] = int(Precision.EVICTED)  # EVICTED leaves a cell alone: evict first
+    res = st.set_precision(r, prec)
+    assert (res.int4, res.int2, res.slots_freed) == (4 * C, 0, 4 * C)
+    pr = st.layout.precision(r.slot_map.slots)
+    assert bool((pr[:, [0, 1, 4, 5]] == P4).all()) and bool((pr[:, [2, 3, 6, 7]] == 16).all())
+    rs = st.request_stats(r)
+    assert rs.cells_by_precision == {"full": 4 * C, "int4": 4 * C, "int2": 0}
+    assert rs.resident_bytes_by_precision["int4"] == round(4 * C * cb[Precision.INT4])
+    assert rs.resident_bytes == round(4 * C * (cb[Precision.FULL] + cb[Precision.INT4]))
+    assert rs.effective_bytes == 8 * st.pool.bytes_per_token  # live KV as if full
+    assert rs.live_kv_entries == 8 * C
+    assert st.stats().used_bytes == rs.resident_bytes
+    assert st.allocator.free_cells(Precision.FULL).tolist() == [63 - 4] * C
+    check_content(st, r)
+    # quantized cells never move back or again; a second call is a no-op for them
+    assert st.set_precision(r, prec).int4 == 0
+    assert st.set_precision(r, torch.full((2,), P2, dtype=torch.int8)).int2 == 0
+    assert st.set_precision(r, torch.full((8,), 16, dtype=torch.int8)).int4 == 0
+    with pytest.raises(ValueError, match="covers 9 positions"):
+        st.set_precision(r, torch.full((9,), P4, dtype=torch.int8))
+    st.check_invariants()
+    st.finish_request(r, cache=False)
+    drained(st)
+
+
+def test_set_precision_per_layer_and_per_head():
+    st = store()
+    r = run(st, None, list(range(1, 7)))
+    per_layer = torch.tensor([16, P4], dtype=torch.int8).view(L, 1, 1).expand(L, 1, 6)
+    st.set_precision(r, per_layer)
+    pr = st.layout.precision(r.slot_map.slots).view(L, H, 6)
+    assert bool((pr[0] == 16).all()) and bool((pr[1] == P4).all())
+    per_head = torch.full((L, H, 3), 16, dtype=torch.int8)
+    per_head[0, 1] = P4  # one (layer, head) column, first 3 positions
+    free_before = st.allocator.free_cells(Precision.FULL)
+    res = st.set_precision(r, per_head)
+    assert (res.int4, res.slots_freed) == (3, 3)
+    gained = st.allocator.free_cells(Precision.FULL) - free_before
+    assert gained.tolist() == [0, 3, 0, 0]  # that column's full cells, nobody else's
+    check_content(st, r)
+    st.check_invariants()
+    st.finish_request(r, cache=False)
+    drained(st)
+
+
+def test_set_precision_int2_fills_pages_of_32_per_column_leftovers_to_int4():
+    st = store(num_slots=128)  # 4 INT2 pages per column
+    n = 2 * INT2_PAGE + 5  # 69 positions: 2 pages + 5 leftovers per column
+    r = run(st, None, [i % 50 + 1 for i in range(n + 3)])
+    res = st.set_precision(r, torch.full((n,), P2, dtype=torch.int8))
+    assert (res.int2, res.int4, res.slots_freed) == (2 * INT2_PAGE * C, 5 * C, n * C)
+    lay = st.layout
+    pr = lay.precision(r.slot_map.slots)
+    assert bool((pr[:, : 2 * INT2_PAGE] == P2).all())
+    assert bool((pr[:, 2 * INT2_PAGE : n] == P4).all())  # the last 5 did not fill a page
+    assert bool((pr[:, n:] == 16).all())
+    for c in range(C):  # each page: 32 consecutive positions of one column, rows in order
+        rows = r.slot_map.slots[c, : 2 * INT2_PAGE].view(2, INT2_PAGE) - lay.int2_base
+        assert bool((rows // INT2_PAGE == rows[:, :1] // INT2_PAGE).all())
+        assert bool((rows % INT2_PAGE == torch.arange(INT2_PAGE)).all())
+    assert st.allocator.free_cells(Precision.INT2).tolist() == [2] * C
+    rs = st.request_stats(r)
+    assert rs.cells_by_precision == {"full": 3 * C, "int4": 5 * C, "int2": 64 * C}
+    cb = st.pool.cell_bytes
+    assert rs.resident_bytes_by_precision["int2"] == round(64 * C * cb[Precision.INT2])
+    assert rs.resident_bytes < 0.25 * rs.effective_bytes
+    check_content(st, r)
+    st.check_invariants()
+    st.finish_request(r, cache=False)
+    drained(st)
+
+
+def test_set_precision_int2_leftovers_can_stay_full_until_a_page_fills():
+    st = store()
+    r = run(st, None, list(range(1, 21)))
+    res = st.set_precision(r, torch.full((20,), P2, dtype=torch.int8), int2_leftover="full")
+    assert (res.int2, res.int4, res.slots_freed) == (0, 0, 0)  # no page fills yet
+    for t in range(12):  # decode to 32 positions
+        fill(st, r, st.extend(r, [100 + t]))
+    res = st.set_precision(r, torch.full((32,), P2, dtype=torch.int8), int2_leftover="full")
+    assert (res.int2, res.int4) == (INT2_PAGE * C, 0)
+    assert bool((st.layout.precision(r.slot_map.slots) == P2).all())
+    check_content(st, r)
+    st.check_invariants()
+    st.finish_request(r, cache=False)
+    drained(st)
+
+
+def test_int2_pages_count_only_the_positions_bound_for_int2_in_each_column():
+    """Per-column page filling: a column with a hole takes its 32 INT2 rows further on."""
+    st = store()
+    r = run(st, None, list(range(1, 41)))
+    keep = torch.ones(L, H, 40, dtype=torch.bool)
+    keep[1, 0, 3] = False  # column 2 loses position 3
+    st.evict_per_head(r, keep)
+    st.set_precision(r, torch.full((33,), P2, dtype=torch.int8))
+    pr = st.layout.precision(r.slot_map.slots)
+    assert bool((pr[[0, 1, 3], :32] == P2).all()) and bool((pr[[0, 1, 3], 32] == P4).all())
+    assert int(pr[2, 3]) == 0 and bool((pr[2, :33][torch.arange(33) != 3] == P2).all())
+    check_content(st, r)
+    # evicting one INT2 row drops the request's bytes, the page stays until all 32 go
+    free2 = st.allocator.free_cells(Precision.INT2)
+    before = st.request_stats(r).resident_bytes
+    keep = torch.ones(L, H, 1, dtype=torch.bool)
+    keep[0, 0, 0] = False
+    res = st.evict_per_head(r, keep)
+    assert res.slots_freed == 0 and torch.equal(st.allocator.free_cells(Precision.INT2), free2)
+    assert before - st.request_stats(r).resident_bytes == round(st.pool.cell_bytes[Precision.INT2])
+    keep = torch.ones(L, H, 32, dtype=torch.bool)
+    keep[0, 0] = False
+    assert st.evict_per_head(r, keep).slots_freed == INT2_PAGE
+    assert (st.allocator.free_cells(Precision.INT2) - free2).tolist() == [1, 0, 0, 0]
+    st.check_invariants()
+    st.finish_request(r, cache=False)
+    drained(st)
+
+
+def test_quantized_pools_full_evict_prefix_cache_then_raise():
+    st = store(num_slots=16, int4_slots=4, int2_pages=0)
+    a = run(st, "S", [1, 2, 3, 4, 5, 6])
+    st.set_precision(a, torch.full((4,), P4, dtype=torch.int8))
+    st.finish_request(a)  # its INT4 cells now live in S's namespace
+    assert st.prefix_cache.sessions() == ["S"]
+    assert st.allocator.free_cells(Precision.INT4).tolist() == [0] * C
+    b = run(st, None, list(range(7, 15)))
+    st.set_precision(b, torch.full((2,), P4, dtype=torch.int8))  # LRU-evicts S's namespace
+    assert st.prefix_cache.sessions() == []
+    assert cells_of(st, b, Precision.INT4) == 2 * C
+    before = b.slot_map.slots.clone()
+    with pytest.raises(OutOfSlots, match="quantized pools are full"):
+        st.set_precision(b, torch.full((8,), P4, dtype=torch.int8))  # 6 more, 2 free
+    assert torch.equal(b.slot_map.slots, before)  # nothing moved
+    st.check_invariants()
+    st.finish_request(b, cache=False)
+    drained(st, ["S"])
+
+
+def test_shared_prefix_survives_a_siblings_demotion_and_eviction():
+    """A sibling's quantized copy lives in its own cells; the shared cells keep their
+    full-precision values bit for bit and other requests keep reading them."""
+    st = store()
+    system = list(range(200, 240))  # 40 tokens: room for an INT2 page
+    st.finish_request(run(st, "S", system + [1]))
+    shared = st.prefix_cache.match(None, torch.tensor(system)).slots.clone()
+    snap = [
+        (st.pool.layers[layer].full.k.clone(), st.pool.layers[layer].full.v.clone())
+        for layer in range(L)
+    ]
+    a = run(st, "A", system + [2, 3])
+    b = run(st, "B", system + [4])
+    assert torch.equal(a.slot_map.slots[:, :40], shared)
+    # A: INT2 on its first 32, INT4 on the next 8, evict a column of position 39
+    prec = torch.full((40,), P4, dtype=torch.int8)
+    prec[:32] = P2
+    res = st.set_precision(a, prec)
+    assert res.slots_freed == 0  # every demoted full cell is still held by the tree and B
+    keep = torch.ones(L, H, 40, dtype=torch.bool)
+    keep[1, 1, 39] = False
+    assert st.evict_per_head(a, keep).slots_freed == 1  # A's own INT4 cell goes back
+    assert not bool((a.slot_map.slots[:, :40] == shared).any())  # A holds its own cells
+    assert torch.equal(b.slot_map.slots[:, :40], shared)
+    assert bool((st.allocator.refcount(shared) == 2).all())  # tree + B
+    for layer in range(L):  # the shared cells' full-precision values, bit for bit
+        full = st.pool.layers[layer].full
+        cols = st.layer_cells(shared, layer)
+        heads = torch.arange(H)[:, None]
+        assert torch.equal(full.k[cols, heads], snap[layer][0][cols, heads])
+        assert torch.equal(full.v[cols, heads], snap[layer][1][cols, heads])
+    check_content(st, a)
+    check_content(st, b)
+    st.check_invariants()
+    # A's holey, quantized turn goes to A's namespace; the shared namespace is unchanged
+    st.finish_request(a)
+    c = st.begin_request("C", system + [5])
+    assert not c.prefix_from_session and torch.equal(c.slot_map.slots, shared)
+    fill(st, c, st.extend(c))
+    check_content(st, c)
+    a2 = st.begin_request("A", system + [2, 3, 6])
+    assert a2.prefix_from_session and a2.num_cached == 42
+    assert cells_of(st, a2, Precision.INT2) == 32 * C  # matched as is: no re-quantization
+    fill(st, a2, st.extend(a2))
+    check_content(st, a2)
+    st.check_invariants()
+    for r in (b, c, a2):
+        st.finish_request(r)
+    drained(st, ["A", "B", "C", "S"])
+
+
+def test_read_kv_dequantizes_mixed_precisions_and_holes():
+    st = store()
+    r = run(st, None, list(range(1, 41)))
+    prec = torch.full((L, H, 40), 16, dtype=torch.int8)
+    prec[0, :, :32] = P2
+    prec[1, 0, 5:20] = P4
+    st.set_precision(r, prec)
+    keep = torch.ones(L, H, 40, dtype=torch.bool)
+    keep[0, 1, 7] = False
+    keep[1, :, 8] = False
+    st.evict_per_head(r, keep)
+    for layer in range(L):
+        k, v, pos, hm = st.read_kv(r, layer)
+        assert k.shape == (int(pos.numel()), H, D) and k.dtype == torch.float32
+        # written values, as kv_fill encodes them: compare against what was written
+        toks = torch.tensor(r.token_ids)[pos]
+        wk, wv = kv_value(toks, pos, layer, H, D)
+        err = (k - wk).abs().amax(dim=-1)  # [n, H]
+        pr = st.layout.precision(r.slot_map.layer_slots(layer)[:, pos]).t()
+        assert bool((err[pr == 16] == 0).all())
+        assert bool((err[pr == P4] > 0).any()) == bool((pr == P4).any())  # really quantized
+    assert 8 not in st.read_kv(r, 1)[2].tolist() and 8 in st.read_kv(r, 0)[2].tolist()
+    check_content(st, r)
+    st.finish_request(r, cache=False)
+    drained(st)

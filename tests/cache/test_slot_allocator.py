@@ -1,71 +1,169 @@
 import pytest
 import torch
 
-from agentkv.cache import DEAD, OutOfSlots, SlotAllocator, SlotRefcountError
+from agentkv.cache import DEAD, OutOfSlots, PoolLayout, Precision, SlotAllocator, SlotRefcountError
+from agentkv.kernels import INT2_PAGE
+
+C = 3  # columns (L * Hkv)
+
+
+def alloc(full=9, int4=4, int2_pages=2, columns=C):
+    return SlotAllocator(columns, PoolLayout(full, int4, int2_pages))
+
+
+def col(cells, c):
+    """A [C, n] cell tensor holding ``cells`` in column ``c`` and DEAD elsewhere."""
+    out = torch.full((C, len(cells)), DEAD, dtype=torch.int64)
+    out[c] = torch.as_tensor(cells)
+    return out
+
+
+def test_layout_ids_and_precision():
+    lay = PoolLayout(9, 4, 2)
+    assert (lay.int4_base, lay.int2_base, lay.num_ids) == (9, 13, 13 + 64)
+    ids = torch.tensor([DEAD, 1, 8, 9, 12, 13, 76])
+    assert lay.precision(ids).tolist() == [0, 16, 16, 4, 4, 2, 2]
 
 
 def test_dead_slot_is_reserved_and_never_handed_out():
-    a = SlotAllocator(9)
+    a = alloc()
     assert a.capacity == 8 and a.free_count == 8
     got = a.alloc(8)
-    assert DEAD not in got.tolist()
-    assert sorted(got.tolist()) == list(range(1, 9))
+    assert got.shape == (C, 8)
+    assert not bool((got == DEAD).any())
+    for c in range(C):  # every column has its own cells 1..8
+        assert sorted(got[c].tolist()) == list(range(1, 9))
     assert a.free_count == 0
-    assert a.refcount(got).tolist() == [1] * 8
+    assert bool((a.refcount(got) == 1).all())
+    assert bool((a.refcount()[:, DEAD] == 0).all())
 
 
 def test_out_of_slots_is_clear_and_takes_nothing():
-    a = SlotAllocator(5)
+    a = alloc()
     a.alloc(3)
-    with pytest.raises(OutOfSlots, match="need 2 KV slots but only 1 of 4 are free"):
-        a.alloc(2)
-    assert a.free_count == 1
+    before = a.refcount()
+    with pytest.raises(OutOfSlots, match="needs 6 cells, 5 free"):
+        a.alloc(6)
+    assert a.free_count == 5 and torch.equal(a.refcount(), before)
+    with pytest.raises(ValueError):
+        a.alloc(-1)
 
 
 def test_refcounts_free_only_at_zero():
-    a = SlotAllocator(6)
+    a = alloc()
     s = a.alloc(2)
     a.incref(s)
-    assert a.decref(s).numel() == 0  # 2 -> 1
-    assert a.free_count == 3
-    freed = a.decref(s)
-    assert sorted(freed.tolist()) == sorted(s.tolist())
-    assert a.free_count == 5
+    assert a.decref(s) == 0  # 2 -> 1
+    assert a.free_count == 6
+    assert a.decref(s) == 2 * C
+    assert a.free_count == 8
 
 
 def test_repeated_entries_count_each():
-    a = SlotAllocator(4)
-    (s,) = a.alloc(1).tolist()
-    a.incref([s, s])
-    assert int(a.refcount([s])[0]) == 3
-    assert a.decref([s, s, s]).tolist() == [s]
+    a = alloc()
+    s = a.alloc(1)
+    a.incref(torch.cat([s, s], dim=1))
+    assert a.refcount(s).tolist() == [[3]] * C
+    assert a.decref(torch.cat([s, s, s], dim=1)) == C
 
 
 def test_double_free_raises_and_changes_nothing():
-    a = SlotAllocator(4)
+    a = alloc()
     s = a.alloc(2)
-    a.decref(s[:1])
+    a.decref(s[:, :1])
     before = a.refcount()
     with pytest.raises(SlotRefcountError, match="double free"):
-        a.decref(s)  # s[0] is already free; s[1] would be fine
+        a.decref(s)  # s[:, 0] is already free; s[:, 1] alone would be fine
     assert torch.equal(a.refcount(), before)
-    assert a.free_count == 2
+    assert a.free_count == 7
 
 
-def test_incref_of_free_slot_dead_or_out_of_range_raises():
-    a = SlotAllocator(4)
-    with pytest.raises(SlotRefcountError, match="free slot"):
-        a.incref([1])
-    with pytest.raises(SlotRefcountError, match="dead slot"):
-        a.decref([DEAD])
+def test_incref_of_free_cell_out_of_range_or_bad_shape_raises():
+    a = alloc()
+    with pytest.raises(SlotRefcountError, match="free cell"):
+        a.incref(col([1], 0))
     with pytest.raises(SlotRefcountError, match="out of range"):
-        a.decref([4])
+        a.decref(col([a.layout.num_ids], 0))
+    with pytest.raises(ValueError, match="cells must be"):
+        a.decref(torch.tensor([1]))
+    # DEAD entries are ignored everywhere
+    assert a.decref(torch.full((C, 4), DEAD)) == 0
+    a.incref(torch.full((C, 4), DEAD))
+    assert a.refcount(torch.full((C, 1), DEAD)).tolist() == [[0]] * C
 
 
-def test_freed_slots_are_reused_first_and_free_list_has_no_duplicates():
-    a = SlotAllocator(6)
+def test_columns_are_independent_per_head_frees():
+    """Freeing a cell in one column returns exactly that column's cell."""
+    a = alloc()
     s = a.alloc(3)
-    a.decref(s[1:2])
-    assert a.alloc(1).tolist() == s[1:2].tolist()
-    free = a.free_slots().tolist()
-    assert len(free) == len(set(free)) and DEAD not in free
+    one = torch.full_like(s, DEAD)
+    one[1, 2] = s[1, 2]
+    assert a.decref(one) == 1
+    assert a.free_cells(Precision.FULL).tolist() == [5, 6, 5]
+    assert a.free_ids(1, Precision.FULL).tolist()[-1] == int(s[1, 2])  # top of its stack
+    assert int(s[1, 2]) not in a.free_ids(0, Precision.FULL).tolist()
+    assert a.free_count == 5  # tokens extendable: the fullest column decides
+    assert a.used_cells()[Precision.FULL] == 3 * C - 1
+
+
+def test_freed_cells_are_reused_first_and_free_lists_have_no_duplicates():
+    a = alloc()
+    s = a.alloc(3)
+    a.decref(s[:, 1:2])
+    assert torch.equal(a.alloc(1), s[:, 1:2])
+    for c in range(C):
+        for p in (Precision.FULL, Precision.INT4, Precision.INT2):
+            free = a.free_ids(c, p).tolist()
+            assert len(free) == len(set(free))
+            assert p == Precision.INT2 or DEAD not in free  # INT2 lists page numbers
+
+
+def test_int4_cells_per_column():
+    a = alloc()
+    lay = a.layout
+    cols = torch.tensor([2, 0, 2, 2])
+    ids = a.alloc_int4(cols)
+    assert bool((ids >= lay.int4_base).all()) and bool((ids < lay.int2_base).all())
+    assert len(set(ids[cols == 2].tolist())) == 3  # distinct within a column
+    assert a.free_cells(Precision.INT4).tolist() == [3, 4, 1]
+    assert a.used_cells()[Precision.INT4] == 4
+    for c, i in zip(cols.tolist(), ids.tolist(), strict=True):
+        assert int(a.refcount()[c, i]) == 1
+    with pytest.raises(OutOfSlots):
+        a.alloc_int4(torch.tensor([2, 2]))  # column 2 has one left
+    assert a.free_cells(Precision.INT4).tolist() == [3, 4, 1]
+    assert a.decref_pairs(cols, ids) == 4
+    assert a.free_cells(Precision.INT4).tolist() == [4, 4, 4]
+
+
+def test_int2_pages_go_back_only_when_every_row_is_free():
+    a = alloc()
+    lay = a.layout
+    rows = a.alloc_int2_pages(torch.tensor([1, 1]))
+    assert rows.shape == (2, INT2_PAGE)
+    page0 = (rows[:, 0] - lay.int2_base) // INT2_PAGE
+    assert sorted(page0.tolist()) == [0, 1]
+    for r in rows:  # whole aligned pages, rows in order
+        assert r.tolist() == list(range(int(r[0]), int(r[0]) + INT2_PAGE))
+        assert (int(r[0]) - lay.int2_base) % INT2_PAGE == 0
+    assert a.free_cells(Precision.INT2).tolist() == [2, 0, 2]
+    assert a.used_cells()[Precision.INT2] == 2 * INT2_PAGE
+    c1 = torch.ones(INT2_PAGE, dtype=torch.int64)
+    assert a.decref_pairs(c1[:31], rows[0, :31]) == 0  # one row still held: page in use
+    assert a.free_cells(Precision.INT2).tolist() == [2, 0, 2]
+    assert a.decref_pairs(c1[:1], rows[0, 31:]) == INT2_PAGE
+    assert a.free_cells(Precision.INT2).tolist() == [2, 1, 2]
+    with pytest.raises(SlotRefcountError, match="double free"):
+        a.decref_pairs(c1[:1], rows[0, :1])
+    # an incref'd row keeps its page alive
+    a.incref(col(rows[1, :1], 1))
+    assert a.decref_pairs(c1, rows[1]) == 0
+    assert a.decref(col(rows[1, :1], 1)) == INT2_PAGE
+    assert a.free_cells(Precision.INT2).tolist() == [2, 2, 2]
+    with pytest.raises(OutOfSlots):
+        a.alloc_int2_pages(torch.tensor([0, 0, 0]))
+
+
+def test_full_slots_must_leave_room_beside_dead():
+    with pytest.raises(ValueError, match="full_slots"):
+        SlotAllocator(1, PoolLayout(1))

@@ -152,7 +152,6 @@ CASES: list[tuple[str, Any, str | None]] = [
     ("kvzap-not-implemented", policy(method="kvzap"), f"{AK}.policy.method"),
     ("triaxialkv-not-implemented", policy(method="triaxialkv"), f"{AK}.policy.method"),
     ("arkv-not-implemented", policy(method="arkv"), f"{AK}.policy.method"),
-    ("uniform-quant-not-implemented", policy(method="uniform_quant"), f"{AK}.policy.method"),
     # message annotations
     ("annotations-count", payload(messages=[annotation(), annotation(index=1)]), f"{AK}.messages"),
     ("annotations-empty", payload(messages=[]), f"{AK}.messages"),

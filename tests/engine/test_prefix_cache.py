@@ -72,14 +72,16 @@ def test_turns_reuse_prefix_and_keep_holes(engine, monkeypatch, sid, policy):
     for k, (res, slots, tags) in enumerate(turns):
         u = res.usage
         assert u.session_id == sid and u.method == policy.method
-        assert slots.numel() == kv_len(res)
-        dead = slots == DEAD
+        # slots: [L * Hkv, T] cells; token-level eviction: a position is DEAD in every column
+        assert slots.shape[1] == kv_len(res)
+        dead = (slots == DEAD).all(dim=0)
+        assert torch.equal(dead, (slots == DEAD).any(dim=0))
         assert u.prompt_tokens == len(tags)
         assert u.peak_request_tokens == u.prompt_tokens + u.completion_tokens
         assert u.prefix_hit_rate == pytest.approx(u.prefix_hit_tokens / u.prompt_tokens)
         # live KV (no per-head eviction here) = positions with KV minus holes
-        assert u.live_kv_tokens == pytest.approx(slots.numel() - int(dead.sum()))
-        assert u.resident_kv_tokens == slots.numel() - int(dead.sum())
+        assert u.live_kv_tokens == pytest.approx(slots.shape[1] - int(dead.sum()))
+        assert u.resident_kv_tokens == slots.shape[1] - int(dead.sum())
         assert u.live_kv_bytes == int(u.live_kv_tokens * engine.store.pool.bytes_per_token)
         shape = engine.shape  # token-level eviction: every layer and KV head of a position
         assert u.evicted_entries == u.evicted_tokens * shape.num_layers * shape.num_kv_heads
@@ -91,15 +93,15 @@ def test_turns_reuse_prefix_and_keep_holes(engine, monkeypatch, sid, policy):
         else:
             prev_res, prev_slots, prev_tags = turns[k - 1]
             assert u.prefix_hit_tokens >= len(prev_tags) - 1
-            assert u.prefix_hit_tokens <= min(prev_slots.numel(), u.prompt_tokens - 1)
+            assert u.prefix_hit_tokens <= min(prev_slots.shape[1], u.prompt_tokens - 1)
             hit = u.prefix_hit_tokens
-            prev, cur = prev_slots[:hit], slots[:hit]
+            prev, cur = prev_slots[:, :hit], slots[:, :hit]
             # holes of the previous turn stay holes; kept positions keep their slots
             assert bool((cur[prev == DEAD] == DEAD).all())
             kept = (prev != DEAD) & (cur != DEAD)
             assert torch.equal(cur[kept], prev[kept])
             # this turn's dead = inherited holes + what this turn's plan evicted
-            assert int(dead.sum()) == int((prev == DEAD).sum()) + u.evicted_tokens
+            assert int(dead.sum()) == int((prev == DEAD).all(dim=0).sum()) + u.evicted_tokens
         total_evicted += u.evicted_tokens
         if policy.evicts:
             forced = sum(tags.forced(True))

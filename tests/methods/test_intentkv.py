@@ -113,9 +113,10 @@ def test_rule_score_forced_set_and_cached_holes(engine, airline_cached, intentkv
     tokens = torch.tensor(engine.renderer.encode(messages, tools).token_ids)
     match = engine.store.prefix_cache.match(sid, tokens, max_len=T)
     assert match.length == T and match.from_session
-    dead = torch.nonzero(match.slots[:T] == DEAD).reshape(-1)
+    cells = match.slots[:, :T]  # [L * Hkv, T]: whole positions evicted in every column
+    dead = torch.nonzero((cells == DEAD).all(dim=0)).reshape(-1)
     assert dead.tolist() == sorted(rec.plan.evict.tolist())
-    assert bool((match.slots[:T][rec.ctx.forced] != DEAD).all())
+    assert bool((cells[:, rec.ctx.forced] != DEAD).all())
     engine.end_session(sid)
     engine.store.check_invariants()
 

@@ -8,7 +8,9 @@ engine. A new method joins by adding one line to :data:`METHOD_CASES` (and, if i
 some positions, one entry to :func:`always_kept`).
 
 Checks: the budget holds after the plan (IntentKV: live tokens <= budget + forced set;
-per-head baselines: live entries per (layer, KV head) <= budget), decode only appends;
+per-head baselines: live entries per (layer, KV head) <= budget), resident bytes follow the
+decision (evicting methods: within 10% of their effective bytes; quantizing methods: every
+cell before the residual window quantized), decode only appends;
 FullCache evicts nothing and answers exactly like a request without a payload; the positions
 a method promises to keep are live; the store's reference counts and locks are consistent
 while the request is in flight and after; the session's next turn reuses the whole previous
@@ -20,8 +22,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from agentkv import H2O, FullCache, IntentKV, KVPolicy, SnapKV, StreamingLLM, build_payload
-from agentkv.cache import DEAD
+from agentkv import (
+    H2O,
+    FullCache,
+    IntentKV,
+    KVPolicy,
+    SnapKV,
+    StreamingLLM,
+    UniformQuant,
+    build_payload,
+)
+from agentkv.cache import Precision
 
 pytestmark = pytest.mark.slow
 
@@ -32,6 +43,8 @@ METHOD_CASES = [
     pytest.param(SnapKV(budget=BUDGET, window=16, kernel=5), id="snapkv"),
     pytest.param(H2O(budget=BUDGET, recent=16), id="h2o"),
     pytest.param(IntentKV(budget=BUDGET), id="intentkv"),
+    pytest.param(UniformQuant(bits=4, residual=64), id="uniform_quant-4"),
+    pytest.param(UniformQuant(bits=2, residual=64), id="uniform_quant-2"),
 ]
 REPLY = "Yes: HAT083 leaves JFK at 3:00 PM EST and lands in Seattle at 9:00 PM EST."
 NEXT_USER = {"role": "user", "content": "The 3 PM flight works. Please book it with my card."}
@@ -66,14 +79,6 @@ def budget_bound(policy: KVPolicy, T: int, n_forced: int) -> int:
     return policy.budget + (n_forced if keeps_forced_set(policy) else 0)
 
 
-def live_per_head(req) -> torch.Tensor:
-    """int ``[L, Hkv]``: live positions per (layer, KV head) of an in-flight request."""
-    sm = req.slot_map
-    if sm.keep_mask is not None:
-        return sm.keep_mask.sum(dim=-1)
-    return torch.full((sm.num_layers, sm.num_kv_heads), sm.num_resident)
-
-
 def encode(engine, messages, tools, payload):
     return engine.renderer.encode(messages, tools, payload.messages)
 
@@ -99,46 +104,54 @@ def test_full_cache_matches_no_payload(engine, airline_request):
 
 @pytest.mark.parametrize("policy", METHOD_CASES)
 def test_method(engine, airline_cached, policy):
-    """Turn 1: prefill + plan driven directly, the in-flight slot map inspected. Turn 2 of
-    the same session through ``Engine.chat``: prefix reuse over the holes, budget after
-    decode."""
+    """Turn 1 through the public :meth:`Engine.compress` (prefill + plan on the tagged chat;
+    the per-cell decision comes back). Turn 2 of the same session through ``Engine.chat``:
+    prefix reuse over the holes and quantized cells, budget after decode, resident bytes."""
     from agentkv.engine.engine import GenerationConfig
 
     messages, tools = airline_cached
     sid = f"x:matrix-{policy.method}"
-    protect = getattr(policy, "protect_system", True)
     payload = build_payload(messages, policy, sid)
     tags = encode(engine, messages, tools, payload)
     T = len(tags)
     assert 300 < T < 700  # a few hundred tokens, several times the budget
-    forced = torch.tensor(tags.forced(protect))
-    with engine._lock:
-        req, logits, info = engine._prefill_and_plan(tags, payload)
-        try:
-            engine.store.check_invariants()
-            assert req.seq_len == T and bool(torch.isfinite(logits).all())
-            per_head = live_per_head(req)
-            resident = req.slot_map.slots != DEAD
-            mask = req.slot_map.keep_mask
-            live_all_heads = resident if mask is None else mask.all(dim=1).all(dim=0)
-            kept = always_kept(policy, T, forced)
-            assert bool(live_all_heads[kept].all()), "a promised position was evicted"
-            bound = budget_bound(policy, T, int(forced.sum()))
-            assert int(per_head.max()) <= bound
-            if policy.evicts:  # T is well above the budget: the budget is used in full
-                assert int(per_head.min()) == bound
-                assert info["evicted_entries"] == per_head.numel() * T - int(per_head.sum())
-                assert info["evicted_tokens"] == int((~resident).sum()) > 0
-            else:
-                assert info["evicted_entries"] == info["evicted_tokens"] == 0
-                assert bool(resident.all()) and mask is None
-            if keeps_forced_set(policy):
-                # exactly `budget` candidates beside the forced set, whole positions
-                assert int(resident.sum()) == int(forced.sum()) + policy.budget
-                assert mask is None or bool((mask == resident).all())
-        finally:
-            engine.store.finish_request(req, cache=True)
+    res1 = engine.compress(tags, policy, session_id=sid)
     engine.store.check_invariants()
+    forced = res1.forced
+    kept, prec, u1 = res1.kept, res1.precision, res1.usage
+    L, H = kept.shape[:2]
+    assert tuple(kept.shape) == (L, H, T) and bool(torch.isfinite(res1.logits).all())
+    per_head = kept.sum(dim=-1)  # [L, Hkv]
+    resident = kept.any(dim=1).any(dim=0)
+    assert bool(kept.all(dim=1).all(dim=0)[always_kept(policy, T, forced)].all()), (
+        "a promised position was evicted"
+    )
+    bound = budget_bound(policy, T, int(forced.sum()))
+    assert int(per_head.max()) <= bound
+    if policy.evicts:  # T is well above the budget: the budget is used in full
+        assert int(per_head.min()) == bound
+        assert u1.evicted_entries == per_head.numel() * T - int(per_head.sum())
+        assert u1.evicted_tokens == int((~resident).sum()) > 0
+        # memory is freed at the grain of the decision: resident bytes follow live cells
+        assert u1.resident_kv_bytes <= 1.10 * u1.live_kv_bytes
+    else:
+        assert u1.evicted_entries == u1.evicted_tokens == 0 and bool(kept.all())
+    if policy.quantizes:
+        bits = int(policy.bits)
+        cut = T - policy.residual
+        assert bool((prec[:, :, cut:] == int(Precision.FULL)).all())  # the residual window
+        quantized = prec[:, :, :cut]
+        assert bool(((quantized == bits) | (quantized == int(Precision.INT4))).all())
+        assert int((quantized == bits).sum()) >= 0.9 * quantized.numel()
+        assert u1.quantized_entries == quantized.numel()
+        assert u1.resident_kv_bytes < 0.5 * u1.live_kv_bytes
+        assert u1.resident_kv_bytes_by_precision[f"int{bits}"] > 0
+    else:
+        assert bool(((prec == int(Precision.FULL)) | ~kept).all()) and u1.quantized_entries == 0
+    if keeps_forced_set(policy):
+        # exactly `budget` candidates beside the forced set, whole positions
+        assert int(resident.sum()) == int(forced.sum()) + policy.budget
+        assert bool((kept == resident).all())
 
     turn2 = messages + [{"role": "assistant", "content": REPLY}, NEXT_USER]
     payload2 = build_payload(turn2, policy, sid)
@@ -150,6 +163,7 @@ def test_method(engine, airline_cached, policy):
     # the whole previous prompt comes back from the prefix cache, holes included
     assert u.prefix_hit_tokens >= T - 1
     # decode appends at most one KV token per generated token
+    protect = engine.methods.for_policy(policy).protects_system(policy)
     n_forced = sum(tags2.forced(protect))
     assert u.live_kv_tokens <= budget_bound(policy, len(tags2), n_forced) + u.completion_tokens
     if policy.evicts:

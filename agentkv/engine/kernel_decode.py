@@ -1,0 +1,62 @@
+"""Decode attention on the kernels: :func:`agentkv.kernels.decode_attention` reading the
+store's mixed-precision pools through a per-(layer, KV head) :class:`DecodeIndex`.
+
+The engine's attention seam has two implementations: the dense one (:class:`LiveView` in
+:mod:`agentkv.engine.store_cache`: K/V gathered and dequantized once per phase, then torch
+SDPA; prefill everywhere and decode on CPU) and this one (decode on CUDA: each step reads the
+INT2 / INT4 / full cells in place, DEAD skipped by id, per-head holes honoured). Only these
+two know about precision; the engine hands them cells.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from agentkv.cache import DecodeIndex, KVStore, RequestKV
+from agentkv.kernels import decode_attention
+from agentkv.kernels.backend import Backend
+
+
+class KernelDecode:
+    """Per-request decode state for the fused decode kernel.
+
+    Args:
+        store: the engine's store.
+        req: the request being decoded (its plan already applied).
+        room: decode steps to make room for in the index.
+        backend: ``"triton"`` (CUDA, or CPU under ``TRITON_INTERPRET=1``) or ``"torch"`` (the
+            kernels' reference).
+    """
+
+    def __init__(self, store: KVStore, req: RequestKV, room: int, backend: Backend):
+        self.store = store
+        self.req = req
+        self.room = room
+        self.backend = backend
+        self.rebuild()
+
+    def rebuild(self) -> None:
+        """Rebuild the index from the slot map (after a precision change)."""
+        self.index = DecodeIndex.build(
+            self.req.slot_map, self.store.layout, self.room, self.store.pool.device
+        )
+
+    def append(self, cells: torch.Tensor) -> None:
+        """A decode step's new cells (int64 ``[L * Hkv, 1]``) join every column."""
+        self.index.append(cells)
+
+    def attend(self, layer: int, query: torch.Tensor, scaling: float | None) -> torch.Tensor:
+        """``query`` ``[1, Hq, 1, D]`` -> attention output ``[1, 1, Hq, D]``."""
+        ix = self.index
+        out = decode_attention(
+            query[0, :, 0, :][None],
+            self.store.pool.layers[layer],
+            ix.slot_map[layer][None],
+            ix.seq_lens[layer][None],
+            int2_lens=ix.int2_lens[layer][None],
+            int4_lens=ix.int4_lens[layer][None],
+            sm_scale=scaling,
+            max_lens=ix.max_lens,
+            backend=self.backend,
+        )
+        return out[:, None]

@@ -1,0 +1,97 @@
+"""dequant_gather with per-(layer, head) slot maps (``per_head=True``, slots ``[..., Hkv]``):
+Triton (interpreter on CPU) against the torch reference, and both against the shared-map
+gather of each head's own column."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from agentkv.kernels import DEAD, dequant_gather, dequant_gather_ref
+
+
+def per_head_slots(mb, n: int, seed: int, dead: float) -> torch.Tensor:
+    """int64 ``[n, Hkv]``: each head its own mix of INT2 / INT4 / full ids and DEAD."""
+    g = torch.Generator().manual_seed(seed)
+    p = mb.pools
+    ids = mb.slot_map[mb.slot_map != DEAD].long().cpu().unique()
+    assert bool((ids >= p.int2_base).any()) and bool(
+        ((ids >= p.int4_base) & (ids < p.int2_base)).any()
+    )
+    cols = []
+    for _ in range(p.num_kv_heads):
+        pick = ids[torch.randint(0, ids.numel(), (n,), generator=g)]
+        pick[torch.rand(n, generator=g) < dead] = DEAD
+        cols.append(pick)
+    return torch.stack(cols, dim=1).to(mb.slot_map.device)
+
+
+CASES = [
+    # (lens per request, hkv, d, rows, dead fraction)
+    ([(1, 10, 7)], 1, 32, 19, 0.0),
+    ([(2, 5, 20), (0, 9, 3)], 2, 64, 45, 0.3),
+    ([(1, 40, 8)], 3, 32, 70, 0.5),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(("lens", "hkv", "d", "rows", "dead"), CASES)
+def test_per_head_triton_matches_reference(mixed_batch, lens, hkv, d, rows, dead, dtype):
+    mb = mixed_batch(lens, hq=hkv, hkv=hkv, d=d, dtype=dtype)
+    slots = per_head_slots(mb, rows, seed=rows, dead=dead)
+    k, v = dequant_gather(mb.pools, slots, out_dtype=torch.float32, backend="triton", per_head=True)
+    kr, vr = dequant_gather_ref(mb.pools, slots, out_dtype=torch.float32, per_head=True)
+    assert k.shape == (rows, hkv, d) and k.dtype == torch.float32
+    assert torch.equal(k, kr) and torch.equal(v, vr)  # fp32 math in both, no final rounding
+    # in the pool dtype only the final rounding may differ (the CPU interpreter truncates
+    # fp32 -> bf16): 1 ulp
+    k16, _ = dequant_gather(mb.pools, slots, backend="triton", per_head=True)
+    ulp = 2**-7 if dtype == torch.bfloat16 else 2**-10
+    assert k16.dtype == dtype
+    assert bool(((k16.float() - kr).abs() <= ulp * kr.abs() + 1e-6).all())
+    dead_rows = slots == DEAD  # [rows, Hkv]
+    assert bool((k[dead_rows] == 0).all()) and bool((v[dead_rows] == 0).all())
+    if dead_rows.any() and (~dead_rows).any():
+        assert bool((k[~dead_rows].abs().sum(-1) > 0).all())  # a live cell is never zeroed
+
+
+def test_per_head_reads_each_heads_own_column(mixed_batch):
+    """Head h of row i is cell (slots[i, h], h): the shared-map gather of column h, head h."""
+    mb = mixed_batch([(1, 12, 12)], hq=2, hkv=2, d=32, dtype=torch.float16)
+    slots = per_head_slots(mb, 33, seed=3, dead=0.2)
+    k, v = dequant_gather(mb.pools, slots, out_dtype=torch.float32, backend="triton", per_head=True)
+    for h in range(2):
+        ks, vs = dequant_gather(mb.pools, slots[:, h], out_dtype=torch.float32, backend="triton")
+        assert torch.equal(k[:, h], ks[:, h]) and torch.equal(v[:, h], vs[:, h])
+    # every head on the same map = the shared-map gather
+    same = slots[:, :1].expand(-1, 2)
+    k1, v1 = dequant_gather(
+        mb.pools, same, out_dtype=torch.float32, backend="triton", per_head=True
+    )
+    k2, v2 = dequant_gather(mb.pools, slots[:, 0], out_dtype=torch.float32, backend="triton")
+    assert torch.equal(k1, k2) and torch.equal(v1, v2)
+
+
+def test_per_head_leading_dims_and_empty(mixed_batch):
+    mb = mixed_batch([(1, 8, 8)], hq=2, hkv=2, d=32)
+    slots = per_head_slots(mb, 12, seed=4, dead=0.25).view(3, 4, 2)
+    k, v = dequant_gather(mb.pools, slots, backend="triton", per_head=True)
+    kr, vr = dequant_gather_ref(mb.pools, slots, per_head=True)
+    assert k.shape == (3, 4, 2, 32)
+    assert torch.equal(k, kr) and torch.equal(v, vr)
+    k0, _ = dequant_gather(mb.pools, slots[:0].reshape(0, 2), backend="triton", per_head=True)
+    assert k0.shape == (0, 2, 32)
+    with pytest.raises(ValueError, match="per-head slots"):
+        dequant_gather(mb.pools, slots[..., :1], backend="triton", per_head=True)
+    with pytest.raises(ValueError, match="per-head slots"):
+        dequant_gather_ref(mb.pools, slots[..., :1], per_head=True)
+
+
+def test_per_head_dead_slot_is_never_read(mixed_batch):
+    mb = mixed_batch([(1, 8, 8)], hq=2, hkv=2, d=32)
+    mb.pools.full.k[DEAD] = float("nan")
+    mb.pools.full.v[DEAD] = float("nan")
+    slots = per_head_slots(mb, 40, seed=5, dead=0.5)
+    k, v = dequant_gather(mb.pools, slots, backend="triton", per_head=True)
+    assert bool(torch.isfinite(k).all()) and bool(torch.isfinite(v).all())
+    assert bool((k[slots == DEAD] == 0).all())
