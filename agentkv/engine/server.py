@@ -309,7 +309,7 @@ def create_app(engine: Engine, options: ServerOptions | None = None) -> FastAPI:
         }
 
     # ------------------------------------------------ sessions (scoped to the caller)
-    def _session_key(raw: Request, cache_salt: str | None) -> str | None:
+    def _session_key(raw: Request, cache_salt: str | None) -> str:
         return tenancy.namespace(_caller(raw), cache_salt)
 
     @app.get("/v1/agentkv/sessions/{session_id:path}")
