@@ -569,7 +569,9 @@ class Engine:
             reuse = next((i + 1 for i, a in enumerate(tags.actionable) if a), T)
         # request-local ids never match again: their holes go to no session namespace
         store_session = None if is_request_local(payload.session_id) else payload.session_id
-        req = self.store.begin_request(store_session, tags.token_ids[:reuse], namespace)
+        req = self.store.begin_request(
+            store_session, tags.token_ids[:reuse], namespace=namespace
+        )
         try:
             actionable = torch.tensor(tags.actionable, dtype=torch.bool)
             observer = method.observer(
