@@ -5,6 +5,7 @@ openai}``) imports without torch, triton or transformers.
 """
 
 from agentkv.annotation import MessageAnnotation, MessagePart, annotate_messages
+from agentkv.kv_usage import aggregate_by_node, usage
 from agentkv.policies import (
     ARKV,
     H2O,
@@ -20,6 +21,12 @@ from agentkv.policies import (
     UnknownNodeError,
     parse_policy,
     parse_policy_spec,
+)
+from agentkv.server_capabilities import (
+    ServerCapabilities,
+    UnimplementedPolicyWarning,
+    fetch_capabilities,
+    warn_unimplemented,
 )
 from agentkv.session import resolve_session_id
 from agentkv.tags import Modality, Role, Tag, TagCode, Temporal
@@ -51,6 +58,7 @@ __all__ = [
     "Modality",
     "PayloadError",
     "Role",
+    "ServerCapabilities",
     "SnapKV",
     "StreamingLLM",
     "Tag",
@@ -58,14 +66,19 @@ __all__ = [
     "Temporal",
     "TriAxialKV",
     "UniformQuant",
+    "UnimplementedPolicyWarning",
     "UnknownNodeError",
+    "aggregate_by_node",
     "annotate_messages",
     "build_payload",
     "decode_payload",
     "encode_payload",
+    "fetch_capabilities",
     "parse_policy",
     "parse_policy_spec",
     "payload_from_request",
     "resolve_session_id",
     "to_extra_body",
+    "usage",
+    "warn_unimplemented",
 ]

@@ -10,6 +10,7 @@ A :class:`GraphPolicy` is a default policy plus per-node overrides.
 
 from __future__ import annotations
 
+import difflib
 import json
 import math
 from collections.abc import Iterable, Mapping
@@ -78,6 +79,22 @@ class KVPolicy(BaseModel):
     evicts: ClassVar[bool] = False
     #: True when the policy may quantize tokens.
     quantizes: ClassVar[bool] = False
+
+    def __init__(self, /, *args: Any, **data: Any) -> None:
+        """Positional arguments fill the fields in the order they are declared, ``method``
+        excluded: ``IntentKV(512)`` is ``IntentKV(budget=512)``."""
+        if args:
+            names = [n for n in type(self).model_fields if n != "method"]
+            if len(args) > len(names):
+                raise TypeError(
+                    f"{type(self).__name__}() takes at most {len(names)} positional "
+                    f"argument(s) ({', '.join(names) or 'none'}), got {len(args)}"
+                )
+            for name, value in zip(names, args, strict=False):
+                if name in data:
+                    raise TypeError(f"{type(self).__name__}() got multiple values for {name!r}")
+                data[name] = value
+        super().__init__(**data)
 
     @model_validator(mode="wrap")
     @classmethod
@@ -254,10 +271,13 @@ POLICY_CLASSES: dict[str, type[KVPolicy]] = {
 _POLICY_ADAPTER: TypeAdapter[Any] = TypeAdapter(Policy, config=ConfigDict(title="policy"))
 
 
-def parse_policy(data: Mapping[str, Any] | KVPolicy) -> KVPolicy:
-    """A policy from its wire dict (``{"method": "intentkv", "budget": 512}``)."""
+def parse_policy(data: Mapping[str, Any] | KVPolicy | str) -> KVPolicy:
+    """A policy from its wire dict (``{"method": "intentkv", "budget": 512}``) or a spec
+    string (``"intentkv:budget=512"``, see :func:`parse_policy_spec`)."""
     if isinstance(data, KVPolicy):
         return data
+    if isinstance(data, str):
+        return parse_policy_spec(data)
     return _POLICY_ADAPTER.validate_python(data)
 
 
@@ -266,7 +286,11 @@ def parse_policy_spec(spec: str) -> KVPolicy:
     method, _, rest = spec.strip().partition(":")
     method = method.strip().lower()
     if method not in POLICY_CLASSES:
-        raise ValueError(f"unknown policy {method!r}; expected one of {sorted(POLICY_CLASSES)}")
+        close = difflib.get_close_matches(method, POLICY_CLASSES, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ValueError(
+            f"unknown policy {method!r}{hint}; expected one of {sorted(POLICY_CLASSES)}"
+        )
     kwargs: dict[str, Any] = {}
     for item in filter(None, (s.strip() for s in rest.split(","))):
         key, eq, val = item.partition("=")
@@ -293,6 +317,24 @@ class UnknownNodeError(ValueError):
     """A per-node policy names a node the graph does not have."""
 
 
+def unknown_node_message(unknown: Iterable[str], known: Iterable[str], where: str) -> str:
+    """ "``where`` names nodes that do not exist in the graph: 'brwose' (did you mean
+    'browse'?); nodes are: [...]"."""
+    known = sorted(set(known))
+    parts = []
+    for name in sorted(unknown):
+        close = difflib.get_close_matches(name, known, n=1)
+        parts.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    return (
+        f"{where} name nodes that do not exist in the graph: {', '.join(parts)}; nodes are: {known}"
+    )
+
+
+def _spec_to_policy(value: Any) -> Any:
+    """Spec strings (``"h2o:budget=32"``) are accepted wherever a policy is."""
+    return parse_policy_spec(value) if isinstance(value, str) else value
+
+
 class GraphPolicy(BaseModel):
     """A default policy plus per-node overrides."""
 
@@ -300,6 +342,24 @@ class GraphPolicy(BaseModel):
 
     default: Policy = Field(default_factory=FullCache)
     nodes: Annotated[dict[str, Policy], _READ_ONLY, _AS_DICT] = Field(default_factory=dict)
+
+    @field_validator("default", mode="before")
+    @classmethod
+    def _default_spec(cls, v: Any) -> Any:
+        return _spec_to_policy(v)
+
+    @field_validator("nodes", mode="before")
+    @classmethod
+    def _node_specs(cls, v: Any) -> Any:
+        if isinstance(v, Mapping):
+            return {k: _spec_to_policy(p) for k, p in v.items()}
+        return v
+
+    def merged(self, override: GraphPolicy) -> GraphPolicy:
+        """This policy with ``override`` on top: its nodes replace or add to these, and its
+        default replaces this default when it was given (``model_fields_set``)."""
+        default = override.default if "default" in override.model_fields_set else self.default
+        return GraphPolicy(default=default, nodes={**self.nodes, **override.nodes})
 
     def for_node(self, node: str | None) -> KVPolicy:
         if node is not None and node in self.nodes:
@@ -309,9 +369,6 @@ class GraphPolicy(BaseModel):
     def check_nodes(self, known: Iterable[str]) -> None:
         """Raise :class:`UnknownNodeError` if an override names a node not in ``known``."""
         known = set(known)
-        unknown = sorted(set(self.nodes) - known)
+        unknown = set(self.nodes) - known
         if unknown:
-            raise UnknownNodeError(
-                f"policy overrides name nodes that do not exist in the graph: {unknown}; "
-                f"nodes are: {sorted(known)}"
-            )
+            raise UnknownNodeError(unknown_node_message(unknown, known, "policy overrides"))

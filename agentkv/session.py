@@ -9,8 +9,12 @@ Resolution order (IntentKV appendix A, client side):
 4. a request-local key (random) that never matches another request, when there is no user
    message to anchor on.
 
-Ids from different sources carry different prefixes (``x:``, ``lg:``, ``task:``, ``req:``)
-so that, e.g., a thread id can never collide with a task hash.
+Ids the user gave are used as given, so that the id the user knows is the one the server
+reports (``usage.agentkv.session_id``) and serves (``GET /v1/agentkv/sessions/{id}``): an
+explicit ``session_id="user-42"`` is ``user-42``, and the nodes of a graph run on thread
+``user-42`` share the session ``user-42`` (a subgraph's nodes get ``user-42/<subgraph node>``).
+Ids agentkv derives itself carry a prefix (``task:``, ``req:``), which a given id may not
+start with, so the sources never collide.
 """
 
 from __future__ import annotations
@@ -45,6 +49,24 @@ def task_hash(messages: Sequence[Any]) -> str | None:
     return None
 
 
+#: Prefixes of the ids agentkv derives; an id the user gives may not start with one.
+DERIVED_PREFIXES = ("task:", "req:")
+
+
+def check_session_id(session_id: str, what: str = "session_id") -> str:
+    """``session_id`` if a user may give it, else ``ValueError`` naming ``what``."""
+    if not isinstance(session_id, str) or not session_id:
+        raise ValueError(f"{what}: expected a non-empty string, got {session_id!r}")
+    if session_id.startswith(DERIVED_PREFIXES):
+        raise ValueError(
+            f"{what}: {session_id!r} starts with {session_id.split(':')[0]}:, a prefix agentkv "
+            "keeps for the ids it derives; choose another id"
+        )
+    if len(session_id) > 512:
+        raise ValueError(f"{what}: at most 512 characters, got {len(session_id)}")
+    return session_id
+
+
 def resolve_session_id(
     explicit: str | None = None,
     *,
@@ -54,10 +76,10 @@ def resolve_session_id(
 ) -> str:
     """The session id for one request (see module docstring for the order)."""
     if explicit:
-        return f"x:{explicit}"
+        return check_session_id(explicit)
     if thread_id:
         path = checkpoint_node_path(checkpoint_ns)
-        return f"lg:{thread_id}" + (f"/{path}" if path else "")
+        return check_session_id(str(thread_id) + (f"/{path}" if path else ""), "thread_id")
     digest = task_hash(messages or [])
     if digest:
         return f"task:{digest}"

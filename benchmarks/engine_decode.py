@@ -99,12 +99,15 @@ def main() -> None:
                     "resident_kv_mib": round(
                         statistics.mean(r["resident_kv_bytes"] for r in rs) / 2**20, 2
                     ),
-                    "live_kv_mib": round(statistics.mean(r["live_kv_bytes"] for r in rs) / 2**20, 2),
+                    "live_kv_mib": round(
+                        statistics.mean(r["live_kv_bytes"] for r in rs) / 2**20, 2
+                    ),
                 }
             )
     profile = {}
     if args.profile and torch.cuda.is_available():
-        from torch.profiler import ProfilerActivity, profile as torch_profile
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as torch_profile
 
         engine.decode_attention = "kernels"
         tid, msgs, tools = items[0]
@@ -131,7 +134,9 @@ def main() -> None:
             f"{kv}: 16 decode steps {p['decode_s_16_steps']:.4f} s (wall {p['wall_s']:.3f} s)\n"
             + p["top_ops"]
         )
-    print("| path | KV | decode tokens/s | vs bf16 | prompt tokens | resident KV MiB | live KV MiB |")
+    print(
+        "| path | KV | decode tokens/s | vs bf16 | prompt tokens | resident KV MiB | live KV MiB |"
+    )
     print("|---|---|---:|---:|---:|---:|---:|")
     for s in summary:
         print(

@@ -18,18 +18,30 @@ opening (system prompt + first user message).
 
 Put it last in ``middleware=[...]`` (innermost) so that it sees the messages after other
 middleware rewrote them.
+
+Telemetry: around the model call the middleware attaches a
+:class:`~agentkv.integrations.kv_usage_callback.KVUsageTap` (a LangChain configure hook),
+so the model's ``AIMessage`` carries the engine's ``usage.agentkv`` in
+``response_metadata["agentkv"]``, streamed or not (read it with :func:`agentkv.usage`).
+Before its first call to a server, it asks the server whether it implements the policy's
+method and warns if not (:class:`agentkv.UnimplementedPolicyWarning`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 from langchain.agents.middleware import AgentMiddleware, ModelRequest, ModelResponse
+from langchain_core.tracers.context import register_configure_hook
 
-from agentkv.session import resolve_session_id
+from agentkv.session import check_session_id, resolve_session_id
 from agentkv.wire import build_payload, to_extra_body
 
+from . import openai as _openai
+from .kv_usage_callback import KVUsageCallbackHandler, KVUsageTap, get_kv_usage_callback
 from .run_context import (
     PolicyLike,
     RunContext,
@@ -39,7 +51,32 @@ from .run_context import (
     run_context,
 )
 
-__all__ = ["KVPolicyMiddleware"]
+__all__ = ["KVPolicyMiddleware", "KVUsageCallbackHandler", "get_kv_usage_callback"]
+
+#: Set around a middleware's model call: LangChain adds it to the model run's callbacks.
+_TAP_VAR: ContextVar[KVUsageTap | None] = ContextVar("agentkv_middleware_tap", default=None)
+register_configure_hook(_TAP_VAR, inheritable=True)
+_TAP = KVUsageTap()
+
+
+@contextmanager
+def _tapped() -> Iterator[None]:
+    token = _TAP_VAR.set(_TAP)
+    try:
+        yield
+    finally:
+        _TAP_VAR.reset(token)
+
+
+def _model_server(model: Any) -> tuple[str | None, str | None]:
+    """(base URL, API key) of a ``ChatOpenAI`` (or a binding of one), else (None, None)."""
+    model = getattr(model, "bound", model)
+    url = getattr(model, "openai_api_base", None)
+    client = getattr(model, "root_client", None)
+    if url is None and client is not None:
+        url = str(client.base_url)
+    key = getattr(client, "api_key", None)
+    return (str(url) if url else None), key
 
 
 def _model_extra_body(model: Any) -> Mapping[str, Any] | None:
@@ -78,7 +115,7 @@ class KVPolicyMiddleware(AgentMiddleware):
     ) -> None:
         super().__init__()
         self.policy = coerce_policy(policy)
-        self.session_id = session_id
+        self.session_id = check_session_id(session_id) if session_id is not None else None
         self.node = node
 
     def annotate(self, request: ModelRequest) -> ModelRequest:
@@ -90,6 +127,9 @@ class KVPolicyMiddleware(AgentMiddleware):
             base = _model_extra_body(request.model)
         if has_payload(base):  # an explicit payload wins
             return request
+        url, key = _model_server(request.model)
+        if url:
+            _openai.check_server(url, [self.policy], key, once=True, stacklevel=4)
         messages = list(request.messages)
         if request.system_message is not None:
             messages.insert(0, request.system_message)
@@ -106,11 +146,15 @@ class KVPolicyMiddleware(AgentMiddleware):
         request: ModelRequest,
         handler: Callable[[ModelRequest], ModelResponse],
     ) -> Any:
-        return handler(self.annotate(request))
+        request = self.annotate(request)
+        with _tapped():
+            return handler(request)
 
     async def awrap_model_call(
         self,
         request: ModelRequest,
         handler: Callable[[ModelRequest], Awaitable[ModelResponse]],
     ) -> Any:
-        return await handler(self.annotate(request))
+        request = self.annotate(request)
+        with _tapped():
+            return await handler(request)

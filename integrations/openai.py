@@ -15,27 +15,55 @@ A claimed call gets its ``messages`` kwarg (the messages actually sent) annotate
 payload merged into ``extra_body["custom_params"]["agentkv"]`` (other ``extra_body`` keys and
 other ``custom_params`` are kept). A call that already carries an agentkv payload is left
 alone, so an explicit payload always wins. :func:`uninstrument` turns it all off.
+
+Around a claimed call the wrapper also:
+
+- asks the server, once per base URL and method, whether it implements the policy's method
+  (``GET /v1/agentkv/capabilities``) and warns
+  (:class:`agentkv.UnimplementedPolicyWarning`) when it does not;
+- turns a connection failure into an ``openai.APIConnectionError`` that names the URL and
+  says to start ``agentkv serve``.
+
+Streamed telemetry: the engine sends ``usage.agentkv`` in the last chunk of a stream, which
+``ChatOpenAI`` drops. While a LangChain chat-model run has opened a capture
+(:func:`begin_capture`, done by agentkv's callback handlers), the stream's chunks are
+watched and that dict is kept for the run (:func:`captured`), whether or not the call was
+claimed.
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, TypeVar
+from uuid import UUID
 
 import openai
 from openai.resources.chat.completions import AsyncCompletions, Completions
 
+from agentkv.kv_usage import usage as read_usage
 from agentkv.policies import KVPolicy
-from agentkv.session import resolve_session_id
+from agentkv.server_capabilities import fetch_capabilities, warn_unimplemented
+from agentkv.session import check_session_id, resolve_session_id
 from agentkv.wire import KVPayload, build_payload, to_extra_body
 
 from .run_context import PolicyLike, coerce_policy, has_payload
 
-__all__ = ["instrument", "is_instrumented", "kv_client", "uninstrument"]
+__all__ = [
+    "begin_capture",
+    "check_server",
+    "take_captured",
+    "end_capture",
+    "instrument",
+    "is_instrumented",
+    "kv_client",
+    "uninstrument",
+]
 
 ClientT = TypeVar("ClientT", openai.OpenAI, openai.AsyncOpenAI)
 #: Builds the payload from the messages about to be sent.
@@ -81,28 +109,172 @@ def _factory_for(resource: Any) -> PayloadFactory | None:
     return None
 
 
-def _annotate(resource: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
-    """``kwargs`` of a ``create``/``parse`` call, with the agentkv payload when claimed."""
+def _annotate(resource: Any, kwargs: dict[str, Any]) -> tuple[dict[str, Any], KVPayload | None]:
+    """``kwargs`` of a ``create``/``parse`` call, with the agentkv payload when claimed, and
+    that payload (None when the call is not claimed)."""
     if not _ENABLED or has_payload(kwargs.get("extra_body")) or "messages" not in kwargs:
-        return kwargs
+        return kwargs, None
     factory = _factory_for(resource)
     if factory is None:
-        return kwargs
+        return kwargs, None
     messages = kwargs["messages"]
     if not isinstance(messages, (list, tuple)):  # a one-shot iterable: read it once
         messages = list(messages)
     payload = factory(messages)
-    return {
+    kwargs = {
         **kwargs,
         "messages": messages,
         "extra_body": to_extra_body(payload, kwargs.get("extra_body")),
     }
+    return kwargs, payload
+
+
+# ---------------------------------------------------------------- server checks
+#: (base URL, method) pairs already checked against the server's capabilities.
+_CHECKED: set[tuple[str, str]] = set()
+
+
+def _base_url(resource: Any) -> str:
+    client = getattr(resource, "_client", None)
+    return str(getattr(client, "base_url", "") or "").rstrip("/")
+
+
+def _needs_check(resource: Any, payload: KVPayload | None) -> bool:
+    return payload is not None and (_base_url(resource), payload.policy.method) not in _CHECKED
+
+
+def check_server(
+    base_url: str,
+    policies: Sequence[KVPolicy],
+    api_key: str | None = None,
+    *,
+    once: bool = False,
+    stacklevel: int = 2,
+) -> None:
+    """Warn (:func:`agentkv.warn_unimplemented`) when the server at ``base_url`` does not
+    implement a policy's method. Wrap-time checks warn every time; ``once=True`` (the
+    first request) skips (base URL, method) pairs checked before. A server that cannot say
+    (unreachable, not an agentkv engine) is asked again at the next check."""
+    url = str(base_url).rstrip("/")
+    with _LOCK:
+        todo = [p for p in policies if not once or (url, p.method) not in _CHECKED]
+    if not url or not todo:
+        return
+    warn_unimplemented(url, todo, api_key=api_key, stacklevel=stacklevel + 1)
+    if fetch_capabilities(url, api_key=api_key) is not None:  # cached: no second request
+        with _LOCK:
+            _CHECKED.update((url, p.method) for p in todo)
+
+
+def _check_server(resource: Any, payload: KVPayload) -> None:
+    client = getattr(resource, "_client", None)
+    check_server(
+        _base_url(resource),
+        [payload.policy],
+        getattr(client, "api_key", None),
+        once=True,
+        stacklevel=4,
+    )
+
+
+def _unreachable(resource: Any, e: openai.APIConnectionError) -> openai.APIConnectionError:
+    return openai.APIConnectionError(
+        message=(
+            f"agentkv: the server at {_base_url(resource)} is not reachable ({e.message}); "
+            "start it with `agentkv serve` or point base_url at a running one"
+        ),
+        request=e.request,
+    )
+
+
+# ---------------------------------------------------------------- streamed telemetry
+#: The LangChain chat-model run whose API calls are being made in this context.
+_CAPTURE_RUN: ContextVar[UUID | None] = ContextVar("agentkv_capture_run", default=None)
+#: Open captures: run id -> [the ``usage.agentkv`` dict seen for it (None until seen),
+#: whether it was handed out by :func:`take_captured`].
+_CAPTURES: dict[UUID, list[Any]] = {}
+
+
+def begin_capture(run_id: UUID) -> None:
+    """Open a capture for a chat-model run: API calls made next in this context (thread,
+    asyncio task) keep their ``usage.agentkv`` for it. Idempotent."""
+    with _LOCK:
+        _CAPTURES.setdefault(run_id, [None, False])
+    _CAPTURE_RUN.set(run_id)
+
+
+def take_captured(run_id: UUID) -> dict[str, Any] | None:
+    """The telemetry captured for an open run, once (later calls: None)."""
+    with _LOCK:
+        entry = _CAPTURES.get(run_id)
+        if entry is None or entry[0] is None or entry[1]:
+            return None
+        entry[1] = True
+        return entry[0]
+
+
+def end_capture(run_id: UUID) -> dict[str, Any] | None:
+    """Close a run's capture; returns what it captured unless :func:`take_captured` handed
+    it out already."""
+    with _LOCK:
+        entry = _CAPTURES.pop(run_id, None)
+    return None if entry is None or entry[1] else entry[0]
+
+
+def _keep(run_id: UUID, item: Any) -> None:
+    try:
+        found = read_usage(item)
+    except TypeError:
+        return
+    if found is not None:
+        with _LOCK:
+            if run_id in _CAPTURES:
+                _CAPTURES[run_id][0] = found
+
+
+def _tap(result: Any) -> Any:
+    """Watch ``result`` (a response or a stream) for the open capture of this context."""
+    run_id = _CAPTURE_RUN.get()
+    if run_id is None or run_id not in _CAPTURES:
+        return result
+    if isinstance(result, openai.Stream):
+        inner = result._iterator
+
+        def watched() -> Any:
+            for item in inner:
+                _keep(run_id, item)
+                yield item
+
+        result._iterator = watched()
+    elif isinstance(result, openai.AsyncStream):
+        ainner = result._iterator
+
+        async def awatched() -> Any:
+            async for item in ainner:
+                _keep(run_id, item)
+                yield item
+
+        result._iterator = awatched()
+    elif isinstance(result, Mapping) or hasattr(result, "choices"):
+        _keep(run_id, result)
+    return result
 
 
 def _wrap_sync(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
-        return original(self, *args, **_annotate(self, kwargs))
+        kwargs, payload = _annotate(self, kwargs)
+        if _needs_check(self, payload):
+            _check_server(self, payload)
+        try:
+            result = original(self, *args, **kwargs)
+        except openai.APITimeoutError:
+            raise
+        except openai.APIConnectionError as e:
+            if payload is None and not has_payload(kwargs.get("extra_body")):
+                raise
+            raise _unreachable(self, e) from e
+        return _tap(result) if _ENABLED else result
 
     setattr(wrapper, _MARK, original)
     return wrapper
@@ -111,7 +283,18 @@ def _wrap_sync(original: Callable[..., Any]) -> Callable[..., Any]:
 def _wrap_async(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     async def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
-        return await original(self, *args, **_annotate(self, kwargs))
+        kwargs, payload = _annotate(self, kwargs)
+        if _needs_check(self, payload):  # a blocking HTTP GET, once: off the event loop
+            await asyncio.to_thread(_check_server, self, payload)
+        try:
+            result = await original(self, *args, **kwargs)
+        except openai.APITimeoutError:
+            raise
+        except openai.APIConnectionError as e:
+            if payload is None and not has_payload(kwargs.get("extra_body")):
+                raise
+            raise _unreachable(self, e) from e
+        return _tap(result) if _ENABLED else result
 
     setattr(wrapper, _MARK, original)
     return wrapper
@@ -182,9 +365,14 @@ def kv_client(
     """A copy of ``client`` whose ``chat.completions`` calls carry the agentkv payload.
 
     ``policy``: a policy (``IntentKV(budget=512)``), its wire dict or a CLI spec string;
-    default ``FullCache()``. ``session_id``: explicit session; None derives it from each
-    request's messages (system prompt + first user message, see
+    default ``FullCache()``. ``session_id``: explicit session, used as given (it is the id
+    ``usage.agentkv`` reports and ``GET /v1/agentkv/sessions/{id}`` serves); None derives
+    it from each request's messages (system prompt + first user message, see
     :func:`agentkv.resolve_session_id`). ``node``: label sent as the payload's node.
+
+    Asks the server which methods it implements (``GET /v1/agentkv/capabilities``, cached
+    per base URL) and warns (:class:`agentkv.UnimplementedPolicyWarning`) when ``policy``'s
+    is not one of them; an unreachable server gives no warning here.
 
     The copy is a real ``OpenAI`` / ``AsyncOpenAI`` (``client.with_options()``, same
     connection pool); ``client`` itself is left unchanged. ``create``, ``parse``,
@@ -196,7 +384,10 @@ def kv_client(
         raise TypeError(
             f"kv_client expects openai.OpenAI or openai.AsyncOpenAI, got {type(client).__name__}"
         )
+    if session_id is not None:
+        check_session_id(session_id)
     binding = _Binding(coerce_policy(policy), session_id, node)
+    check_server(str(client.base_url), [binding.policy], client.api_key)
     instrument()
     wrapped = client.with_options()
     with _LOCK:

@@ -224,6 +224,7 @@ def _decode_split_kernel(
     q4kz_ptr,
     q4vs_ptr,
     q4vz_ptr,
+    q4c_ptr,
     q2k_ptr,
     q2v_ptr,
     q2ks_ptr,
@@ -250,6 +251,7 @@ def _decode_split_kernel(
     HAS_INT4: tl.constexpr,
     HAS_INT2: tl.constexpr,
     HAS_HEAD_MASK: tl.constexpr,
+    HAS_KCS: tl.constexpr,
     IEEE_F32: tl.constexpr,
     USE_ASM: tl.constexpr,
     PREFETCH: tl.constexpr,
@@ -491,6 +493,11 @@ def _decode_split_kernel(
             hm2 = hmask[:, None]
             qe = tl.load(q_rows + c2[None, :], mask=hm2, other=0.0)
             qo = tl.load(q_rows + c2[None, :] + 1, mask=hm2, other=0.0)
+            if HAS_KCS:  # keys stored divided by a per-channel power of two: fold it into q
+                ce = tl.load(q4c_ptr + h * D + c2)
+                cod = tl.load(q4c_ptr + h * D + c2 + 1)
+                qe = (qe.to(tl.float32) * ce[None, :]).to(dt)
+                qo = (qo.to(tl.float32) * cod[None, :]).to(dt)
             ae = tl.zeros([BLOCK_H, D // 2], tl.float32)
             ao = tl.zeros([BLOCK_H, D // 2], tl.float32)
             ar = tl.arange(0, BN_INT4)
@@ -757,7 +764,9 @@ def decode_attention(
     if not (slot_map.dim() == 2 and slot_map.shape[0] == b) and not (
         per_head and tuple(slot_map.shape[:2]) == (b, hkv)
     ):
-        raise ValueError(f"slot_map must be [B={b}, L] or [B, Hkv={hkv}, L], got {tuple(slot_map.shape)}")
+        raise ValueError(
+            f"slot_map must be [B={b}, L] or [B, Hkv={hkv}, L], got {tuple(slot_map.shape)}"
+        )
     if head_mask is not None and head_mask.shape != (b, hkv, slot_map.shape[-1]):
         raise ValueError(f"head_mask must be [B, Hkv, L], got {tuple(head_mask.shape)}")
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)
@@ -790,6 +799,7 @@ def decode_attention(
         raise ValueError("full pool k and v need equal strides and a contiguous last dim")
     dummy = slot_map
     q4 = [dummy] * 6 if not has4 else [p4.k, p4.v, p4.k_scale, p4.k_zero, p4.v_scale, p4.v_zero]
+    kcs = p4.k_channel if has4 and p4.k_channel is not None else None
     q2 = [dummy] * 6 if not has2 else [p2.k, p2.v, p2.k_scale, p2.k_zero, p2.v_scale, p2.v_zero]
     if not all(t.is_contiguous() for t in q4 + q2):
         raise ValueError("quantized pools must be contiguous")
@@ -834,6 +844,7 @@ def decode_attention(
         f.k.stride(0),
         f.k.stride(1),
         *q4,
+        kcs if kcs is not None else dummy,
         *q2,
         part_o,
         part_lse,
@@ -855,6 +866,7 @@ def decode_attention(
         HAS_INT4=m4 > 0,
         HAS_INT2=m2 > 0,
         HAS_HEAD_MASK=head_mask is not None,
+        HAS_KCS=kcs is not None,
         IEEE_F32=triton_interpreting(),
         USE_ASM=not triton_interpreting(),
         PREFETCH=cfg.prefetch,

@@ -47,6 +47,8 @@ def dequant_gather_ref(
         i, hs = s[sel] - pools.int4_base, hh[sel]
         p4 = pools.int4
         k[sel] = dequantize_int4_ref(p4.k[i, hs], p4.k_scale[i, hs], p4.k_zero[i, hs])
+        if p4.k_channel is not None:
+            k[sel] = k[sel] * p4.k_channel[hs]
         v[sel] = dequantize_int4_ref(p4.v[i, hs], p4.v_scale[i, hs], p4.v_zero[i, hs])
     if pools.int2 is not None:
         sel = s >= pools.int2_base
@@ -66,8 +68,7 @@ def dequant_gather_ref(
 @triton.jit
 def _dequant_gather_kernel(
     slots_ptr,
-    stride_st,
-    stride_sh,
+    row_stride,
     T,
     dead_id,
     int4_base,
@@ -83,6 +84,7 @@ def _dequant_gather_kernel(
     q4kz_ptr,
     q4vs_ptr,
     q4vz_ptr,
+    q4c_ptr,
     q2k_ptr,
     q2v_ptr,
     q2ks_ptr,
@@ -97,13 +99,19 @@ def _dequant_gather_kernel(
     BLOCK_T: tl.constexpr,
     HAS_INT4: tl.constexpr,
     HAS_INT2: tl.constexpr,
+    PER_HEAD: tl.constexpr,
+    HAS_KCS: tl.constexpr,
 ):
     NG: tl.constexpr = D // 32
     pid = tl.program_id(0)
     h = tl.program_id(1)
     t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     tm = t < T
-    s = tl.load(slots_ptr + t * stride_st + h * stride_sh, mask=tm, other=dead_id).to(tl.int64)
+    if PER_HEAD:  # slots [Hkv, row_stride], head-major: head h reads its own row
+        row_start = tl.multiple_of(h * row_stride, BLOCK_T)
+        s = tl.load(slots_ptr + row_start + t, mask=tm, other=dead_id).to(tl.int64)
+    else:
+        s = tl.load(slots_ptr + t, mask=tm, other=dead_id).to(tl.int64)
     offs_d = tl.arange(0, D)
     offs_g = tl.arange(0, NG)
     is_full = tm & (s != dead_id) & (s < int4_base)
@@ -120,6 +128,8 @@ def _dequant_gather_kernel(
         ks = tl.load(q4ks_ptr + so, mask=m4, other=0.0).to(tl.float32)
         kz = tl.load(q4kz_ptr + so, mask=m4, other=0.0).to(tl.float32)
         k4 = tl.reshape(ku * ks[:, :, None] + kz[:, :, None], [BLOCK_T, D])
+        if HAS_KCS:
+            k4 = k4 * tl.load(q4c_ptr + h * D + offs_d)[None, :]
         k = tl.where(m4, k4, k)
         vu = tl.reshape(unpack_int4_f32(tl.load(q4v_ptr + co, mask=m4, other=0)), [BLOCK_T, NG, 32])
         vs = tl.load(q4vs_ptr + so, mask=m4, other=0.0).to(tl.float32)
@@ -266,16 +276,16 @@ def dequant_gather(
     if per_head:
         if slots.shape[-1] != h:
             raise ValueError(f"per-head slots must be [..., Hkv={h}], got {tuple(slots.shape)}")
-        # head-major, contiguous per head: coalesced slot loads (and Triton 3.6 fails to
-        # compile the token-major strided load on sm_90)
-        flat = slots.reshape(-1, h).t().contiguous()
+        # head-major rows padded to whole blocks: coalesced, aligned slot loads
+        rows = slots.reshape(-1, h).t().to(torch.int32)  # int32 ids (int64 trips Triton 3.6)
+        flat = rows.new_full((h, triton.cdiv(rows.shape[1], block_t) * block_t), dead_id)
+        flat[:, : rows.shape[1]] = rows
+        n = rows.shape[1]
         lead = slots.shape[:-1]
-        stride_st, stride_sh = 1, flat.stride(0)
     else:
-        flat = slots.reshape(-1)
+        flat = slots.reshape(-1).to(torch.int32).contiguous()
+        n = flat.numel()
         lead = slots.shape
-        stride_st, stride_sh = flat.stride(0), 0
-    n = flat.shape[-1]
     k = torch.empty(n, h, d, dtype=dt, device=slots.device)
     v = torch.empty_like(k)
     if n:
@@ -288,6 +298,7 @@ def dequant_gather(
             if p4 is None
             else [p4.k, p4.v, p4.k_scale, p4.k_zero, p4.v_scale, p4.v_zero]
         )
+        kcs = p4.k_channel if p4 is not None and p4.k_channel is not None else None
         q2 = (
             [dummy] * 6
             if p2 is None
@@ -299,8 +310,7 @@ def dequant_gather(
         grid = (triton.cdiv(n, block_t), h)
         _dequant_gather_kernel[grid](
             flat,
-            stride_st,
-            stride_sh,
+            flat.shape[-1],
             n,
             dead_id,
             pools.int4_base,
@@ -311,6 +321,7 @@ def dequant_gather(
             f.k.stride(0),
             f.k.stride(1),
             *q4,
+            kcs if kcs is not None else dummy,
             *q2,
             k,
             v,
@@ -320,6 +331,8 @@ def dequant_gather(
             BLOCK_T=block_t,
             HAS_INT4=p4 is not None,
             HAS_INT2=p2 is not None,
+            PER_HEAD=per_head,
+            HAS_KCS=kcs is not None,
             num_warps=4,
         )
     shape = (*lead, h, d)

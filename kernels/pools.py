@@ -69,6 +69,9 @@ class Int4Pool:
 
     k, v: [num_slots, Hkv, D // 2] uint8 (two 4-bit codes per byte).
     k_scale, k_zero, v_scale, v_zero: [num_slots, Hkv, D // 32] fp16.
+    k_channel: optional [Hkv, D] fp32 per-channel key scale (powers of two): keys are stored
+        as ``quantize(k / k_channel)`` and read as ``dequantize(...) * k_channel``, so outlier
+        key channels do not blow up a token's 32-channel groups. None = 1.
     """
 
     k: torch.Tensor
@@ -77,6 +80,7 @@ class Int4Pool:
     k_zero: torch.Tensor
     v_scale: torch.Tensor
     v_zero: torch.Tensor
+    k_channel: torch.Tensor | None = None
 
     @property
     def num_slots(self) -> int:

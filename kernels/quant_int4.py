@@ -45,6 +45,8 @@ def _check(pool: Int4Pool, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 def write_int4_ref(pool: Int4Pool, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     """Torch reference of :func:`write_int4`."""
     _check(pool, slots, k, v)
+    if pool.k_channel is not None:
+        k = k.float() / pool.k_channel
     s = slots.long()
     for x, codes, scale, zero in (
         (k, pool.k, pool.k_scale, pool.k_zero),
@@ -65,11 +67,14 @@ def write_int4(
 
     pool: the layer's INT4 pool. slots: [T] int32/int64 pool-local slot indices (the unified
     id is ``KVPools.int4_base + slot``). k, v: [T, Hkv, D] bf16/fp16/fp32, last dim contiguous.
+    Keys are divided by ``pool.k_channel`` first when the pool has one.
     """
     _check(pool, slots, k, v)
     if resolve_backend(backend, k.device) == "torch":
         write_int4_ref(pool, slots, k, v)
         return
+    if pool.k_channel is not None:
+        k = (k.float() / pool.k_channel).contiguous()
     h = k.shape[1]
     for x, codes, scale, zero in (
         (k, pool.k, pool.k_scale, pool.k_zero),

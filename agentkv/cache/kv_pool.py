@@ -133,6 +133,19 @@ class KVPool:
             self.layers[layer], slots, out_dtype=self.dtype, backend=self.backend, per_head=True
         )
 
+    def set_key_channel_scales(self, layer: int, key_absmax: torch.Tensor) -> None:
+        """Outlier key channels: from the largest magnitude of each key channel of ``layer``
+        (float ``[Hkv, D]``, measured on calibration text), store INT4 keys divided by a
+        per-channel power of two (``2 ** floor(log2(absmax))``; exact in floating point, so
+        the kernels fold it into the query at no precision cost). Per-token 32-channel groups
+        then no longer take their range from a few large channels. Set it before anything
+        is quantized (cells already quantized would be misread)."""
+        p4 = self.layers[layer].int4
+        if p4 is None:
+            return
+        a = key_absmax.float().to(self.device).clamp_min(1e-6)
+        p4.k_channel = torch.exp2(torch.floor(torch.log2(a))).contiguous()
+
     def demote(
         self,
         layer: int,
@@ -161,6 +174,8 @@ class KVPool:
             assert p4 is not None, "no INT4 pool"
             i = dst - pools.int4_base
             k = pools.full.k[src, heads]
+            if p4.k_channel is not None:
+                k = k.float() / p4.k_channel[heads]
             v = pools.full.v[src, heads]
             p4.k[i, heads], p4.k_scale[i, heads], p4.k_zero[i, heads] = quantize_int4_ref(k)
             p4.v[i, heads], p4.v_scale[i, heads], p4.v_zero[i, heads] = quantize_int4_ref(v)

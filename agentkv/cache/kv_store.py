@@ -473,6 +473,14 @@ class KVStore:
             sel = layers == layer
             self.pool.demote(layer, heads[sel], old[sel], new[sel], p)
 
+    def calibrate_key_channels(self, req: RequestKV) -> None:
+        """Set every layer's INT4 key channel scales (:meth:`KVPool.set_key_channel_scales`)
+        from the full-precision keys of ``req`` (a calibration prompt, before any request is
+        quantized)."""
+        for layer in range(self.num_layers):
+            k, _v, _pos, _hm = self.read_kv(req, layer)  # [n, Hkv, D]
+            self.pool.set_key_channel_scales(layer, k.float().abs().amax(dim=0))
+
     # ----------------------------------------------------------- telemetry
     def request_stats(self, req: RequestKV) -> RequestKVStats:
         """Telemetry of one request."""

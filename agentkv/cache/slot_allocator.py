@@ -86,9 +86,7 @@ class _FreeStacks:
         """Take ``counts[c]`` ids from each column: ``(cols [m], ids [m])`` grouped by column."""
         if bool((counts > self.top).any()):
             c = int(torch.nonzero(counts > self.top)[0, 0])
-            raise OutOfSlots(
-                f"column {c} needs {int(counts[c])} cells, {int(self.top[c])} free"
-            )
+            raise OutOfSlots(f"column {c} needs {int(counts[c])} cells, {int(self.top[c])} free")
         cols = torch.repeat_interleave(torch.arange(counts.numel()), counts)
         first = torch.cumsum(counts, 0) - counts
         offs = torch.arange(int(counts.sum())) - torch.repeat_interleave(first, counts)
@@ -240,8 +238,13 @@ class SlotAllocator:
                 freed += int(sel.sum())
         sel = zi >= self.layout.int2_base
         if bool(sel.any()):
-            page_key = torch.unique(zc[sel] * self.layout.int2_pages + (zi[sel] - self.layout.int2_base) // INT2_PAGE)
-            pc, pp = page_key // max(self.layout.int2_pages, 1), page_key % max(self.layout.int2_pages, 1)
+            page_key = torch.unique(
+                zc[sel] * self.layout.int2_pages + (zi[sel] - self.layout.int2_base) // INT2_PAGE
+            )
+            pc, pp = (
+                page_key // max(self.layout.int2_pages, 1),
+                page_key % max(self.layout.int2_pages, 1),
+            )
             rows = self.layout.int2_base + pp[:, None] * INT2_PAGE + torch.arange(INT2_PAGE)
             empty = (self._refcount[pc[:, None], rows] == 0).all(dim=1)
             if bool(empty.any()):
@@ -282,6 +285,4 @@ class SlotAllocator:
 
     def _count_pairs(self, cols: torch.Tensor, ids: torch.Tensor, delta: int) -> None:
         flat = cols * self.layout.num_ids + ids
-        self._refcount.view(-1).index_add_(
-            0, flat, torch.full_like(flat, delta, dtype=torch.int32)
-        )
+        self._refcount.view(-1).index_add_(0, flat, torch.full_like(flat, delta, dtype=torch.int32))

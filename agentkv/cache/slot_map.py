@@ -162,7 +162,9 @@ class SlotMap:
         view[~k] = DEAD
         return released
 
-    def replace(self, cols: torch.Tensor, positions: torch.Tensor, cells: torch.Tensor) -> torch.Tensor:
+    def replace(
+        self, cols: torch.Tensor, positions: torch.Tensor, cells: torch.Tensor
+    ) -> torch.Tensor:
         """Point ``(cols[i], positions[i])`` at ``cells[i]`` (a precision change; the caller
         hands over the new references). Returns the old cells (int64 ``[m]``) whose reference
         this map dropped."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -28,7 +29,44 @@ DeviceOpt = Annotated[
 SlotsOpt = Annotated[int, typer.Option("--kv-slots", help="KV pool size in tokens")]
 
 
-@app.command()
+_SERVE_HELP = """Serve the OpenAI-compatible API (/v1/chat/completions, /v1/models, /health)
+with the embedded engine.
+
+The KV-cache policy is chosen per request by the client, not here: agentkv's integrations
+(with_kv_policy for LangGraph, KVPolicyMiddleware for create_agent, kv_client for the OpenAI
+SDK) send it in extra_body.custom_params.agentkv; a request without one runs FullCache.
+A policy is an object (IntentKV(budget=512)), its dict ({"method": "h2o", "budget": 32}) or
+a spec string "method:key=value,...": "full", "intentkv:budget=512,memory_decay=0.7",
+"streamingllm:budget=1024,sinks=4", "snapkv:budget=1024", "h2o:budget=32".
+
+GET /v1/agentkv/capabilities lists the methods this engine implements (others are answered
+with HTTP 400 and clients warn at wrap time); GET /v1/agentkv/sessions/{id} gives a
+session's KV telemetry with a per-node breakdown; every request is logged (node, policy,
+prompt and prefix-hit tokens, live and evicted KV, wall time).
+
+Shared by several clients: give each tenant its own --api-key; a tenant's prefix cache,
+sessions and telemetry are out of every other tenant's reach (docs/security.md).
+"""
+#: one line per paragraph: typer's rich help keeps hard line breaks
+SERVE_HELP = "\n\n".join(" ".join(p.split()) for p in _SERVE_HELP.split("\n\n"))
+
+
+def _startup_line(engine, host: str, port: int, kv_slots: int) -> str:
+    """The line ``agentkv serve`` prints once the model is loaded."""
+    from agentkv.methods import registered_methods
+
+    shape = engine.shape
+    bytes_per_token = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim
+    bytes_per_token *= engine.dtype.itemsize
+    return (
+        f"agentkv serve: model {engine.model_name} on {engine.device} ({str(engine.dtype)[6:]}), "
+        f"KV pool {kv_slots} tokens ({kv_slots * bytes_per_token / 2**20:.0f} MiB), "
+        f"policies {', '.join(sorted(registered_methods()))}; "
+        f"serving http://{host}:{port}/v1"
+    )
+
+
+@app.command(help=SERVE_HELP)
 def serve(
     model: ModelOpt = None,
     host: Annotated[str, typer.Option(help="bind address")] = "127.0.0.1",
@@ -55,7 +93,6 @@ def serve(
         typer.Option(help="reject request bodies larger than this (HTTP 413)", min=1024),
     ] = DEFAULT_MAX_REQUEST_BYTES,
 ) -> None:
-    """Serve the OpenAI-compatible API with the embedded engine."""
     from agentkv.engine.engine import Engine
     from agentkv.engine.model_loader import ModelNotFound
     from agentkv.engine.server import serve as run_server
@@ -68,6 +105,12 @@ def serve(
     except ModelNotFound as e:  # a user error: say so, no traceback
         typer.echo(f"agentkv serve: {e}", err=True)
         raise typer.Exit(2) from None
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s:     %(name)s: %(message)s"))
+    agentkv_log = logging.getLogger("agentkv")
+    agentkv_log.addHandler(handler)
+    agentkv_log.setLevel(logging.INFO)
+    typer.echo(_startup_line(engine, host, port, kv_slots), err=True)
     run_server(engine, host=host, port=port, options=options)
 
 

@@ -27,12 +27,13 @@ import torch
 
 from agentkv.annotation import MessageAnnotation, annotate_messages
 from agentkv.cache import KVStore, OutOfSlots, Precision, RequestKV
+from agentkv.engine.calibration import CALIBRATION_MESSAGES
 from agentkv.engine.chat_template import ChatRenderer
 from agentkv.engine.kernel_decode import KernelDecode
 from agentkv.engine.model_loader import load_model
 from agentkv.engine.store_cache import CACHE_KWARG, LiveView, StoreCache
 from agentkv.engine.telemetry import KVUsage, SessionMetrics
-from agentkv.engine.tool_calls import parse_tool_calls
+from agentkv.engine.tool_calls import FOREIGN_TURN_MARKERS, parse_tool_calls
 from agentkv.methods import (
     DecodePrecision,
     MethodSet,
@@ -181,11 +182,12 @@ class _ContentStream:
         for s in self.stop:
             i = safe.find(s)
             safe = safe[:i] if i >= 0 else safe[: len(safe) - self._held_suffix(safe, s)]
-        i = safe.find(TOOL_CALL_OPEN)
-        if i >= 0:
-            safe = safe[:i]
-        else:
-            safe = safe[: len(safe) - self._held_suffix(safe, TOOL_CALL_OPEN)]
+        for marker in (TOOL_CALL_OPEN, *FOREIGN_TURN_MARKERS):  # never content
+            i = safe.find(marker)
+            if i >= 0:
+                safe = safe[:i]
+            else:
+                safe = safe[: len(safe) - self._held_suffix(safe, marker)]
         safe = safe.rstrip()
         if safe.endswith("\ufffd"):
             safe = safe.rstrip("\ufffd")
@@ -254,7 +256,9 @@ class Engine:
         if decode_attention is None:
             decode_attention = "kernels" if self.device.type == "cuda" else "dense"
         if decode_attention not in ("kernels", "dense", "reference"):
-            raise ValueError(f"decode_attention must be kernels|dense|reference, got {decode_attention!r}")
+            raise ValueError(
+                f"decode_attention must be kernels|dense|reference, got {decode_attention!r}"
+            )
         self.decode_attention = decode_attention
         self.methods = MethodSet(self.shape)
         self.renderer = ChatRenderer(self.tokenizer)
@@ -264,6 +268,7 @@ class Engine:
         self.request_log: deque[KVUsage] = deque(maxlen=10000)
         self._lock = threading.Lock()
         self._stop_ids = self._stop_token_ids()
+        self._calibrate()
 
     # ------------------------------------------------------------------ public
     def chat(
@@ -421,9 +426,11 @@ class Engine:
             session_id: reuse / extend a session's prefix cache (default: request-local,
                 nothing cached).
         """
-        ids = list(token_ids.token_ids) if isinstance(token_ids, TokenTags) else [
-            int(t) for t in token_ids
-        ]
+        ids = (
+            list(token_ids.token_ids)
+            if isinstance(token_ids, TokenTags)
+            else [int(t) for t in token_ids]
+        )
         if not ids:
             raise RequestError("token_ids must not be empty", field="token_ids")
         if isinstance(policy, str):
@@ -458,6 +465,21 @@ class Engine:
         return CompressionResult(
             prec, kept, info["forced_mask"], logits.float().cpu(), usage, info["plan"]
         )
+
+    def _calibrate(self) -> None:
+        """Measure the model's key channel magnitudes on a fixed conversation once, so the
+        store quantizes INT4 keys with per-channel scales (outlier channels)."""
+        if not self.store.layout.int4_slots:
+            return
+        tags = self._encode(
+            CALIBRATION_MESSAGES, None, annotate_messages(CALIBRATION_MESSAGES), True
+        )
+        payload = KVPayload(session_id=f"req:{secrets.token_hex(8)}", policy=FullCache())
+        req, _logits, _info = self._prefill_and_plan(tags, payload)
+        try:
+            self.store.calibrate_key_channels(req)
+        finally:
+            self.store.finish_request(req, cache=False)
 
     def _sync_time(self) -> float:
         """Wall clock after the device finished queued work (phase timings)."""

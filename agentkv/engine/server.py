@@ -2,8 +2,13 @@
 
 Endpoints: ``POST /v1/chat/completions`` (non-streaming and SSE streaming, ``tools``,
 tool-call parsing), ``GET /v1/models``, ``GET /health``, and agentkv's own
-``GET/DELETE /v1/agentkv/sessions/{session_id}`` (session telemetry / end a session) and
+``GET/DELETE /v1/agentkv/sessions/{session_id}`` (session telemetry with a per-node
+breakdown / end a session), ``GET /v1/agentkv/capabilities`` (protocol version and the
+policy methods this engine implements; clients warn about the others) and
 ``POST /v1/agentkv/flush`` (admin: drop the prefix cache).
+
+Every request is logged (logger ``agentkv.server``, INFO): session, node, policy, prompt
+tokens and prefix hits, live and evicted KV, wall time.
 
 The agentkv payload is read from ``custom_params["agentkv"]`` (absent -> FullCache; a
 payload without message annotations gets them derived from the request's messages).
@@ -35,6 +40,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from agentkv.cache import OutOfSlots
+from agentkv.engine.capabilities import add_capabilities_route
 from agentkv.engine.engine import (
     ChatResult,
     Engine,
@@ -43,6 +49,7 @@ from agentkv.engine.engine import (
     RequestCancelled,
     RequestError,
 )
+from agentkv.engine.telemetry import KVUsage
 from agentkv.engine.tenancy import ServerOptions, Tenancy
 from agentkv.session import scope_session_id, unscope_session_id
 from agentkv.wire import CUSTOM_PARAMS, WIRE_KEY, PayloadError, payload_from_request
@@ -308,6 +315,8 @@ def create_app(engine: Engine, options: ServerOptions | None = None) -> FastAPI:
             ],
         }
 
+    add_capabilities_route(app, engine)
+
     # ------------------------------------------------ sessions (scoped to the caller)
     def _session_key(raw: Request, cache_salt: str | None) -> str:
         return tenancy.namespace(_caller(raw), cache_salt)
@@ -480,6 +489,23 @@ async def _run_watching(
 DISCONNECT_POLL_S = 0.1
 
 
+def log_request(usage: KVUsage) -> None:
+    """One INFO line per served request (logger ``agentkv.server``)."""
+    log.info(
+        "session=%s node=%s policy=%s prompt=%d prefix_hits=%d completion=%d "
+        "live_kv=%.0f evicted=%d wall=%.2fs",
+        usage.session_id,
+        usage.node or "-",
+        usage.policy,
+        usage.prompt_tokens,
+        usage.prefix_hit_tokens,
+        usage.completion_tokens,
+        usage.live_kv_tokens,
+        usage.evicted_tokens,
+        usage.wall_time_s,
+    )
+
+
 def _loc_path(loc: tuple[Any, ...], data: Any, missing: bool) -> tuple[str, int]:
     """Dotted path of a validation error in the request body, without pydantic's union-member
     tags (``messages.0.content.1``, not ``messages.0.content.list[...].1.ContentPart``), and
@@ -525,7 +551,9 @@ def _prepare(
 
 def _run(engine: Engine, prepared: PreparedChat, on_text=None) -> ChatResult:
     try:
-        return engine.run_chat(prepared, on_text=on_text)
+        result = engine.run_chat(prepared, on_text=on_text)
+        log_request(result.usage)
+        return result
     except RequestError as e:
         raise _request_error(e) from None
     except RequestCancelled:

@@ -121,7 +121,9 @@ class StoreCache(Cache):
         v_new = value_states[0].transpose(0, 1)
         if self.kernel is not None:  # the kernel reads the pools: write, nothing to gather
             assert self.write_slots is not None, "kernel decode writes to the store"
-            self.store.write_kv(layer_idx, self.store.layer_cells(self.write_slots, layer_idx), k_new, v_new)
+            self.store.write_kv(
+                layer_idx, self.store.layer_cells(self.write_slots, layer_idx), k_new, v_new
+            )
             return key_states, value_states
         self.view._base(layer_idx, self.first_position)  # gather before writing
         if self.write_slots is not None:

@@ -63,6 +63,30 @@ class KVUsage(BaseModel):
     plan_note: str = ""
 
 
+class NodeSummary(BaseModel):
+    """Aggregate over the requests of one session made by one graph node."""
+
+    requests: int = 0
+    policies: list[str] = Field(default_factory=list, description="policy labels seen")
+    prompt_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    completion_tokens: int = 0
+    peak_live_kv_tokens: float = 0.0
+    evicted_tokens: int = 0
+    wall_time_s: float = 0.0
+
+    def add(self, usage: KVUsage) -> None:
+        self.requests += 1
+        if usage.policy not in self.policies:
+            self.policies.append(usage.policy)
+        self.prompt_tokens += usage.prompt_tokens
+        self.prefix_hit_tokens += usage.prefix_hit_tokens
+        self.completion_tokens += usage.completion_tokens
+        self.peak_live_kv_tokens = max(self.peak_live_kv_tokens, usage.live_kv_tokens)
+        self.evicted_tokens += usage.evicted_tokens
+        self.wall_time_s = round(self.wall_time_s + usage.wall_time_s, 4)
+
+
 class SessionSummary(BaseModel):
     """Aggregate over the requests of one session."""
 
@@ -78,6 +102,9 @@ class SessionSummary(BaseModel):
     effective_kv_reads: int = 0
     evicted_tokens: int = 0
     wall_time_s: float = 0.0
+    by_node: dict[str, NodeSummary] = Field(
+        default_factory=dict, description='per-node aggregates ("-": requests without a node)'
+    )
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -96,6 +123,7 @@ class SessionSummary(BaseModel):
         self.effective_kv_reads += usage.effective_kv_reads
         self.evicted_tokens += usage.evicted_tokens
         self.wall_time_s += usage.wall_time_s
+        self.by_node.setdefault(usage.node or "-", NodeSummary()).add(usage)
 
 
 class SessionMetrics:

@@ -8,6 +8,17 @@ from typing import Any
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _DECODER = json.JSONDecoder()
+#: Template markup of turns the model must not write (a tool result it never received):
+#: the output ends where the first one starts.
+FOREIGN_TURN_MARKERS = ("<tool_response>", "</tool_response>")
+
+
+def cut_foreign_turn(text: str) -> str:
+    """``text`` up to the first of :data:`FOREIGN_TURN_MARKERS` (trailing whitespace
+    dropped), or unchanged when it has none. A small model imitates the template and
+    echoes ``<tool_response>...`` after its answer; that is never content."""
+    cut = min((i for m in FOREIGN_TURN_MARKERS if (i := text.find(m)) >= 0), default=-1)
+    return text if cut < 0 else text[:cut].rstrip()
 
 
 def _skip_ws(text: str, i: int) -> int:
@@ -38,11 +49,14 @@ def _block_at(text: str, start: int) -> tuple[dict[str, Any], int] | None:
 def parse_tool_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
     """``(content, tool_calls)`` in OpenAI format.
 
-    Blocks that are not a JSON object with a string ``name`` stay in the content. With at
-    least one call, the content is the text around the calls: the part before the first call
-    (trailing whitespace dropped) and the stripped non-empty parts after calls, joined by
-    newlines; None when nothing is left. Without calls the text is returned unchanged.
+    The text is first cut at template markup the model must not write
+    (:func:`cut_foreign_turn`). Blocks that are not a JSON object with a string ``name``
+    stay in the content. With at least one call, the content is the text around the calls:
+    the part before the first call (trailing whitespace dropped) and the stripped non-empty
+    parts after calls, joined by newlines; None when nothing is left. Without calls the
+    (cut) text is returned unchanged.
     """
+    text = cut_foreign_turn(text)
     calls: list[dict[str, Any]] = []
     kept: list[str] = []
     last = pos = 0

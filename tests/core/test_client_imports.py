@@ -17,6 +17,8 @@ CLIENT_MODULES = [
     "agentkv.session",
     "agentkv.policies",
     "agentkv.wire",
+    "agentkv.kv_usage",
+    "agentkv.server_capabilities",
 ]
 
 

@@ -233,8 +233,9 @@ def test_parse_policy():
         parse_policy({"method": "lru"})
     with pytest.raises(ValidationError, match="Unable to extract tag using discriminator 'method'"):
         parse_policy({"budget": 5})
+    assert parse_policy("intentkv") == IntentKV()  # spec strings wherever a policy is
     with pytest.raises(ValidationError):
-        parse_policy("intentkv")  # type: ignore[arg-type]
+        parse_policy(["intentkv"])  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(
@@ -317,8 +318,13 @@ def test_check_nodes():
     with pytest.raises(UnknownNodeError) as ei:
         g.check_nodes(["agent", "tools"])
     msg = str(ei.value)
-    assert "policy overrides name nodes that do not exist in the graph: ['tool', 'toolz']" in msg
+    assert (
+        "policy overrides name nodes that do not exist in the graph: 'tool' (did you mean "
+        "'tools'?), 'toolz' (did you mean 'tools'?)" in msg
+    )
     assert "nodes are: ['agent', 'tools']" in msg
+    with pytest.raises(UnknownNodeError, match=r"'zzz'; nodes are"):  # nothing close: no hint
+        GraphPolicy(nodes={"zzz": H2O()}).check_nodes(["agent"])
     assert isinstance(ei.value, ValueError)
     GraphPolicy().check_nodes([])  # no overrides: nothing to check
 
@@ -326,3 +332,35 @@ def test_check_nodes():
 def test_base_policy_class_is_not_a_wire_policy():
     with pytest.raises(ValidationError):
         GraphPolicy(default=KVPolicy(method="custom"))
+
+
+def test_positional_arguments_fill_fields_in_order():
+    assert IntentKV(512) == IntentKV(budget=512)
+    assert StreamingLLM(64, 2) == StreamingLLM(budget=64, sinks=2)
+    assert UniformQuant(2) == UniformQuant(bits=2)
+    assert TriAxialKV(2.5) == TriAxialKV(avg_bits=2.5)
+    with pytest.raises(ValidationError, match=r"budget: must be in \[1, 1048576\], got 0"):
+        IntentKV(0)
+    with pytest.raises(TypeError, match="multiple values for 'budget'"):
+        H2O(32, budget=64)
+    with pytest.raises(TypeError, match=r"FullCache\(\) takes at most 0 positional"):
+        FullCache(1)
+
+
+def test_spec_strings_wherever_a_policy_is():
+    g = GraphPolicy(default="intentkv:budget=256", nodes={"tools": "h2o:budget=32"})
+    assert g == GraphPolicy(default=IntentKV(budget=256), nodes={"tools": H2O(budget=32)})
+    with pytest.raises(ValueError, match="unknown policy 'nope'"):
+        GraphPolicy(nodes={"tools": "nope"})
+    assert parse_policy("h2o:budget=32") == H2O(budget=32)
+    with pytest.raises(ValueError, match=r"unknown policy 'h20' \(did you mean 'h2o'\?\)"):
+        parse_policy("h20:budget=32")
+
+
+def test_graph_policy_merge():
+    base = GraphPolicy(default=IntentKV(), nodes={"a": H2O(), "b": SnapKV()})
+    over = GraphPolicy.model_validate({"nodes": {"b": "full", "c": "h2o:budget=8"}})
+    assert base.merged(over) == GraphPolicy(
+        default=IntentKV(), nodes={"a": H2O(), "b": FullCache(), "c": H2O(budget=8)}
+    )
+    assert base.merged(GraphPolicy(default=FullCache())).default == FullCache()

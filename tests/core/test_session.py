@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from agentkv.session import checkpoint_node_path, is_request_local, resolve_session_id, task_hash
+from agentkv.session import (
+    check_session_id,
+    checkpoint_node_path,
+    is_request_local,
+    resolve_session_id,
+    task_hash,
+)
 
 # checkpoint_ns values as LangGraph 1.x sets them inside nodes (recorded from a real graph:
 # a root node, and a node inside a subgraph that runs as node "tools")
@@ -31,13 +37,13 @@ def test_priority_order(tau_trajs):
     msgs = tau_trajs[0]
     assert (
         resolve_session_id("mine", thread_id="t", checkpoint_ns=NS_AGENT_STEP1, messages=msgs)
-        == "x:mine"
+        == "mine"
     )
     assert (
         resolve_session_id(None, thread_id="t", checkpoint_ns=NS_AGENT_STEP1, messages=msgs)
-        == "lg:t/agent"
+        == "t/agent"
     )
-    assert resolve_session_id(thread_id="t", messages=msgs) == "lg:t"
+    assert resolve_session_id(thread_id="t", messages=msgs) == "t"
     assert resolve_session_id(messages=msgs) == f"task:{task_hash(msgs)}"
     assert resolve_session_id().startswith("req:")
     # empty strings do not count as given
@@ -49,18 +55,28 @@ def test_thread_ids_are_stable_across_steps_and_distinct_per_node_and_thread():
     a2 = resolve_session_id(thread_id="t1", checkpoint_ns=NS_AGENT_STEP2)
     i1 = resolve_session_id(thread_id="t1", checkpoint_ns=NS_INNER_STEP1)
     i2 = resolve_session_id(thread_id="t1", checkpoint_ns=NS_INNER_STEP2)
-    assert a1 == a2 == "lg:t1/agent"
-    assert i1 == i2 == "lg:t1/tools/inner"
+    assert a1 == a2 == "t1/agent"
+    assert i1 == i2 == "t1/tools/inner"
     assert resolve_session_id(thread_id="t2", checkpoint_ns=NS_AGENT_STEP1) != a1
 
 
-def test_prefixes_keep_sources_apart():
-    """A thread id that looks like a task hash never collides with the task-hash id."""
+def test_given_ids_are_used_as_given_and_never_collide_with_derived_ones():
+    """The id the user gave is the id the server sees; derived ids carry a prefix that a
+    given id may not start with, so a thread id that looks like a task hash never collides
+    with the task-hash id."""
     msgs = [{"role": "user", "content": "hi"}]
     h = task_hash(msgs)
-    assert resolve_session_id(thread_id=h) != resolve_session_id(messages=msgs)
+    assert resolve_session_id("user-42") == "user-42"
+    assert resolve_session_id(thread_id=h) == h != resolve_session_id(messages=msgs)
     assert resolve_session_id(h) != resolve_session_id(messages=msgs)
-    assert resolve_session_id("t") != resolve_session_id(thread_id="t")
+    assert resolve_session_id("t") == resolve_session_id(thread_id="t")  # one name, one session
+    for bad in ("task:abc", "req:abc"):
+        with pytest.raises(ValueError, match="prefix agentkv keeps"):
+            resolve_session_id(bad)
+        with pytest.raises(ValueError, match="thread_id"):
+            resolve_session_id(thread_id=bad)
+    with pytest.raises(ValueError, match="at most 512"):
+        check_session_id("x" * 513)
 
 
 def test_task_hash_stable_as_the_conversation_grows(tau_trajs):
@@ -169,10 +185,10 @@ def test_live_langgraph_thread_ids():
     for thread in ("t1", "t1", "t2"):
         app.invoke({"x": 0}, {"configurable": {"thread_id": thread}})
     assert seen == [
-        ("agent", "lg:t1/agent"),
-        ("inner", "lg:t1/tools/inner"),
-        ("agent", "lg:t1/agent"),
-        ("inner", "lg:t1/tools/inner"),
-        ("agent", "lg:t2/agent"),
-        ("inner", "lg:t2/tools/inner"),
+        ("agent", "t1/agent"),
+        ("inner", "t1/tools/inner"),
+        ("agent", "t1/agent"),
+        ("inner", "t1/tools/inner"),
+        ("agent", "t2/agent"),
+        ("inner", "t2/tools/inner"),
     ]

@@ -64,6 +64,23 @@ def test_serve_subprocess():
             out, _ = proc.communicate()
     assert proc.returncode == 0, out
     assert f"127.0.0.1:{port}" in out  # uvicorn's startup line
+    # agentkv's own start-up line and one log line per request
+    assert "agentkv serve: model SmolLM2-135M-Instruct on cpu" in out
+    assert "KV pool 2048 tokens" in out and f"serving http://127.0.0.1:{port}/v1" in out
+    assert "node=- policy=full()" in out
+
+
+def test_serve_help_explains_policies():
+    res = subprocess.run(
+        [str(AGENTKV), "serve", "--help"],
+        capture_output=True,
+        text=True,
+        env=cli_env(),
+        timeout=120,
+    )
+    assert res.returncode == 0
+    assert "spec string" in res.stdout and "h2o:budget=32" in res.stdout
+    assert "/v1/agentkv/capabilities" in res.stdout
 
 
 def test_serve_rejects_a_missing_model_dir(tmp_path):

@@ -124,3 +124,30 @@ def test_template_renders_tools_calls_and_results(engine):
     assert tags.protected_prefix > len(engine.tokenizer("SYS # Tools")["input_ids"])
     # no tools: no tool block
     assert "# Tools" not in engine.renderer.render(messages[:2])
+
+
+ECHOED = 'Sunny in Paris. <tool_response>\n{"temp": 20}\n</tool_response> and more'
+
+
+def test_echoed_template_markup_is_cut_from_content():
+    assert parse_tool_calls(ECHOED) == ("Sunny in Paris.", [])
+    content, calls = parse_tool_calls(weather_call_text() + "\n<tool_response>\nfake")
+    assert content is None and len(calls) == 1
+    assert parse_tool_calls("</tool_response>")[0] == ""
+
+
+def weather_call_text() -> str:
+    return '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+def test_streamed_deltas_never_show_echoed_markup():
+    from agentkv.engine.engine import _ContentStream
+
+    deltas: list[str] = []
+    stream = _ContentStream(deltas.append, stop=[])
+    for end in range(1, len(ECHOED) + 1):  # the decoded text as it grows
+        stream.update(ECHOED[:end])
+        assert "<tool_r" not in "".join(deltas)
+    content, _ = parse_tool_calls(ECHOED)
+    stream.finish(content)
+    assert "".join(deltas) == content == "Sunny in Paris."

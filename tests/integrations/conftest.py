@@ -8,6 +8,8 @@
 
 ``stream: true`` requests get Server-Sent Events chunks. Every request is recorded (body,
 start and end time); ``server.delay`` holds each response back (for concurrency tests).
+``GET /v1/agentkv/capabilities`` answers ``server.capabilities`` when a test sets it, else 404
+(like a server that is not an agentkv engine).
 """
 
 from __future__ import annotations
@@ -50,12 +52,14 @@ class RecordingServer:
     base_url: str
     requests: list[Recorded] = field(default_factory=list)
     delay: float = 0.0
+    capabilities: dict[str, Any] | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def clear(self) -> None:
         with self.lock:
             self.requests.clear()
         self.delay = 0.0
+        self.capabilities = None
 
 
 def _reply(body: dict[str, Any], n: int) -> tuple[dict[str, Any], str]:
@@ -97,6 +101,13 @@ def _make_handler(server: RecordingServer) -> type[BaseHTTPRequestHandler]:
 
         def log_message(self, *args: Any) -> None:  # quiet
             pass
+
+        def do_GET(self) -> None:  # noqa: N802 (http.server API)
+            caps = server.capabilities
+            if self.path.rstrip("/") == "/v1/agentkv/capabilities" and caps is not None:
+                self._send(200, json.dumps(caps).encode(), "application/json")
+            else:
+                self._send(404, b'{"error": "not found"}', "application/json")
 
         def do_POST(self) -> None:  # noqa: N802 (http.server API)
             length = int(self.headers.get("Content-Length") or 0)

@@ -13,7 +13,7 @@ def test_client_side_imports_without_heavy_deps() -> None:
     code = (
         "import json, sys\n"
         "import agentkv, agentkv.integrations.langgraph, agentkv.integrations.langchain\n"
-        "import agentkv.integrations.openai\n"
+        "import agentkv.integrations.openai, agentkv.integrations.kv_usage_callback\n"
         f"print(json.dumps([m for m in {HEAVY!r} if m in sys.modules]))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

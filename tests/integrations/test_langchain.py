@@ -68,7 +68,7 @@ def test_invoke_with_tool_call(server: Any, check: Any) -> None:
     out = agent.invoke(ask("a-inv"), thread("a-inv"))
     assert isinstance(out["messages"][2], ToolMessage)
     assert out["messages"][-1].content == "reply 2"
-    assert_agent_run(server.requests, check, "lg:a-inv")
+    assert_agent_run(server.requests, check, "a-inv")
     # nothing agentkv in the graph state
     state = agent.get_state(thread("a-inv")).values
     assert "agentkv" not in repr(state)
@@ -79,7 +79,7 @@ def test_stream(server: Any, check: Any) -> None:
     chunks = list(agent.stream(ask("a-st"), thread("a-st"), stream_mode="messages"))
     assert chunks
     assert all(r.body["stream"] is True for r in server.requests)
-    assert_agent_run(server.requests, check, "lg:a-st")
+    assert_agent_run(server.requests, check, "a-st")
 
 
 @pytest.mark.parametrize("mode", ["updates", "messages"])
@@ -88,11 +88,11 @@ def test_ainvoke_astream(server: Any, check: Any, mode: str) -> None:
 
     async def main() -> None:
         await agent.ainvoke(ask("a-ai"), thread("a-ai"))
-        assert_agent_run(server.requests, check, "lg:a-ai")
+        assert_agent_run(server.requests, check, "a-ai")
         server.clear()
         chunks = [c async for c in agent.astream(ask("a-as"), thread("a-as"), stream_mode=mode)]
         assert chunks
-        assert_agent_run(server.requests, check, "lg:a-as")
+        assert_agent_run(server.requests, check, "a-as")
 
     asyncio.run(main())
 
@@ -108,7 +108,7 @@ def test_concurrent_threads_never_mix(server: Any, check: Any) -> None:
     asyncio.run(main())
     for tid in tids:
         mine = [r for r in server.requests if f"[{tid}]" in r.text()]
-        assert_agent_run(mine, check, f"lg:{tid}")
+        assert_agent_run(mine, check, f"{tid}")
 
 
 def test_same_thread_keeps_session(server: Any, check: Any) -> None:
@@ -116,9 +116,9 @@ def test_same_thread_keeps_session(server: Any, check: Any) -> None:
     agent.invoke(ask("a-keep"), thread("a-keep"))
     agent.invoke({"messages": [HumanMessage("and tomorrow?")]}, thread("a-keep"))
     assert len(server.requests) == 4  # each turn: tool call, then the answer
-    assert_agent_run(server.requests[:2], check, "lg:a-keep")
+    assert_agent_run(server.requests[:2], check, "a-keep")
     for rec in server.requests[2:]:
-        check(rec, node="model", policy=POLICY, session_id="lg:a-keep")
+        check(rec, node="model", policy=POLICY, session_id="a-keep")
     turn2 = server.requests[2].payload.messages
     assert [a.role for a in turn2] == ["system", "user", "assistant", "tool", "assistant", "user"]
     assert [a.turn for a in turn2] == [0, 0, 0, 0, 0, 1]
@@ -141,13 +141,13 @@ def test_explicit_session_node_and_spec(server: Any, check: Any) -> None:
     agent = make_agent(server, mw)
     agent.invoke(ask("a-x"), thread("a-x"))
     for rec in server.requests:
-        check(rec, node="planner", policy=FullCache(), session_id="x:s-42")
+        check(rec, node="planner", policy=FullCache(), session_id="s-42")
 
 
 def test_user_extra_body_is_merged(server: Any, check: Any) -> None:
     agent = make_agent(server, extra_body={"top_k": 3, "custom_params": {"tenant": "acme"}})
     agent.invoke(ask("a-merge"), thread("a-merge"))
-    assert_agent_run(server.requests, check, "lg:a-merge")
+    assert_agent_run(server.requests, check, "a-merge")
     for rec in server.requests:
         assert rec.body["top_k"] == 3
         assert rec.body["custom_params"]["tenant"] == "acme"

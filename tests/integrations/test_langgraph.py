@@ -21,16 +21,26 @@ from typing_extensions import TypedDict
 
 from agentkv import (
     ARKV,
+    H2O,
+    FullCache,
     GraphPolicy,
     IntentKV,
     KVzap,
+    SnapKV,
     TriAxialKV,
     UniformQuant,
     UnknownNodeError,
     resolve_session_id,
 )
 from agentkv.integrations import openai as kv_openai
-from agentkv.integrations.langgraph import graph_node_names, policy_for_path, with_kv_policy
+from agentkv.integrations.langgraph import (
+    CONFIG_KEY,
+    KVRunHandler,
+    effective_policy,
+    graph_node_names,
+    policy_for_path,
+    with_kv_policy,
+)
 
 DEFAULT = IntentKV(budget=8192)
 NODES = {"browse": KVzap(threshold=-4), "act": TriAxialKV(avg_bits=2.7)}
@@ -113,7 +123,7 @@ def test_invoke(server: Any, llm: ChatOpenAI, check: Any) -> None:
     out = graph.invoke(user("t-inv"), {**thread("t-inv"), "callbacks": [Count()]})
     assert len(out["messages"]) == 4
     assert Count.starts == 3  # the caller's own callbacks still run
-    assert_run(server.requests, check, "lg:t-inv")
+    assert_run(server.requests, check, "t-inv")
     # browse sees [system, user]; act [system, user, ai]; report [system, user, ai, ai]
     assert [len(r.messages) for r in server.requests] == [2, 3, 4]
     # still a compiled graph: state API works, and no agentkv data in the state
@@ -127,7 +137,7 @@ def test_stream_messages_mode(server: Any, llm: ChatOpenAI, check: Any) -> None:
     chunks = list(graph.stream(user("t-st"), thread("t-st"), stream_mode="messages"))
     assert {meta["langgraph_node"] for _, meta in chunks} == set(ORDER)
     assert all(r.body["stream"] is True for r in server.requests)  # token streaming path
-    assert_run(server.requests, check, "lg:t-st")
+    assert_run(server.requests, check, "t-st")
 
 
 @pytest.mark.parametrize("pass_config", IMPLICIT_OR_EXPLICIT)
@@ -139,11 +149,11 @@ def test_ainvoke_astream(
 
     async def main() -> None:
         await graph.ainvoke(user("t-ai"), thread("t-ai"))
-        assert_run(server.requests, check, "lg:t-ai")
+        assert_run(server.requests, check, "t-ai")
         server.clear()
         chunks = [c async for c in graph.astream(user("t-as"), thread("t-as"), stream_mode=mode)]
         assert chunks
-        assert_run(server.requests, check, "lg:t-as")
+        assert_run(server.requests, check, "t-as")
         assert all(bool(r.body.get("stream")) is (mode == "messages") for r in server.requests)
 
     asyncio.run(main())
@@ -154,7 +164,7 @@ def test_sync_nodes_under_ainvoke(server: Any, llm: ChatOpenAI, check: Any) -> N
     """Sync nodes run in LangGraph's executor threads under ainvoke: context still flows."""
     graph = with_kv_policy(make_builder(llm), DEFAULT, NODES)
     asyncio.run(graph.ainvoke(user("t-mix"), thread("t-mix")))
-    assert_run(server.requests, check, "lg:t-mix")
+    assert_run(server.requests, check, "t-mix")
 
 
 def test_subgraphs(server: Any, llm: ChatOpenAI, check: Any) -> None:
@@ -192,14 +202,12 @@ def test_subgraphs(server: Any, llm: ChatOpenAI, check: Any) -> None:
 
     got = {r.payload.node: r for r in server.requests}
     assert list(got) == ["plan", "search", "summarize", "lookup"]
-    check(got["plan"], node="plan", policy=DEFAULT, session_id="lg:t-sub")
+    check(got["plan"], node="plan", policy=DEFAULT, session_id="t-sub")
     # innermost node's own policy
-    check(got["search"], node="search", policy=nodes["search"], session_id="lg:t-sub/research")
+    check(got["search"], node="search", policy=nodes["search"], session_id="t-sub/research")
     # no override for summarize: the enclosing subgraph node's policy
-    check(
-        got["summarize"], node="summarize", policy=nodes["research"], session_id="lg:t-sub/research"
-    )
-    check(got["lookup"], node="lookup", policy=nodes["lookup"], session_id="lg:t-sub/delegate")
+    check(got["summarize"], node="summarize", policy=nodes["research"], session_id="t-sub/research")
+    check(got["lookup"], node="lookup", policy=nodes["lookup"], session_id="t-sub/delegate")
 
     # nested names and paths are valid keys; a path key beats the bare enclosing name
     names = graph_node_names(outer.compile())
@@ -212,7 +220,7 @@ def test_subgraphs(server: Any, llm: ChatOpenAI, check: Any) -> None:
         got["summarize"],
         node="summarize",
         policy=UniformQuant(bits=2),
-        session_id="lg:t-path/research",
+        session_id="t-path/research",
     )
 
 
@@ -246,7 +254,7 @@ def test_model_call_in_plain_thread(server: Any, llm: ChatOpenAI, check: Any) ->
     )
     graph.invoke(user("t-plain-thread"), thread("t-plain-thread"))
     model_call, raw_call = server.requests
-    check(model_call, node="browse", policy=NODES["browse"], session_id="lg:t-plain-thread")
+    check(model_call, node="browse", policy=NODES["browse"], session_id="t-plain-thread")
     assert "custom_params" not in raw_call.body
 
 
@@ -265,7 +273,7 @@ def test_raw_sdk_call_inside_node(server: Any, check: Any) -> None:
     builder.add_edge(START, "act")
     graph = with_kv_policy(builder, DEFAULT, {"act": NODES["act"]}, checkpointer=InMemorySaver())
     graph.invoke(user("t-raw"), thread("t-raw"))
-    check(server.requests[0], node="act", policy=NODES["act"], session_id="lg:t-raw")
+    check(server.requests[0], node="act", policy=NODES["act"], session_id="t-raw")
 
 
 def test_policy_for_path() -> None:
@@ -285,7 +293,7 @@ def _assert_isolated(requests: list[Any], check: Any, tids: list[str]) -> None:
     assert len(requests) == 3 * len(tids)
     for tid in tids:
         mine = [r for r in requests if _marker(r) == tid]
-        assert_run(mine, check, f"lg:{tid}")
+        assert_run(mine, check, f"{tid}")
     # the runs really overlapped in time
     spans = {tid: [(r.start, r.end) for r in requests if _marker(r) == tid] for tid in tids}
     a, b = spans[tids[0]], spans[tids[1]]
@@ -322,9 +330,9 @@ def test_same_thread_keeps_session(server: Any, llm: ChatOpenAI, check: Any) -> 
     graph.invoke(user("t-keep", "second task"), thread("t-keep"))
     graph.invoke(user("t-else"), thread("t-else"))
     first, second, other = server.requests[:3], server.requests[3:6], server.requests[6:]
-    assert_run(first, check, "lg:t-keep")
-    assert_run(second, check, "lg:t-keep")
-    assert_run(other, check, "lg:t-else")
+    assert_run(first, check, "t-keep")
+    assert_run(second, check, "t-keep")
+    assert_run(other, check, "t-else")
     # the second turn carries the history: the new user message opens turn 1, actionable
     browse = second[0].payload.messages
     assert [a.role for a in browse] == [
@@ -357,7 +365,7 @@ def test_user_extra_body_is_merged(server: Any, check: Any) -> None:
     )
     graph = with_kv_policy(make_builder(llm), DEFAULT, NODES)
     graph.invoke(user("t-merge"), thread("t-merge"))
-    assert_run(server.requests, check, "lg:t-merge")
+    assert_run(server.requests, check, "t-merge")
     for rec in server.requests:
         assert rec.body["top_k"] == 5
         assert rec.body["custom_params"]["tenant"] == "acme"
@@ -380,7 +388,7 @@ def test_policies_as_specs_and_dicts(server: Any, llm: ChatOpenAI, check: Any) -
         {"browse": {"method": "kvzap", "threshold": -4}, "act": TriAxialKV(avg_bits=2.7)},
     )
     graph.invoke(user("t-spec"), thread("t-spec"))
-    assert_run(server.requests, check, "lg:t-spec")
+    assert_run(server.requests, check, "t-spec")
 
 
 def test_plain_graph_sends_nothing(server: Any, llm: ChatOpenAI) -> None:
@@ -410,4 +418,65 @@ def test_uninstrument(server: Any, llm: ChatOpenAI, check: Any, restore: bool) -
         kv_openai.instrument()
     server.clear()
     graph.invoke(user("t-on"), thread("t-on"))
-    assert_run(server.requests, check, "lg:t-on")
+    assert_run(server.requests, check, "t-on")
+
+
+# ------------------------------------------------------------ call-time config and re-wraps
+
+
+def test_call_time_configurable_merges_over_wrap_time(
+    server: Any, llm: ChatOpenAI, check: Any
+) -> None:
+    graph = with_kv_policy(make_builder(llm), DEFAULT, NODES, checkpointer=InMemorySaver())
+    over = {"nodes": {"act": "h2o:budget=32"}}
+    graph.invoke(user("t-call"), {"configurable": {"thread_id": "t-call", CONFIG_KEY: over}})
+    got = {r.payload.node: r.payload.policy for r in server.requests}
+    assert got == {"browse": NODES["browse"], "act": H2O(budget=32), "report": DEFAULT}
+    server.clear()
+    # a single policy (object or spec string) replaces the default only
+    bound = graph.with_config(configurable={CONFIG_KEY: "snapkv:budget=64"})
+    bound.invoke(user("t-wc"), thread("t-wc"))
+    got = {r.payload.node: r.payload.policy for r in server.requests}
+    assert got == {"browse": NODES["browse"], "act": NODES["act"], "report": SnapKV(budget=64)}
+    server.clear()
+    graph.invoke(user("t-after"), thread("t-after"))  # the wrapped graph is unchanged
+    assert_run(server.requests, check, "t-after")
+
+
+def test_misspelled_node_at_call_time_raises(llm: ChatOpenAI) -> None:
+    graph = with_kv_policy(make_builder(llm), DEFAULT, NODES)
+    cfg = {"configurable": {CONFIG_KEY: {"nodes": {"brwose": "full"}}}}
+    with pytest.raises(UnknownNodeError, match=r"'brwose' \(did you mean 'browse'\?\)"):
+        graph.invoke(user("t-typo"), cfg)
+    with pytest.raises(UnknownNodeError, match="did you mean 'report'"):
+        with_kv_policy(make_builder(llm), DEFAULT, {"reprot": KVzap()})
+
+
+def test_second_wrap_merges(server: Any, llm: ChatOpenAI, check: Any) -> None:
+    inner = with_kv_policy(make_builder(llm), DEFAULT, {"browse": NODES["browse"]})
+    outer = with_kv_policy(inner, nodes={"act": NODES["act"]})  # default kept
+    handlers = [c for c in outer.config["callbacks"] if isinstance(c, KVRunHandler)]
+    assert len(handlers) == 1
+    assert handlers[0].policy == GraphPolicy(default=DEFAULT, nodes=NODES)
+    outer.invoke(user("t-twice"), thread("t-twice"))
+    assert_run(server.requests, check, "t-twice")
+    server.clear()
+    with_kv_policy(outer, "full").invoke(user("t-thrice"), thread("t-thrice"))
+    got = {r.payload.node: r.payload.policy for r in server.requests}
+    assert got == {"browse": NODES["browse"], "act": NODES["act"], "report": FullCache()}
+
+
+def test_compiled_graph_with_compile_kwargs_says_what_to_do(llm: ChatOpenAI) -> None:
+    with pytest.raises(TypeError, match=r"Pass the StateGraph builder.*checkpointer"):
+        with_kv_policy(make_builder(llm).compile(), DEFAULT, checkpointer=InMemorySaver())
+
+
+def test_effective_policy() -> None:
+    base = GraphPolicy(default=DEFAULT, nodes=NODES)
+    assert effective_policy(base, None) is base
+    assert effective_policy(base, {"configurable": {CONFIG_KEY: base}}) is base
+    cfg = {"configurable": {CONFIG_KEY: {"default": "full", "nodes": {"act": IntentKV(64)}}}}
+    got = effective_policy(base, cfg)
+    assert got.default == FullCache()
+    assert dict(got.nodes) == {"browse": NODES["browse"], "act": IntentKV(budget=64)}
+    assert effective_policy(None, {"configurable": {}}) is None

@@ -35,7 +35,7 @@ def test_sync_create(server: Any, check: Any) -> None:
     assert isinstance(client, openai.OpenAI) and client is not base
     resp = client.chat.completions.create(model="m", messages=MESSAGES)
     assert resp.choices[0].message.content == "reply 1"
-    payload = check(server.requests[0], node=None, policy=POLICY, session_id="x:s1")
+    payload = check(server.requests[0], node=None, policy=POLICY, session_id="s1")
     assert [a.turn for a in payload.messages] == [0, 0, 0, 1]
     # the wrapped-from client is untouched
     base.chat.completions.create(model="m", messages=MESSAGES)
@@ -57,18 +57,18 @@ def test_merges_user_extra_body(server: Any, check: Any) -> None:
     extra = {"top_k": 7, "custom_params": {"tenant": "acme"}}
     client.chat.completions.create(model="m", messages=MESSAGES, extra_body=extra)
     rec = server.requests[0]
-    check(rec, node=None, policy=POLICY, session_id="x:s1")
+    check(rec, node=None, policy=POLICY, session_id="s1")
     assert rec.body["top_k"] == 7 and rec.body["custom_params"]["tenant"] == "acme"
     assert extra == {"top_k": 7, "custom_params": {"tenant": "acme"}}  # caller's dict unchanged
 
 
 def test_explicit_payload_wins(server: Any) -> None:
     client = kv_client(sync_client(server), policy=POLICY, session_id="s1")
-    mine = encode_payload(build_payload(MESSAGES, KVzap(), "x:mine"))
+    mine = encode_payload(build_payload(MESSAGES, KVzap(), "mine"))
     client.chat.completions.create(
         model="m", messages=MESSAGES, extra_body={"custom_params": {"agentkv": mine}}
     )
-    assert server.requests[0].payload.session_id == "x:mine"
+    assert server.requests[0].payload.session_id == "mine"
 
 
 def test_stream_raw_and_generator_messages(server: Any, check: Any) -> None:
@@ -82,7 +82,7 @@ def test_stream_raw_and_generator_messages(server: Any, check: Any) -> None:
     client.chat.completions.create(model="m", messages=(m for m in MESSAGES))  # one-shot iterable
     assert len(server.requests) == 4
     for rec in server.requests:
-        check(rec, node=None, policy=POLICY, session_id="x:s1")
+        check(rec, node=None, policy=POLICY, session_id="s1")
         assert rec.messages == MESSAGES
 
 
@@ -102,11 +102,11 @@ def test_async_client(server: Any, check: Any) -> None:
     asyncio.run(main())
     assert len(server.requests) == 6
     for rec in server.requests[:2]:
-        check(rec, node=None, policy=POLICY, session_id="x:s2")
+        check(rec, node=None, policy=POLICY, session_id="s2")
     by_session: dict[str, list[Any]] = {}
     for rec in server.requests[2:]:
         by_session.setdefault(rec.payload.session_id, []).append(rec.payload.policy)
-    assert by_session == {"x:s2": [POLICY, POLICY], "x:s3": [KVzap(), KVzap()]}
+    assert by_session == {"s2": [POLICY, POLICY], "s3": [KVzap(), KVzap()]}
 
 
 def test_wire_format(server: Any) -> None:

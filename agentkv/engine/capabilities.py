@@ -1,0 +1,36 @@
+"""``GET /v1/agentkv/capabilities``: what this engine implements.
+
+Clients validate every policy method agentkv defines, but the engine implements only the
+methods registered in :mod:`agentkv.methods`; the others are answered with HTTP 400. The
+integrations ask this route when a graph or client is wrapped
+(:func:`agentkv.warn_unimplemented`) and warn about the others.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI
+
+from agentkv.methods import registered_methods
+from agentkv.wire import PROTOCOL_VERSION
+
+CAPABILITIES_ROUTE = "/v1/agentkv/capabilities"
+
+
+def capabilities(engine: Any) -> dict[str, Any]:
+    """The wire protocol version, the policy methods the engine implements (wire names,
+    sorted) and the model name."""
+    return {
+        "protocol_version": PROTOCOL_VERSION,
+        "methods": sorted(registered_methods()),
+        "model": engine.model_name,
+    }
+
+
+def add_capabilities_route(app: FastAPI, engine: Any) -> None:
+    """Serve :func:`capabilities` at ``GET /v1/agentkv/capabilities``."""
+
+    @app.get(CAPABILITIES_ROUTE)
+    def get_capabilities() -> dict[str, Any]:
+        return capabilities(engine)
