@@ -474,6 +474,8 @@ class Engine:
         tags = self._encode(
             CALIBRATION_MESSAGES, None, annotate_messages(CALIBRATION_MESSAGES), True
         )
+        if len(tags) > self.kv_capacity:  # a pool too small for it: unit key scales
+            return
         payload = KVPayload(session_id=f"req:{secrets.token_hex(8)}", policy=FullCache())
         req, _logits, _info = self._prefill_and_plan(tags, payload)
         try:

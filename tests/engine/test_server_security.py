@@ -79,7 +79,8 @@ def test_cache_salt_separates_namespaces_without_keys(http, sid):
     chat(http, messages, cache_salt=f"{sid}-1")
     assert chat(http, messages, cache_salt=f"{sid}-1")["prefix_hit_tokens"] > 0
     assert chat(http, messages, cache_salt=f"{sid}-2")["prefix_hit_tokens"] == 0
-    assert chat(http, messages)["prefix_hit_tokens"] == 0  # no salt: its own namespace
+    # no salt: its own namespace (others' requests there share at most the template's start)
+    assert chat(http, messages)["prefix_hit_tokens"] < 8
 
 
 def test_keys_are_required_on_v1_routes(secure, tenant_a):
