@@ -89,3 +89,19 @@ def resolve_session_id(
 def is_request_local(session_id: str) -> bool:
     """True for ids that must never match another request (no memory kept for them)."""
     return session_id.startswith("req:")
+
+
+def scope_session_id(namespace: str | None, session_id: str) -> str:
+    """The engine-side key of a client's session id inside a tenant namespace.
+
+    ``namespace`` is an opaque tenant scope (no ``@``; the server derives it from the API key
+    and the request's ``cache_salt``): two tenants' equal session ids never meet. The scope
+    is a suffix, so the id's source prefix (``req:`` ...) keeps its meaning. ``None``: as is.
+    """
+    return session_id if namespace is None else f"{session_id}@{namespace}"
+
+
+def unscope_session_id(namespace: str | None, scoped: str) -> str:
+    """Inverse of :func:`scope_session_id` (what a client is shown)."""
+    suffix = f"@{namespace}"
+    return scoped[: -len(suffix)] if namespace is not None and scoped.endswith(suffix) else scoped

@@ -62,6 +62,8 @@ class RequestKV:
         prefix_hit_tokens: same count, kept for telemetry.
         prefix_from_session: whether the hit came from the session namespace.
         finished: set by ``finish_request``.
+        namespace: tenant namespace (cache salt) the request matches and is cached under;
+            ``None``: the default one.
     """
 
     request_id: int
@@ -72,6 +74,7 @@ class RequestKV:
     prefix_hit_tokens: int
     prefix_from_session: bool
     finished: bool = False
+    namespace: str | None = None
     _locked: list[TreeNode] = field(default_factory=list, repr=False)
 
     @property
@@ -223,18 +226,24 @@ class KVStore:
 
     # ------------------------------------------------------------ lifecycle
     def begin_request(
-        self, session_id: str | None, token_ids: Sequence[int] | torch.Tensor
+        self,
+        session_id: str | None,
+        token_ids: Sequence[int] | torch.Tensor,
+        namespace: str | None = None,
     ) -> RequestKV:
         """Start a request for prompt ``token_ids`` (``T >= 1`` ids).
 
         Matches at most ``T - 1`` tokens (the last prompt token is always computed, so the
         forward pass yields logits), takes the request's own reference on every matched
-        non-DEAD cell and locks the matched path against LRU eviction.
+        non-DEAD cell and locks the matched path against LRU eviction. ``namespace`` (a
+        tenant's cache salt) scopes the match and, later, the caching of this request.
         """
         tokens = torch.as_tensor(token_ids, dtype=torch.int64).reshape(-1).tolist()
         if not tokens:
             raise ValueError("a request needs at least one token")
-        match = self.prefix_cache.match(session_id, torch.tensor(tokens), max_len=len(tokens) - 1)
+        match = self.prefix_cache.match(
+            session_id, torch.tensor(tokens), max_len=len(tokens) - 1, namespace=namespace
+        )
         slot_map = SlotMap(
             self.num_layers, self.num_kv_heads, match.slots, full_limit=self.layout.int4_base
         )
@@ -248,6 +257,7 @@ class KVStore:
             num_cached=match.length,
             prefix_hit_tokens=match.length,
             prefix_from_session=match.from_session,
+            namespace=namespace,
             _locked=[match.last_node],
         )
         self._requests[req.request_id] = req
@@ -291,7 +301,9 @@ class KVStore:
         if n == 0:
             return 0
         node = self.prefix_cache.insert(
-            torch.tensor(req.token_ids[:n]), req.slot_map.slots[:, :n].clone()
+            torch.tensor(req.token_ids[:n]),
+            req.slot_map.slots[:, :n].clone(),
+            namespace=req.namespace,
         )
         self.prefix_cache.lock(node)
         req._locked.append(node)
@@ -309,9 +321,13 @@ class KVStore:
             tokens = torch.tensor(req.token_ids[:t])
             intact = sm.intact_prefix_len()
             if intact > 0:
-                self.prefix_cache.insert(tokens[:intact], sm.slots[:, :intact].clone())
+                self.prefix_cache.insert(
+                    tokens[:intact], sm.slots[:, :intact].clone(), namespace=req.namespace
+                )
             if intact < t and req.session_id is not None:
-                self.prefix_cache.insert(tokens, sm.slots.clone(), session_id=req.session_id)
+                self.prefix_cache.insert(
+                    tokens, sm.slots.clone(), session_id=req.session_id, namespace=req.namespace
+                )
         self.allocator.decref(sm.slots)
         for node in req._locked:
             self.prefix_cache.unlock(node)
@@ -319,10 +335,10 @@ class KVStore:
         req.finished = True
         del self._requests[req.request_id]
 
-    def end_session(self, session_id: str) -> int:
+    def end_session(self, session_id: str, namespace: str | None = None) -> int:
         """Drop the session's prefix-cache namespace; returns cells freed. In-flight requests
         of the session keep their KV (their own references)."""
-        return self.prefix_cache.end_session(session_id)
+        return self.prefix_cache.end_session(session_id, namespace)
 
     def flush_prefix_cache(self) -> int:
         """Drop every prefix-cache namespace; returns cells freed."""

@@ -17,6 +17,10 @@ What differs, and why:
   re-quantization, no full-precision re-prefill). This is SGLang's
   ``RadixKey.extra_key`` isolation with ``extra_key = session_id`` (here one root per
   namespace, so ending a session drops one subtree).
+- **Tenant namespaces (cache salt).** ``match`` / ``insert`` / ``end_session`` take an optional
+  ``namespace`` (a tenant's cache salt, vLLM ``cache_salt``): it scopes both the shared and the
+  session lookups, so nothing cached under one namespace is ever matched under another.
+  ``namespace=None`` is the default tenant (the plain shared and session roots).
 - **Counted references.** Each node holds one allocator reference on each non-DEAD slot of its
   value; deleting a node drops them. Requests hold their own references (in their slot maps),
   so a node and a request never "own" a slot on each other's behalf.
@@ -87,6 +91,13 @@ class MatchResult:
     from_session: bool
 
 
+def _ns_key(namespace: str | None, session_id: str | None) -> str | tuple[str, str | None] | None:
+    """``_sessions`` key of a session (or, with ``session_id=None``, of a tenant's shared root)."""
+    if namespace is None:
+        return session_id
+    return (namespace, session_id)
+
+
 def _common_prefix_len(a: torch.Tensor, b: torch.Tensor) -> int:
     n = min(int(a.numel()), int(b.numel()))
     if n == 0:
@@ -108,23 +119,32 @@ class PrefixCache:
         self.full_limit = allocator.layout.int4_base
         self._clock = itertools.count(1)
         self._shared = self._new_root(None)
-        self._sessions: dict[str, TreeNode] = {}
+        # session roots by id; with a tenant namespace ``ns``: ``(ns, id)`` for a session,
+        # ``(ns, None)`` for that tenant's shared root (see :func:`_ns_key`)
+        self._sessions: dict[str | tuple[str, str | None], TreeNode] = {}
 
     # ------------------------------------------------------------- queries
     def match(
-        self, session_id: str | None, token_ids: torch.Tensor, max_len: int | None = None
+        self,
+        session_id: str | None,
+        token_ids: torch.Tensor,
+        max_len: int | None = None,
+        namespace: str | None = None,
     ) -> MatchResult:
         """Longest prefix of ``token_ids`` (int64 ``[T]``, capped at ``max_len``) cached in the
         session's namespace or the shared one; on a tie the session's wins, and so it does
         whenever its match holds one of the session's holes or quantized cells: a longer
         shared match would heal evictions (or undo quantization) the session already decided (e.g. when
         another session cached the same conversation unevicted). Splits the node where the
-        match ends and refreshes access times along the matched path."""
+        match ends and refreshes access times along the matched path. ``namespace`` (a tenant's
+        cache salt) scopes both lookups."""
         tokens = torch.as_tensor(token_ids, dtype=torch.int64).reshape(-1)
         if max_len is not None:
             tokens = tokens[: max(0, max_len)]
-        best_root, best_len, from_session = self._shared, self._peek(self._shared, tokens), False
-        root = self._sessions.get(session_id) if session_id is not None else None
+        shared = self._shared_root(namespace)
+        best_root, best_len, from_session = shared, self._peek(shared, tokens), False
+        key = _ns_key(namespace, session_id) if session_id is not None else None
+        root = self._sessions.get(key) if key is not None else None
         if root is not None:
             n = self._peek(root, tokens)
             if n > 0 and (n >= best_len or self._has_hole(self._walk(root, tokens[:n]))):
@@ -144,9 +164,9 @@ class PrefixCache:
         """Every cell live and at full precision."""
         return bool(((value != DEAD) & (value < self.full_limit)).all())
 
-    def sessions(self) -> list[str]:
-        """Session ids that have a namespace now."""
-        return list(self._sessions)
+    def sessions(self) -> list[str | tuple[str, str | None]]:
+        """Session ids that have a namespace now (``(namespace, id)`` in a tenant namespace)."""
+        return [k for k, r in self._sessions.items() if r.session_id is not None]
 
     def roots(self) -> list[TreeNode]:
         """Current namespace roots: the shared one first, then one per session."""
@@ -154,7 +174,7 @@ class PrefixCache:
 
     def iter_nodes(self) -> Iterator[tuple[str | None, int, TreeNode]]:
         """Every non-root node as ``(session_id or None, start position, node)``."""
-        roots = [(None, self._shared)] + list(self._sessions.items())
+        roots = [(None, self._shared)] + [(r.session_id, r) for r in self._sessions.values()]
         for sid, root in roots:
             stack = [(0, c) for c in root.children.values()]
             while stack:
@@ -183,13 +203,14 @@ class PrefixCache:
         token_ids: torch.Tensor,
         slots: torch.Tensor,
         session_id: str | None = None,
+        namespace: str | None = None,
     ) -> TreeNode:
         """Store ``token_ids`` (int64 ``[T]``) -> cells ``slots`` (int64 ``[L * Hkv, T]``).
 
         ``session_id=None`` inserts into the shared namespace, which accepts only intact
         content (every cell live at full precision). Takes one reference per non-DEAD cell
         newly held by a node. Returns the node where the inserted sequence ends (a root when
-        ``T == 0``, creating no namespace).
+        ``T == 0``, creating no namespace). ``namespace``: the tenant namespace (cache salt).
         """
         tokens = torch.as_tensor(token_ids, dtype=torch.int64).reshape(-1)
         vals = torch.as_tensor(slots, dtype=torch.int64)
@@ -199,17 +220,18 @@ class PrefixCache:
                 f"slots must be [{self.num_columns}, {n}] for {n} tokens, got {list(vals.shape)}"
             )
         shared = session_id is None
+        key = _ns_key(namespace, session_id)
         if n == 0:
-            return self._sessions.get(session_id, self._shared) if session_id else self._shared
+            return self._sessions.get(key, self._shared) if key is not None else self._shared
         if shared:
             if not self._intact(vals):
                 raise ValueError("the shared namespace takes only intact full-precision content")
-            root = self._shared
+            root = self._shared_root(namespace, create=True)
         else:
-            assert session_id is not None
-            root = self._sessions.get(session_id)
+            assert session_id is not None and key is not None
+            root = self._sessions.get(key)
             if root is None:
-                root = self._sessions[session_id] = self._new_root(session_id)
+                root = self._sessions[key] = self._new_root(session_id)
         now = next(self._clock)
         node, pos = root, 0
         while pos < n:
@@ -283,10 +305,10 @@ class PrefixCache:
         self._drop_empty_sessions()
         return freed
 
-    def end_session(self, session_id: str) -> int:
+    def end_session(self, session_id: str, namespace: str | None = None) -> int:
         """Drop the session's namespace (locked nodes too: in-flight requests keep their own
         references). Returns slots freed."""
-        root = self._sessions.pop(session_id, None)
+        root = self._sessions.pop(_ns_key(namespace, session_id), None)
         return 0 if root is None else self._drop_tree(root)
 
     def flush(self) -> int:
@@ -298,6 +320,17 @@ class PrefixCache:
         return freed
 
     # ------------------------------------------------------------ private
+    def _shared_root(self, namespace: str | None, create: bool = False) -> TreeNode:
+        """The shared root of a tenant namespace (an empty detached root when it has none)."""
+        if namespace is None:
+            return self._shared
+        root = self._sessions.get((namespace, None))
+        if root is None:
+            root = self._new_root(None)
+            if create:
+                self._sessions[(namespace, None)] = root
+        return root
+
     def _new_root(self, session_id: str | None) -> TreeNode:
         return TreeNode(
             key=torch.empty(0, dtype=torch.int64),

@@ -11,6 +11,8 @@ from typing import Annotated
 
 import typer
 
+from agentkv.engine.tenancy import DEFAULT_MAX_REQUEST_BYTES  # stdlib only, no torch
+
 app = typer.Typer(
     add_completion=False, no_args_is_help=True, help="agentkv: agent-aware KV-cache policies"
 )
@@ -41,6 +43,9 @@ GET /v1/agentkv/capabilities lists the methods this engine implements (others ar
 with HTTP 400 and clients warn at wrap time); GET /v1/agentkv/sessions/{id} gives a
 session's KV telemetry with a per-node breakdown; every request is logged (node, policy,
 prompt and prefix-hit tokens, live and evicted KV, wall time).
+
+Shared by several clients: give each tenant its own --api-key; a tenant's prefix cache,
+sessions and telemetry are out of every other tenant's reach (docs/security.md).
 """
 #: one line per paragraph: typer's rich help keeps hard line breaks
 SERVE_HELP = "\n\n".join(" ".join(p.split()) for p in _SERVE_HELP.split("\n\n"))
@@ -68,10 +73,32 @@ def serve(
     port: Annotated[int, typer.Option(help="port")] = 8000,
     device: DeviceOpt = None,
     kv_slots: SlotsOpt = 32768,
+    api_key: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--api-key",
+            help="require 'Authorization: Bearer KEY' on /v1 routes; repeat for more keys, one "
+            "tenant each (env AGENTKV_API_KEY, comma-separated)",
+        ),
+    ] = None,
+    admin_api_key: Annotated[
+        str | None,
+        typer.Option(
+            "--admin-api-key",
+            help="key for admin routes (POST /v1/agentkv/flush; env AGENTKV_ADMIN_API_KEY)",
+        ),
+    ] = None,
+    max_request_bytes: Annotated[
+        int,
+        typer.Option(help="reject request bodies larger than this (HTTP 413)", min=1024),
+    ] = DEFAULT_MAX_REQUEST_BYTES,
 ) -> None:
     from agentkv.engine.engine import Engine
     from agentkv.engine.model_loader import ModelNotFound
     from agentkv.engine.server import serve as run_server
+    from agentkv.engine.tenancy import ServerOptions
+
+    options = ServerOptions.from_env(api_key, admin_api_key, max_request_bytes)
 
     try:
         engine = Engine(model, device=device, kv_slots=kv_slots)
@@ -84,7 +111,7 @@ def serve(
     agentkv_log.addHandler(handler)
     agentkv_log.setLevel(logging.INFO)
     typer.echo(_startup_line(engine, host, port, kv_slots), err=True)
-    run_server(engine, host=host, port=port)
+    run_server(engine, host=host, port=port, options=options)
 
 
 @app.command()

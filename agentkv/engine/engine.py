@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from agentkv.annotation import MessageAnnotation, annotate_messages
-from agentkv.cache import KVStore, Precision, RequestKV
+from agentkv.cache import KVStore, OutOfSlots, Precision, RequestKV
 from agentkv.engine.calibration import CALIBRATION_MESSAGES
 from agentkv.engine.chat_template import ChatRenderer
 from agentkv.engine.kernel_decode import KernelDecode
@@ -43,7 +43,7 @@ from agentkv.methods import (
     PlanContext,
 )
 from agentkv.policies import FullCache, KVPolicy, parse_policy, parse_policy_spec
-from agentkv.session import is_request_local, resolve_session_id
+from agentkv.session import is_request_local, resolve_session_id, scope_session_id
 from agentkv.tags import Modality, Role, TagCode, Temporal
 from agentkv.token_tagger import TokenTags
 from agentkv.wire import KVPayload
@@ -79,13 +79,21 @@ class RequestError(ValueError):
         self.field = field
 
 
+class RequestCancelled(RuntimeError):
+    """``GenerationConfig.should_stop`` said stop before the request started (client gone)."""
+
+
 DEFAULT_MAX_TOKENS = 256
+SAMPLING_EPS = 1e-5  # temperatures below this decode greedily
 
 
 @dataclass
 class GenerationConfig:
     """Decoding settings. ``max_tokens=None``: up to :data:`DEFAULT_MAX_TOKENS`, fewer when
-    the context has less room left (a long prompt alone is not an error)."""
+    the context has less room left (a long prompt alone is not an error).
+
+    ``should_stop``: polled before prefill and at every decode step (e.g. "has the client
+    disconnected?"); ``True`` ends the request early with ``finish_reason="abort"``."""
 
     max_tokens: int | None = DEFAULT_MAX_TOKENS
     temperature: float = 0.0
@@ -94,6 +102,7 @@ class GenerationConfig:
     stop: list[str] = field(default_factory=list)
     #: keep decoding past end-of-turn tokens (benchmarks: a fixed number of decode steps).
     ignore_eos: bool = False
+    should_stop: Callable[[], bool] | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass
@@ -140,6 +149,7 @@ class PreparedChat:
     payload: KVPayload
     tags: TokenTags
     gen: GenerationConfig
+    namespace: str | None = None
 
 
 TOOL_CALL_OPEN = "<tool_call>"
@@ -288,16 +298,25 @@ class Engine:
         tools: Sequence[Mapping[str, Any]] | None = None,
         payload: KVPayload | None = None,
         gen: GenerationConfig | None = None,
+        namespace: str | None = None,
     ) -> PreparedChat:
-        """Validate, render and tag a chat request; raises :class:`RequestError` on bad input."""
+        """Validate, render and tag a chat request; raises :class:`RequestError` on bad input.
+
+        ``namespace``: the tenant scope (cache salt) of the request: its session id, method
+        state, session telemetry and prefix-cache matches stay inside it."""
         gen = gen or GenerationConfig()
         resolved = self._resolve(messages, payload)
         tags = self._encode(messages, tools, resolved.annotations, add_generation_prompt=True)
         if gen.max_tokens is None:
-            room = max(self.max_context - len(tags), 1)  # no room at all: the check says so
+            limit = min(self.max_context, self.kv_capacity)
+            room = max(limit - len(tags), 1)  # no room at all: the check says so
             gen = dataclasses.replace(gen, max_tokens=min(DEFAULT_MAX_TOKENS, room))
         self._check_length(len(tags), gen.max_tokens)
-        return PreparedChat(resolved.payload, tags, gen)
+        payload = resolved.payload
+        if namespace is not None:
+            scoped = scope_session_id(namespace, payload.session_id)
+            payload = payload.model_copy(update={"session_id": scoped})
+        return PreparedChat(payload, tags, gen, namespace)
 
     def run_chat(
         self, prepared: PreparedChat, on_text: Callable[[str], None] | None = None
@@ -307,14 +326,18 @@ class Engine:
         stream = None if on_text is None else _ContentStream(on_text, gen.stop)
         t0 = time.perf_counter()
         with self._lock:
-            req, logits, plan_info = self._prefill_and_plan(tags, payload)
+            if gen.should_stop is not None and gen.should_stop():
+                raise RequestCancelled("cancelled before it started")
+            req, logits, plan_info = self._prefill_and_plan(tags, payload, prepared.namespace)
+            ok = False
             try:
                 t1 = self._sync_time()
                 out_ids, finish, (raw, eff) = self._decode(req, logits, gen, stream, plan_info)
                 t2 = self._sync_time()
                 usage = self._usage(req, payload, tags, len(out_ids), plan_info, t0)
+                ok = True
             finally:
-                self.store.finish_request(req, cache=True)
+                self.store.finish_request(req, cache=ok)  # a failed request is never cached
         usage = usage.model_copy(
             update={
                 "raw_kv_reads": raw,
@@ -457,6 +480,8 @@ class Engine:
         tags = self._encode(
             CALIBRATION_MESSAGES, None, annotate_messages(CALIBRATION_MESSAGES), True
         )
+        if len(tags) > self.kv_capacity:  # a pool too small for it: unit key scales
+            return
         payload = KVPayload(session_id=f"req:{secrets.token_hex(8)}", policy=FullCache())
         req, _logits, _info = self._prefill_and_plan(tags, payload)
         try:
@@ -475,13 +500,27 @@ class Engine:
         self.sessions.record(usage)
         self.request_log.append(usage)
 
-    def end_session(self, session_id: str) -> int:
-        """Forget a session: its prefix-cache namespace, method state and metrics."""
+    def end_session(self, session_id: str, namespace: str | None = None) -> int:
+        """Forget a session: its prefix-cache namespace, method state and metrics.
+        ``namespace``: the tenant scope it was served in (see :meth:`prepare_chat`)."""
+        scoped = scope_session_id(namespace, session_id)
         with self._lock:
-            freed = self.store.end_session(session_id)
-            self.methods.end_session(session_id)
-        self.sessions.drop(session_id)
+            freed = self.store.end_session(scoped, namespace)
+            self.methods.end_session(scoped)
+        self.sessions.drop(scoped)
         return freed
+
+    def flush_prefix_cache(self) -> int:
+        """Drop the whole prefix cache (every tenant and session namespace, the shared ones
+        included; in-flight requests keep their KV). Returns cells freed."""
+        with self._lock:
+            return self.store.flush_prefix_cache()
+
+    @property
+    def kv_capacity(self) -> int:
+        """Full-precision KV cells (tokens) one request can ever hold per (layer, KV head):
+        the pool less the dead slot."""
+        return self.store.allocator.capacity
 
     # ---------------------------------------------------------------- internals
     def _resolve(self, messages: Sequence[Any], payload: KVPayload | None) -> _Resolved:
@@ -494,7 +533,7 @@ class Engine:
             annotations = payload.messages
             if annotations is None:
                 annotations = annotate_messages(messages, node=payload.node)
-        except (TypeError, ValueError) as e:
+        except (TypeError, ValueError, AttributeError, KeyError) as e:
             raise RequestError(f"bad messages: {e}", field="messages") from None
         try:
             self.methods.for_policy(payload.policy)
@@ -522,6 +561,12 @@ class Engine:
                 f"({self.max_context})",
                 field="messages" if prompt >= self.max_context else "max_tokens",
             )
+        if prompt + new > self.kv_capacity:  # admission: it could never fit the KV pool
+            raise RequestError(
+                f"prompt ({prompt} tokens) + max_tokens ({new}) exceeds the KV pool "
+                f"({self.kv_capacity} token slots, --kv-slots)",
+                field="messages" if prompt >= self.kv_capacity else "max_tokens",
+            )
 
     def _forward(
         self, ids: Sequence[int], positions: torch.Tensor, cache: StoreCache, keep: int
@@ -540,7 +585,7 @@ class Engine:
         return out.logits[0].float()
 
     def _prefill_and_plan(
-        self, tags: TokenTags, payload: KVPayload
+        self, tags: TokenTags, payload: KVPayload, namespace: str | None = None
     ) -> tuple[RequestKV, torch.Tensor, dict]:
         policy = payload.policy
         method = self.methods.for_policy(policy)
@@ -554,7 +599,9 @@ class Engine:
             reuse = next((i + 1 for i, a in enumerate(tags.actionable) if a), T)
         # request-local ids never match again: their holes go to no session namespace
         store_session = None if is_request_local(payload.session_id) else payload.session_id
-        req = self.store.begin_request(store_session, tags.token_ids[:reuse])
+        req = self.store.begin_request(
+            store_session, tags.token_ids[:reuse], namespace=namespace
+        )
         try:
             actionable = torch.tensor(tags.actionable, dtype=torch.bool)
             observer = method.observer(
@@ -643,7 +690,7 @@ class Engine:
         self, req, logits, gen: GenerationConfig, stream: _ContentStream | None, info: dict
     ) -> tuple[list[int], str, tuple[int, int]]:
         generator = None
-        if gen.temperature > 0:
+        if gen.temperature >= SAMPLING_EPS:
             generator = torch.Generator(device="cpu")
             # no seed: a fresh one, without reseeding torch's global generator
             generator.manual_seed(gen.seed if gen.seed is not None else secrets.randbits(63))
@@ -656,6 +703,9 @@ class Engine:
             backend = "torch" if self.decode_attention == "reference" else "triton"
             kernel = KernelDecode(self.store, req, gen.max_tokens, backend)
         for _ in range(gen.max_tokens):
+            if gen.should_stop is not None and gen.should_stop():
+                finish = "abort"
+                break
             tok = self._sample(logits, gen, generator)
             if tok in self._stop_ids and not gen.ignore_eos:
                 finish = "stop"
@@ -671,7 +721,10 @@ class Engine:
             if len(out) == gen.max_tokens:
                 break
             pos = req.seq_len
-            slots = self.store.extend(req, [tok])
+            try:
+                slots = self.store.extend(req, [tok])
+            except OutOfSlots:  # the pool ran out: return what was generated
+                break
             if kernel is not None:
                 kernel.append(slots)
             cache = StoreCache(view, torch.tensor([pos]), slots, kernel=kernel)
@@ -711,7 +764,7 @@ class Engine:
 
     @staticmethod
     def _sample(logits: torch.Tensor, gen: GenerationConfig, generator) -> int:
-        if gen.temperature <= 0:
+        if gen.temperature < SAMPLING_EPS:  # greedy (as vLLM): logits / 1e-300 is inf, NaN
             return int(torch.argmax(logits))
         probs = torch.softmax(logits.float().cpu() / gen.temperature, dim=-1)
         if gen.top_p < 1.0:

@@ -153,3 +153,49 @@ def test_end_session_and_flush_return_every_cell():
     assert pc.end_session("A") == 0
     assert pc.flush() == 3 * C and a.free_count == a.capacity and pc.num_nodes == 0
     assert a.used_cells() == {p: 0 for p in a.used_cells()}
+
+
+def test_tenant_namespaces_never_match_each_other():
+    """A cache salt (tenant namespace) scopes the shared and the session lookups; flush, LRU
+    eviction and end_session cover namespaced roots too."""
+    a, pc = setup()
+    shared_a = a.alloc(4)
+    pc.insert(torch.tensor([1, 2, 3, 4]), shared_a, namespace="A")
+    a.decref(shared_a)
+    holes = a.alloc(3)
+    pc.insert(torch.tensor([5, 6, 7]), holes, session_id="s", namespace="A")
+    a.decref(holes)
+    assert pc.match(None, torch.tensor([1, 2, 3, 4])).length == 0  # default tenant: miss
+    assert pc.match("s", torch.tensor([1, 2, 3, 4]), namespace="B").length == 0
+    assert pc.match("s", torch.tensor([5, 6, 7]), namespace="B").length == 0
+    assert pc.match("s", torch.tensor([5, 6, 7])).length == 0
+    hit = pc.match("x", torch.tensor([1, 2, 3, 9]), namespace="A")
+    assert hit.length == 3 and torch.equal(hit.slots, shared_a[:, :3])
+    assert pc.match("s", torch.tensor([5, 6, 7]), namespace="A").from_session
+    assert pc.sessions() == [("A", "s")]
+    assert pc.end_session("s") == 0 and pc.end_session("s", namespace="B") == 0
+    assert pc.end_session("s", namespace="A") == 3 * C
+    assert pc.evict(10**6) == 4 * C and a.free_count == a.capacity and pc.num_nodes == 0
+    again = a.alloc(2)
+    pc.insert(torch.tensor([1, 2]), again, namespace="A")
+    a.decref(again)
+    assert pc.flush() == 2 * C and a.free_count == a.capacity
+
+
+def test_store_caches_a_request_in_its_namespace():
+    from agentkv.cache import KVStore
+
+    st = KVStore(L, H, 32, 64)
+    req = st.begin_request("s", [1, 2, 3, 4], namespace="A")
+    st.extend(req)
+    st.finish_request(req)
+    assert st.begin_request("s", [1, 2, 3, 4, 5]).num_cached == 0
+    other = st.begin_request("s", [1, 2, 3, 4, 5], namespace="B")
+    same = st.begin_request("t", [1, 2, 3, 4, 5], namespace="A")
+    assert other.num_cached == 0 and same.num_cached == 4
+    for r in st.requests():
+        st.finish_request(r, cache=False)
+    st.check_invariants()
+    assert st.end_session("s", namespace="A") == 0
+    assert st.flush_prefix_cache() == 4 * L * H
+    assert st.stats().free_slots == st.stats().capacity

@@ -69,7 +69,7 @@ CASES: list[tuple[str, Any, str | None]] = [
     ("role-null", msg(role=None, content="hi"), "messages.0.role"),
     ("content-number", msg(role="user", content=5), "messages.0.content"),
     ("content-object", msg(role="user", content={"text": "hi"}), "messages.0.content"),
-    ("content-block-number", msg(role="user", content=["hi", 5]), "messages.0.content"),
+    ("content-block-number", msg(role="user", content=["hi", 5]), "messages.0.content.1"),
     ("name-number", msg(role="user", content="hi", name=5), "messages.0.name"),
     (
         "tool-calls-string",
@@ -105,7 +105,7 @@ CASES: list[tuple[str, Any, str | None]] = [
     ("seed-string", with_(seed="abc"), "seed"),
     ("seed-too-big", with_(seed=2**70), "seed"),
     ("stop-number", with_(stop=5), "stop"),
-    ("stop-numbers", with_(stop=[1, 2]), "stop"),
+    ("stop-numbers", with_(stop=[1, 2]), "stop.0"),
     ("stop-too-many", with_(stop=[str(i) for i in range(20)]), "stop"),
     ("stream-string", with_(stream="yes"), "stream"),
     ("stream-options-string", with_(stream_options="x"), "stream_options"),

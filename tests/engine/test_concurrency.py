@@ -13,6 +13,7 @@ import torch
 from agentkv import build_payload, to_extra_body
 from agentkv.engine.engine import GenerationConfig
 from agentkv.policies import FullCache, IntentKV
+from agentkv.session import scope_session_id
 from agentkv.wire import KVPayload
 
 pytestmark = pytest.mark.slow
@@ -65,6 +66,12 @@ def test_concurrent_sessions(server, engine, sid):
     before = set(memory._store)
     logged = len(engine.request_log)
     sessions = asyncio.run(run_all(server.base_url, tag))
+    # the server keeps sessions in the caller's namespace (anonymous tenant, no cache salt)
+    ns = server.config.app.state.tenancy.namespace("")
+
+    def key(session_id: str) -> str:
+        return scope_session_id(ns, session_id)
+
     order = [u.session_id for u in list(engine.request_log)[logged:]]
     assert len(order) == SESSIONS * TURNS
     assert len(set(order[:SESSIONS])) >= SESSIONS // 2, order  # the sessions interleaved
@@ -79,7 +86,7 @@ def test_concurrent_sessions(server, engine, sid):
                 assert u["prefix_hit_tokens"] >= prev["prompt_tokens"] - 1
             if s["policy"].evicts and k > 0:
                 assert u["evicted_tokens"] > 0
-        summary = engine.sessions.get(s["sid"])
+        summary = engine.sessions.get(key(s["sid"]))
         assert summary is not None and summary.requests == TURNS
         assert summary.nodes == [f"node{i}"]
     engine.store.check_invariants()
@@ -89,8 +96,8 @@ def test_concurrent_sessions(server, engine, sid):
     intent = [s for s in sessions if s["policy"].method == "intentkv"]
     full = [s for s in sessions if s["policy"].method == "full"]
     new = set(memory._store) - before
-    assert new == {s["sid"] for s in intent}
-    assert not {s["sid"] for s in full} & set(memory._store)
+    assert new == {key(s["sid"]) for s in intent}
+    assert not {key(s["sid"]) for s in full} & set(memory._store)
     # ... fed only by its own turns: replaying one session's requests alone, serially, under a
     # fresh id gives the same memory (another session's query mixed in would change it)
     for s in intent:
@@ -98,19 +105,19 @@ def test_concurrent_sessions(server, engine, sid):
         for t in s["turns"]:
             payload = KVPayload(session_id=replay, policy=s["policy"])
             engine.chat(t["messages"], payload=payload, gen=GenerationConfig(max_tokens=1))
-        got, want = memory.get(s["sid"]), memory.get(replay)
+        got, want = memory.get(key(s["sid"])), memory.get(replay)
         assert got is not None and want is not None
         assert torch.allclose(got, want, atol=1e-4), float((got - want).abs().max())
         engine.end_session(replay)
         assert replay not in memory
     # distinct sessions hold distinct memories
-    mems = [memory.get(s["sid"]) for s in intent]
+    mems = [memory.get(key(s["sid"])) for s in intent]
     assert all(not torch.allclose(a, b) for j, a in enumerate(mems) for b in mems[j + 1 :])
 
     # end every session, flush the shared prefix cache: every slot is free again
     for s in sessions:
-        engine.end_session(s["sid"])
-        assert s["sid"] not in memory and engine.sessions.get(s["sid"]) is None
+        engine.end_session(s["sid"], ns)
+        assert key(s["sid"]) not in memory and engine.sessions.get(key(s["sid"])) is None
     engine.store.flush_prefix_cache()
     engine.store.check_invariants()
     stats = engine.store.stats()

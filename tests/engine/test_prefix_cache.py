@@ -26,8 +26,8 @@ def run_session(engine, monkeypatch, sid, policy, turns=3, max_tokens=5):
     requests = []
     begin = engine.store.begin_request
 
-    def spy(session_id, token_ids):
-        req = begin(session_id, token_ids)
+    def spy(session_id, token_ids, **kw):
+        req = begin(session_id, token_ids, **kw)
         requests.append(req)
         return req
 
