@@ -449,9 +449,9 @@ def _boundaries(
         j = i
         while j < n and anchors[j] is None:
             j += 1
-        if first_non_system is not None and i <= first_non_system <= j and sys_end_char:
-            if sys_end_char > prev_end:
-                prev_end, prev_closes = sys_end_char, False
+        at_system_end = first_non_system is not None and i <= first_non_system <= j
+        if at_system_end and sys_end_char and sys_end_char > prev_end:
+            prev_end, prev_closes = sys_end_char, False
         gap_end = anchors[j] if j < n else tail_char
         gap = [s for s in specials if prev_end <= s < gap_end]
         if j == n:

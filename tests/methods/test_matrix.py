@@ -7,8 +7,9 @@ tool schema, a tool call, its result and a user question; ~600 tokens) through t
 engine. A new method joins by adding one line to :data:`METHOD_CASES` (and, if it always keeps
 some positions, one entry to :func:`always_kept`).
 
-Checks: the budget holds after the plan (IntentKV: live tokens <= budget + forced set;
-per-head baselines: live entries per (layer, KV head) <= budget), decode only appends;
+Checks: the budget holds after the plan (IntentKV: live tokens <= max(budget, forced set),
+or budget + forced set with ``budget_scope="history"``; per-head baselines: live entries per
+(layer, KV head) <= budget), decode only appends;
 FullCache evicts nothing and answers exactly like a request without a payload; the positions
 a method promises to keep are live; the store's reference counts and locks are consistent
 while the request is in flight and after; the session's next turn reuses the whole previous
@@ -31,14 +32,15 @@ METHOD_CASES = [
     pytest.param(StreamingLLM(budget=BUDGET, sinks=4), id="streamingllm"),
     pytest.param(SnapKV(budget=BUDGET, window=16, kernel=5), id="snapkv"),
     pytest.param(H2O(budget=BUDGET, recent=16), id="h2o"),
-    pytest.param(IntentKV(budget=BUDGET), id="intentkv"),
+    pytest.param(IntentKV(budget=BUDGET, protect_system=False), id="intentkv"),
+    pytest.param(IntentKV(budget=BUDGET, budget_scope="history"), id="intentkv-history"),
 ]
 REPLY = "Yes: HAT083 leaves JFK at 3:00 PM EST and lands in Seattle at 9:00 PM EST."
 NEXT_USER = {"role": "user", "content": "The 3 PM flight works. Please book it with my card."}
 
 
 def keeps_forced_set(policy: KVPolicy) -> bool:
-    """Methods whose budget covers the compressible history only (IntentKV's forced set)."""
+    """Methods that keep whole positions: a forced set, then the best candidates."""
     return isinstance(policy, IntentKV)
 
 
@@ -63,7 +65,11 @@ def budget_bound(policy: KVPolicy, T: int, n_forced: int) -> int:
     """Live KV tokens allowed right after the plan."""
     if not policy.evicts:
         return T
-    return policy.budget + (n_forced if keeps_forced_set(policy) else 0)
+    if isinstance(policy, IntentKV):
+        if policy.budget_scope == "history":
+            return policy.budget + n_forced
+        return max(policy.budget, n_forced)
+    return policy.budget
 
 
 def live_per_head(req) -> torch.Tensor:
@@ -133,8 +139,8 @@ def test_method(engine, airline_cached, policy):
                 assert info["evicted_entries"] == info["evicted_tokens"] == 0
                 assert bool(resident.all()) and mask is None
             if keeps_forced_set(policy):
-                # exactly `budget` candidates beside the forced set, whole positions
-                assert int(resident.sum()) == int(forced.sum()) + policy.budget
+                # the forced set and the best candidates up to the bound, whole positions
+                assert int(resident.sum()) == bound and bool(resident[forced].all())
                 assert mask is None or bool((mask == resident).all())
         finally:
             engine.store.finish_request(req, cache=True)
