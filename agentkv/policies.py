@@ -144,9 +144,10 @@ class IntentKV(KVPolicy):
         description="'total': live KV <= max(budget, forced); 'history': forced + budget",
     )
     memory_decay: float = Field(0.5, ge=0.0, lt=1.0, description="beta of the QueryMemory EMA")
-    mode: Literal["memory", "query"] = Field(
+    mode: Literal["memory", "query", "learned"] = Field(
         "memory",
-        description="'memory' scores with the session memory m, 'query' with normalize(q-bar)",
+        description="'memory' scores with the session memory m, 'query' with normalize(q-bar), "
+        "'learned' adds the trained residual head (Phase-2) to the memory score",
     )
     protect_system: bool = Field(True, description="force-keep the system/template prefix")
     fallback_window: int = Field(
@@ -155,7 +156,12 @@ class IntentKV(KVPolicy):
         le=4096,
         description="with no actionable token computed, q-bar averages the last N positions",
     )
-    alpha_max: float = Field(1.0, ge=0.0, le=100.0, description="Phase-2 residual clip")
+    alpha_max: float = Field(
+        1.0,
+        ge=0.0,
+        le=100.0,
+        description="mode 'learned': the residual's alpha clipped to [0, this]",
+    )
 
 
 class TriAxialKV(KVPolicy):

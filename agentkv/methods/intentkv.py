@@ -18,9 +18,14 @@ Once per request after prefill (../shared/methods/NOTES.md, IntentKV):
    with the probe ``p`` of step 3 (unit norm per layer and head in both modes, so the modes
    differ by the memory only, not by the softmax temperature). The rest of ``C`` is evicted
    (every layer and head) by slot-map redirect.
+5. Mode ``learned`` (Phase-2) ranks by ``s~ = log(|C| s) + alpha MLP(...)`` of the residual
+   head (:mod:`agentkv.methods.intentkv_head`) on top of the memory rule score.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -35,6 +40,7 @@ from agentkv.methods.base import (
     register_method,
     topk_positions,
 )
+from agentkv.methods.intentkv_head import ResidualHead, head_for, rule_logit
 from agentkv.methods.query_memory import QueryMemoryStore, normalize
 from agentkv.policies import IntentKV, KVPolicy
 
@@ -75,6 +81,26 @@ class QueryMean(PrefillObserver):
         return q_bar
 
 
+@dataclass
+class ScoringEvent:
+    """One compression event's inputs and rule scores (what Phase-2 trains on).
+
+    Attributes:
+        ctx: the plan context.
+        probe: float32 ``[L, Hq, D]``, the scoring query (memory or normalised ``q_bar``).
+        candidates: bool ``[T]``.
+        scores: float32 ``[T]`` rule scores (softmax mass over the candidates).
+        key_means: float32 ``[T, D]``, post-RoPE key of each live position averaged over
+            layers and KV heads (zeros where not live).
+    """
+
+    ctx: PlanContext
+    probe: torch.Tensor
+    candidates: torch.Tensor
+    scores: torch.Tensor
+    key_means: torch.Tensor
+
+
 @register_method
 class IntentKVMethod(Method):
     name = "intentkv"
@@ -82,9 +108,20 @@ class IntentKVMethod(Method):
     def __init__(self, shape: ModelShape, memory_capacity: int = 1024):
         super().__init__(shape)
         self.memory = QueryMemoryStore(memory_capacity)
+        self._head: ResidualHead | None = None
+        #: called with every compression event that scores (Phase-2 training data)
+        self.recorder: Callable[[ScoringEvent], None] | None = None
+
+    def head(self) -> ResidualHead:
+        """The residual head for this model (loaded once; :class:`HeadNotFound` if none)."""
+        if self._head is None:
+            self._head = head_for(self.shape)
+        return self._head
 
     def observer(self, policy: KVPolicy, req: ObserveRequest) -> PrefillObserver | None:
         assert isinstance(policy, IntentKV)
+        if policy.mode == "learned":
+            self.head()  # fail before the prefill, naming the command that makes a head
         return QueryMean(req, policy.fallback_window)
 
     def plan(self, ctx: PlanContext) -> Plan:
@@ -104,7 +141,14 @@ class IntentKVMethod(Method):
             keep_n = policy.budget
         # a compression event: only now does the session memory move
         probe = self.probe(ctx, policy)
-        scores = self.rule_scores(ctx, probe, candidates) if keep_n > 0 else None
+        scores = None
+        if keep_n > 0:
+            want_keys = policy.mode == "learned" or self.recorder is not None
+            scores, key_means = self.rule_scores(ctx, probe, candidates, want_keys)
+            if self.recorder is not None:
+                self.recorder(ScoringEvent(ctx, probe, candidates, scores, key_means))
+            if policy.mode == "learned":
+                scores = self.learned_scores(ctx, policy, probe, candidates, scores, key_means)
         if scores is None:
             keep = candidates.nonzero().reshape(-1)[:0]
         else:
@@ -117,21 +161,32 @@ class IntentKVMethod(Method):
 
     def probe(self, ctx: PlanContext, policy: IntentKV) -> torch.Tensor:
         """The scoring query, float32 ``[L, Hq, D]``, unit norm per (layer, head): the updated
-        session memory (``memory``) or ``normalize(q_bar)`` (``query``)."""
+        session memory (``memory``, ``learned``) or ``normalize(q_bar)`` (``query``)."""
         q_bar: torch.Tensor = ctx.observation
         if policy.mode == "query":
             return normalize(q_bar.float())
         return self.memory.update(ctx.session_id, q_bar, policy.memory_decay)
 
     def rule_scores(
-        self, ctx: PlanContext, probe: torch.Tensor, candidates: torch.Tensor
-    ) -> torch.Tensor:
-        """float32 ``[T]``: mean over layers and query heads of the softmax over candidates."""
+        self,
+        ctx: PlanContext,
+        probe: torch.Tensor,
+        candidates: torch.Tensor,
+        key_means: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Rule scores float32 ``[T]`` (mean over layers and query heads of the softmax over
+        candidates) and, with ``key_means``, float32 ``[T, D]`` keys averaged over layers and
+        KV heads (the mean over GQA-expanded heads is the same)."""
         s = self.shape
         scores = torch.zeros(ctx.seq_len)
+        ksum = torch.zeros(ctx.seq_len, s.head_dim) if key_means else None
+        kcount = torch.zeros(ctx.seq_len) if key_means else None
         for layer in range(s.num_layers):
             k, positions, head_mask = ctx.read_keys(layer)
             pos = positions.cpu()
+            if ksum is not None and kcount is not None:
+                ksum[pos] += k.float().mean(dim=1).cpu()
+                kcount[pos] += 1
             key_mask = candidates[pos]
             if not bool(key_mask.any()):
                 continue
@@ -139,7 +194,35 @@ class IntentKVMethod(Method):
             q = probe[layer].to(k.device, k.dtype)[:, None, :]  # [Hq, 1, D]
             probs = attention_probs(q, None, k, None, head_mask, key_mask.to(k.device))
             scores[pos] += probs[:, 0, :].sum(dim=0).cpu()
-        return scores / (s.num_layers * s.num_q_heads)
+        means = None
+        if ksum is not None and kcount is not None:
+            means = ksum / kcount.clamp_min(1)[:, None]
+        return scores / (s.num_layers * s.num_q_heads), means
+
+    def learned_scores(
+        self,
+        ctx: PlanContext,
+        policy: IntentKV,
+        probe: torch.Tensor,
+        candidates: torch.Tensor,
+        scores: torch.Tensor,
+        key_means: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """float32 ``[T]``: ``s~`` on the candidates (``-inf`` elsewhere)."""
+        assert key_means is not None
+        idx = torch.nonzero(candidates).reshape(-1)
+        span = torch.nonzero(ctx.actionable & ctx.live).reshape(-1)
+        with torch.no_grad():
+            s_tilde = self.head()(
+                rule_logit(scores[idx]),
+                key_means[idx],
+                probe.mean(dim=(0, 1)),
+                key_means[span],
+                alpha_max=policy.alpha_max,
+            )
+        out = torch.full((ctx.seq_len,), float("-inf"))
+        out[idx] = s_tilde
+        return out
 
     def end_session(self, session_id: str) -> None:
         self.memory.drop(session_id)

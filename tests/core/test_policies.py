@@ -149,7 +149,7 @@ def test_boundaries_are_accepted(cls, field, value):
         (StreamingLLM, {"budget": 8, "sinks": 8}, r"sinks: must be < budget \(8\), got 8"),
         (StreamingLLM, {"sinks": 2000}, r"sinks: must be < budget \(1024\), got 2000"),
         (SnapKV, {"kernel": 4}, r"kernel: must be odd, got 4"),
-        (IntentKV, {"mode": "random"}, r"mode\n.*Input should be 'memory' or 'query'"),
+        (IntentKV, {"mode": "random"}, r"mode\n.*Input should be 'memory', 'query' or 'learned'"),
         (
             IntentKV,
             {"budget_scope": "all"},

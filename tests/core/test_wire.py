@@ -284,7 +284,7 @@ MALFORMED = [
         "mode-bad",
         lambda b: _mut(b, ("policy", "mode"), "both"),
         "policy.mode",
-        "'memory' or 'query'",
+        "'memory', 'query' or 'learned'",
     ),
     (
         "policy-extra",

@@ -257,3 +257,30 @@ def test_fallback_query_is_the_tail_window(engine, airline_cached, intentkv):
     engine.chat(messages, tools, payload=payload, gen=GenerationConfig(max_tokens=1))
     engine.end_session("x:methods-warmup")
     engine.store.check_invariants()
+
+
+def test_learned_mode_with_an_untrained_head_is_the_rule(
+    engine, airline_cached, intentkv, tmp_path, monkeypatch
+):
+    """Phase-2 at initialisation: s~ = log(|C| s) exactly, so the plan is the memory rule's."""
+    from agentkv.methods.intentkv_head import HEAD_FILE, HEADS_ENV, HeadConfig, ResidualHead
+
+    method, records = intentkv
+    ResidualHead(HeadConfig.for_shape(engine.shape, model="untrained")).save(
+        tmp_path / "untrained" / HEAD_FILE
+    )
+    monkeypatch.setenv(HEADS_ENV, str(tmp_path))
+    monkeypatch.setattr(method, "_head", None)
+    messages, tools = airline_cached
+    rule = IntentKV(budget=160, protect_system=False)
+    chat(engine, messages, tools, rule, "x:intentkv-rule-twin")
+    chat(engine, messages, tools, rule.model_copy(update={"mode": "learned"}), "x:intentkv-learned")
+    r, lr = records[-2:]
+    assert method.head().config.model == "untrained"
+    assert torch.equal(r.plan.evict, lr.plan.evict) and lr.plan.evict.numel() > 0
+    cand = lr.ctx.live & ~lr.ctx.forced
+    expected = torch.log(r.plan.scores[cand].double() * int(cand.sum())).float()
+    torch.testing.assert_close(lr.plan.scores[cand], expected)
+    assert bool(torch.isinf(lr.plan.scores[~cand]).all())
+    for sid in ("x:intentkv-rule-twin", "x:intentkv-learned"):
+        engine.end_session(sid)
