@@ -87,6 +87,12 @@ def train_intentkv(
     budget: Annotated[int, typer.Option(help="IntentKV budget the sessions replay under")] = 256,
     epochs: Annotated[int, typer.Option(help="maximum epochs (early stopping on validation)")] = 30,
     seed: Annotated[int, typer.Option(help="split and initialisation seed")] = 0,
+    system_chars: Annotated[
+        int | None, typer.Option(help="cheap runs: cut system prompts to N characters")
+    ] = None,
+    called_tools_only: Annotated[
+        bool, typer.Option(help="cheap runs: keep only the tools a session calls")
+    ] = False,
 ) -> None:
     """Train IntentKV's residual head (Phase-2) for a model on replayed agent sessions.
 
@@ -103,6 +109,8 @@ def train_intentkv(
                 bfcl_sessions=bfcl_sessions,
                 max_tokens=max_tokens,
                 budget=budget,
+                system_chars=system_chars,
+                called_tools_only=called_tools_only,
                 fit=FitConfig(epochs=epochs, seed=seed),
             )
         )

@@ -179,9 +179,10 @@ def head_for(shape: ModelShape) -> ResidualHead:
         head = ResidualHead.load(path)
         if head.config.matches(shape):
             return head
+    shipped = sorted(p.name for p in SHIPPED_DIR.glob("*") if (p / HEAD_FILE).is_file())
     raise HeadNotFound(
         f"policy.mode: IntentKV(mode='learned') needs a residual head trained for this model "
         f"({shape.num_layers} layers, {shape.num_q_heads} query / {shape.num_kv_heads} KV heads "
-        f"of dim {shape.head_dim}); the package ships one for SmolLM2-135M-Instruct only. "
+        f"of dim {shape.head_dim}); the package ships heads for {shipped or 'no model yet'}. "
         f"Train one with `{TRAIN_HINT}` and put DIR under ${HEADS_ENV}"
     )

@@ -200,12 +200,36 @@ class TrainConfig:
     max_tokens: int = 4096
     budget: int = 256
     val_fraction: float = 0.25
+    #: cheap runs (CPU): cut each system prompt to this many characters (None: whole)
+    system_chars: int | None = None
+    #: cheap runs (CPU): keep only the tool schemas a session calls
+    called_tools_only: bool = False
     fit: FitConfig = field(default_factory=FitConfig)
 
 
+def compact(trace: Any, system_chars: int | None, called_tools_only: bool) -> Any:
+    """A copy of ``trace`` with its system prompt cut and/or its tool list reduced to the tools
+    it calls (to train on CPU in minutes; the features do not depend on the block's size)."""
+    import copy
+
+    t = copy.deepcopy(trace)
+    if system_chars is not None:
+        for m in t.messages:
+            if m.get("role") == "system" and isinstance(m.get("content"), str):
+                m["content"] = m["content"][:system_chars]
+    if called_tools_only and t.tools:
+        called = {
+            (c.get("function") or {}).get("name")
+            for m in t.messages
+            for c in m.get("tool_calls") or []
+        }
+        t.tools = [x for x in t.tools if (x.get("function") or {}).get("name") in called]
+    return t
+
+
 def training_traces(cfg: TrainConfig) -> list[Any]:
-    """tau-bench trajectories outside the replay's evaluation sample (the seeded 50) and BFCL
-    sessions of the given categories (never ``multi_turn_base``, the replay's)."""
+    """tau-bench trajectories of tasks outside the replay's evaluation sample (the seeded 50)
+    and BFCL sessions of the given categories (never ``multi_turn_base``, the replay's)."""
     import warnings
 
     from agentkv.bench.traces import load_tau_bench, sample
@@ -213,18 +237,19 @@ def training_traces(cfg: TrainConfig) -> list[Any]:
     traces = []
     if cfg.tau_sessions:
         tau = load_tau_bench()
-        held_out = {t.id for t in sample(tau, limit=50, seed=0)}
-        rest = [t for t in tau if t.id not in held_out]
+        # whole tasks are held out: another trial of an evaluated task is not training data
+        held_out = {t.id.rsplit("/", 1)[0] for t in sample(tau, limit=50, seed=0)}
+        rest = [t for t in tau if t.id.rsplit("/", 1)[0] not in held_out]
         traces += sample(rest, limit=cfg.tau_sessions, seed=1)
     if cfg.bfcl_sessions and cfg.bfcl_categories:
         from agentkv.bench.bfcl_traces import load_bfcl
 
         per = -(-cfg.bfcl_sessions // len(cfg.bfcl_categories))
-        for cat in cfg.bfcl_categories:
+        for k, cat in enumerate(cfg.bfcl_categories):
             if cat.endswith("multi_turn_base"):
                 raise ValueError("bfcl_categories: multi_turn_base is the replay's evaluation set")
             try:
-                traces += load_bfcl(cat, limit=per, seed=1)
+                traces += load_bfcl(cat, limit=per, seed=1 + k)
             except (ImportError, FileNotFoundError) as e:  # bfcl-eval not installed
                 warnings.warn(f"BFCL {cat} skipped: {e}", stacklevel=2)
     return traces
@@ -239,9 +264,8 @@ def train_intentkv(cfg: TrainConfig, progress: bool = True) -> dict[str, Any]:
     cfg.out.mkdir(parents=True, exist_ok=True)
     engine = Engine(cfg.model, device=cfg.device)
     policy = IntentKV(budget=cfg.budget, protect_system=False)
-    rows, stats = collect_rows(
-        engine, training_traces(cfg), policy, cfg.max_tokens, progress=progress
-    )
+    traces = [compact(t, cfg.system_chars, cfg.called_tools_only) for t in training_traces(cfg)]
+    rows, stats = collect_rows(engine, traces, policy, cfg.max_tokens, progress=progress)
     if len(rows) < 2:
         raise ValueError(f"only {len(rows)} training rows with a positive: add sessions")
     torch.save([asdict(r) for r in rows], cfg.out / "rows.pt")
@@ -267,6 +291,8 @@ def train_intentkv(cfg: TrainConfig, progress: bool = True) -> dict[str, Any]:
         "config": {
             "budget": cfg.budget,
             "max_tokens": cfg.max_tokens,
+            "system_chars": cfg.system_chars,
+            "called_tools_only": cfg.called_tools_only,
             "fit": asdict(cfg.fit),
         },
     }
