@@ -73,7 +73,8 @@ def row_loss(
     keep = torch.sigmoid(z).mean()
     norm = ((row.memory_norm - 1.0) ** 2).mean()
     total = bce + cfg.lambda_rank * rank + cfg.lambda_keep * keep + cfg.lambda_norm * norm
-    return total, {"bce": float(bce), "rank": float(rank), "keep": float(keep)}
+    parts = {"bce": float(bce.detach()), "rank": float(rank.detach()), "keep": float(keep.detach())}
+    return total, parts
 
 
 @torch.no_grad()
@@ -140,7 +141,7 @@ def fit(
             opt.zero_grad()
             loss.backward()
             opt.step()
-            total += float(loss)
+            total += float(loss.detach())
         head.eval()
         with torch.no_grad():
             val = sum(float(row_loss(head, r, cfg.loss)[0]) for r in eval_rows) / len(eval_rows)
@@ -149,7 +150,7 @@ def fit(
         history["val_loss"].append(val)
         history["val_auc"].append(m["auc"])
         history["val_recall_top25"].append(m["recall_top25"])
-        history["alpha"].append(float(head.alpha))
+        history["alpha"].append(float(head.alpha.detach()))
         bar.set_postfix(val_loss=f"{val:.4f}", auc=f"{m['auc']:.3f}")
         if val < best_val - 1e-5:
             best_val, best_epoch, stale = val, epoch, 0
@@ -284,7 +285,7 @@ def train_intentkv(cfg: TrainConfig, progress: bool = True) -> dict[str, Any]:
         "val_sessions": sorted({r.session for r in val}),
         "rule": rule,
         "head": learned,
-        "alpha": float(head.alpha),
+        "alpha": float(head.alpha.detach()),
         "best_epoch": result["best_epoch"],
         "best_val_loss": result["best_val_loss"],
         "history": result["history"],

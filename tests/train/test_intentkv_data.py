@@ -35,7 +35,7 @@ def test_rows_from_a_replayed_session(engine, short_session):
     from agentkv.train.intentkv_data import argument_values, collect_rows
 
     rows, stats = collect_rows(
-        engine, [short_session], IntentKV(budget=48, protect_system=False), progress=False
+        engine, [short_session], IntentKV(budget=128, protect_system=False), progress=False
     )
     # three requests, each over budget; only the last has the id in its history (at the second
     # the id is the actionable query, forced and never a candidate): one row
