@@ -83,3 +83,26 @@ def test_checkpoint_round_trip_and_lookup(tmp_path, monkeypatch):
     with pytest.raises(HeadNotFound, match="agentkv train-intentkv") as e:
         head_for(other)
     assert "policy.mode" in str(e.value) and HEADS_ENV in str(e.value)
+
+
+def test_the_default_model_ships_a_head(monkeypatch):
+    """SmolLM2-135M-Instruct's head is in the package and found by its model shape."""
+    import json
+
+    from agentkv.engine.model_loader import resolve_model_dir
+
+    monkeypatch.delenv(HEADS_ENV, raising=False)
+    try:
+        cfg = json.loads((resolve_model_dir(None) / "config.json").read_text())
+    except Exception as e:  # pragma: no cover - depends on the local install
+        pytest.skip(f"default model not available: {e}")
+    heads = cfg["num_attention_heads"]
+    shape = ModelShape(
+        num_layers=cfg["num_hidden_layers"],
+        num_q_heads=heads,
+        num_kv_heads=cfg["num_key_value_heads"],
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+    )
+    head = head_for(shape)
+    assert head.config.model == "SmolLM2-135M-Instruct" and head.config.matches(shape)
+    assert float(head.alpha.detach()) > 0.0 and not bool((head.mlp[2].weight == 0).all())
