@@ -93,6 +93,10 @@ def train_intentkv(
     called_tools_only: Annotated[
         bool, typer.Option(help="cheap runs: keep only the tools a session calls")
     ] = False,
+    traces: Annotated[
+        Path | None,
+        typer.Option(help="more sessions from a JSONL (`agentkv bench export`, e.g. BFCL)"),
+    ] = None,
 ) -> None:
     """Train IntentKV's residual head (Phase-2) for a model on replayed agent sessions.
 
@@ -111,6 +115,7 @@ def train_intentkv(
                 budget=budget,
                 system_chars=system_chars,
                 called_tools_only=called_tools_only,
+                traces_file=traces,
                 fit=FitConfig(epochs=epochs, seed=seed),
             )
         )

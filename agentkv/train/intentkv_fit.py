@@ -205,6 +205,8 @@ class TrainConfig:
     system_chars: int | None = None
     #: cheap runs (CPU): keep only the tool schemas a session calls
     called_tools_only: bool = False
+    #: more sessions from a JSONL (``agentkv bench export``), e.g. BFCL where bfcl-eval is absent
+    traces_file: Path | None = None
     fit: FitConfig = field(default_factory=FitConfig)
 
 
@@ -253,6 +255,10 @@ def training_traces(cfg: TrainConfig) -> list[Any]:
                 traces += load_bfcl(cat, limit=per, seed=1 + k)
             except (ImportError, FileNotFoundError) as e:  # bfcl-eval not installed
                 warnings.warn(f"BFCL {cat} skipped: {e}", stacklevel=2)
+    if cfg.traces_file is not None:
+        from agentkv.bench.traces import load_jsonl
+
+        traces += load_jsonl(cfg.traces_file)
     return traces
 
 
