@@ -145,18 +145,40 @@ class FullCache(KVPolicy):
 
 
 class IntentKV(KVPolicy):
-    """IntentKV: session QueryMemory + rule score; keeps forced set + top-`budget` history."""
+    """IntentKV: session QueryMemory + rule score over the live history.
+
+    ``budget_scope="total"`` (the paper's "residual budget", the default): the request keeps at
+    most ``max(budget, |forced|)`` live tokens, the forced set first and the remainder by
+    score, so it compares with every other compressor at equal live KV. ``"history"``: the
+    forced set rides on top of ``budget`` history tokens (the earlier reading).
+    """
 
     method: Literal["intentkv"] = "intentkv"
     evicts: ClassVar[bool] = True
     budget: Budget = 2048
+    budget_scope: Literal["total", "history"] = Field(
+        "total",
+        description="'total': live KV <= max(budget, forced); 'history': forced + budget",
+    )
     memory_decay: float = Field(0.5, ge=0.0, lt=1.0, description="beta of the QueryMemory EMA")
-    mode: Literal["memory", "query"] = Field(
+    mode: Literal["memory", "query", "learned"] = Field(
         "memory",
-        description="'memory' scores with the session memory m, 'query' with q-bar (ablation)",
+        description="'memory' scores with the session memory m, 'query' with normalize(q-bar), "
+        "'learned' adds the trained residual head (Phase-2) to the memory score",
     )
     protect_system: bool = Field(True, description="force-keep the system/template prefix")
-    alpha_max: float = Field(1.0, ge=0.0, le=100.0, description="Phase-2 residual clip")
+    fallback_window: int = Field(
+        32,
+        ge=1,
+        le=4096,
+        description="with no actionable token computed, q-bar averages the last N positions",
+    )
+    alpha_max: float = Field(
+        1.0,
+        ge=0.0,
+        le=100.0,
+        description="mode 'learned': the residual's alpha clipped to [0, this]",
+    )
 
 
 class TriAxialKV(KVPolicy):

@@ -14,8 +14,11 @@ Driven by the rendered text and the tokenizer's special tokens, never by a model
 2. Every other character is scaffolding. Scaffolding of the system block (system prompt, tool
    schemas, default system text a template adds) is ``inst``, except special tokens, markup
    added tokens (``<tool_call>``) and role markers (``system`` after ``<|im_start|>``), which
-   are ``delim``; elsewhere it is ``delim`` and belongs to the message that follows it (its role
-   markers). A message with no text (an empty tool result) still owns its own markers.
+   are ``delim``; elsewhere it is ``delim`` and belongs to the message whose share it falls in:
+   a message's share runs from its opening special token (``<|im_start|>`` and role marker)
+   to its own closing one (``<|im_end|>``), so the closing token takes its message's turn
+   bucket and actionable flag. A message with no text (an empty tool result) still owns its
+   own markers.
 3. Temporal bucket = age of the owning message's turn relative to the newest turn.
 
 The protected prefix is the system block (the leading system messages and tools as the
@@ -427,22 +430,28 @@ def _boundaries(
 ) -> list[int]:
     """Start character of each message's share of the text.
 
-    Message ``i`` (``i > 0``) starts at the first special token after the previous message's
-    last piece (after the system block, for the first non-system message). Message 0 starts
-    at 0, or after the system block a template adds when there is no system message. Messages that
-    could not be located (no text) share the special tokens of their gap evenly with the next
-    located message (or the generation prompt), when they divide evenly.
+    Each message's share ends at its own closing token: the first special token after a
+    message's last piece closes it (``<|im_end|>``, ``<|eot_id|>``) when another special token
+    follows in the gap, so message ``i`` (``i > 0``) starts at the next special token, its
+    own opening (``<|im_start|>``); a gap with a single special token gives it to the next
+    message. The first non-system message starts after the system block (whose closing token
+    is the system block's). Message 0 starts at 0, or after the system block a template adds
+    when there is no system message. Messages that could not be located (no text) share the
+    special tokens of their gap evenly with the next located message (or the generation
+    prompt), when they divide evenly.
     """
     n = len(anchors)
     bounds = [0] * n
     prev_end = 0
+    prev_closes = False  # the gap opens with the closing token of the message before it
     i = 0
     while i < n:
         j = i
         while j < n and anchors[j] is None:
             j += 1
-        if first_non_system is not None and i <= first_non_system <= j and sys_end_char:
-            prev_end = max(prev_end, sys_end_char)
+        at_system_end = first_non_system is not None and i <= first_non_system <= j
+        if at_system_end and sys_end_char and sys_end_char > prev_end:
+            prev_end, prev_closes = sys_end_char, False
         gap_end = anchors[j] if j < n else tail_char
         gap = [s for s in specials if prev_end <= s < gap_end]
         if j == n:
@@ -451,9 +460,11 @@ def _boundaries(
         groups = len(members) + (j == n)
         if len(members) > 1 and gap and len(gap) % groups == 0:
             step = len(gap) // groups
-            starts = [gap[m * step] for m in range(len(members))]
+            off = int(prev_closes and step >= 2)
+            starts = [gap[m * step + off] for m in range(len(members))]
         else:
-            starts = [gap[0] if gap else prev_end] * len(members)
+            off = int(prev_closes and len(gap) >= 2)
+            starts = [gap[off] if gap else prev_end] * len(members)
         for idx, start in zip(members, starts, strict=True):
             if idx == first_non_system and sys_end_char:
                 start = max(start, sys_end_char)
@@ -462,6 +473,7 @@ def _boundaries(
             bounds[idx] = start if idx == 0 else max(start, bounds[idx - 1])
         if j < n:
             prev_end = max(prev_end, ends[j] if ends[j] is not None else gap_end)
+            prev_closes = True
         i = j + 1
     return bounds
 

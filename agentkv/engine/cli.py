@@ -1,4 +1,5 @@
-"""``agentkv`` command line: ``serve``, ``demo`` and ``bench replay|compare|export|merge``."""
+"""``agentkv`` command line: ``serve``, ``demo``, ``train-intentkv`` and
+``bench replay|compare|export|merge``."""
 
 from __future__ import annotations
 
@@ -133,6 +134,63 @@ def demo(
         budgets=[int(b) for b in budgets.split(",") if b],
         trace_index=trace,
         max_messages=max_messages,
+    )
+
+
+@app.command("train-intentkv")
+def train_intentkv(
+    out: Annotated[Path, typer.Option(help="folder for head.safetensors, metrics and curves")],
+    model: ModelOpt = None,
+    device: DeviceOpt = None,
+    tau_sessions: Annotated[
+        int, typer.Option(help="tau-bench trajectories (outside the replay's sample)")
+    ] = 6,
+    bfcl_sessions: Annotated[
+        int, typer.Option(help="BFCL multi-turn sessions (miss_param, miss_func)")
+    ] = 6,
+    max_tokens: Annotated[
+        int, typer.Option(help="truncate each session to this many tokens")
+    ] = 4096,
+    budget: Annotated[int, typer.Option(help="IntentKV budget the sessions replay under")] = 256,
+    epochs: Annotated[int, typer.Option(help="maximum epochs (early stopping on validation)")] = 30,
+    seed: Annotated[int, typer.Option(help="split and initialisation seed")] = 0,
+    system_chars: Annotated[
+        int | None, typer.Option(help="cheap runs: cut system prompts to N characters")
+    ] = None,
+    called_tools_only: Annotated[
+        bool, typer.Option(help="cheap runs: keep only the tools a session calls")
+    ] = False,
+    traces: Annotated[
+        Path | None,
+        typer.Option(help="more sessions from a JSONL (`agentkv bench export`, e.g. BFCL)"),
+    ] = None,
+) -> None:
+    """Train IntentKV's residual head (Phase-2) for a model on replayed agent sessions.
+
+    Use it with ``IntentKV(mode="learned")``: put OUT under $AGENTKV_INTENTKV_HEADS."""
+    from agentkv.train.intentkv_fit import FitConfig, TrainConfig, train_intentkv
+
+    with _user_errors():
+        m = train_intentkv(
+            TrainConfig(
+                out=out,
+                model=model,
+                device=device,
+                tau_sessions=tau_sessions,
+                bfcl_sessions=bfcl_sessions,
+                max_tokens=max_tokens,
+                budget=budget,
+                system_chars=system_chars,
+                called_tools_only=called_tools_only,
+                traces_file=traces,
+                fit=FitConfig(epochs=epochs, seed=seed),
+            )
+        )
+    d = m["dataset"]
+    print(
+        f"{d['rows']} rows from {d['sessions']} sessions ({d['candidates']} candidates, "
+        f"positive rate {d['positive_rate']:.4f}); validation AUC rule {m['rule']['auc']:.3f} "
+        f"-> head {m['head']['auc']:.3f}; wrote {out}/head.safetensors"
     )
 
 

@@ -593,10 +593,12 @@ class Engine:
         # A method that observes prefill queries (IntentKV's q-bar over the actionable query)
         # sees only computed positions: never take the actionable query from the prefix cache,
         # or the plan would depend on what other requests happened to cache (a retry, another
-        # session with the same opening).
+        # session with the same opening). With no actionable token, recompute IntentKV's
+        # fallback tail window.
         reuse = T
         if method.observes_prefill:
-            reuse = next((i + 1 for i, a in enumerate(tags.actionable) if a), T)
+            tail = method.observed_tail(policy)
+            reuse = next((i + 1 for i, a in enumerate(tags.actionable) if a), max(T - tail + 1, 1))
         # request-local ids never match again: their holes go to no session namespace
         store_session = None if is_request_local(payload.session_id) else payload.session_id
         req = self.store.begin_request(

@@ -168,6 +168,11 @@ class Method:
         """Whether the protected system / template prefix is forced (kept) for ``policy``."""
         return True
 
+    def observed_tail(self, policy: KVPolicy) -> int:
+        """With :attr:`observes_prefill` and no actionable token: how many trailing positions
+        the observer must see computed (IntentKV's fallback query window)."""
+        return 1
+
     def __init__(self, shape: ModelShape):
         self.shape = shape
 

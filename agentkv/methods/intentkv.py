@@ -1,17 +1,31 @@
-"""IntentKV Phase-1: session QueryMemory + rule score; keep forced set + top-``budget`` history.
+"""IntentKV Phase-1: session QueryMemory + rule score; keep the forced set + the best history.
 
-Once per request after prefill, when the compressible history exceeds the budget:
+Once per request after prefill (../shared/methods/NOTES.md, IntentKV):
 
 1. Forced set ``F`` = actionable query span ∪ generation-prompt tail ∪ protected prefix
-   (``protect_system``). Candidates ``C`` = live positions minus ``F``.
-2. ``q_bar [L, Hq, D]`` = mean post-RoPE query over the actionable span (computed in this
-   prefill); the session memory ``m <- normalize(beta * m + (1 - beta) * q_bar)``.
-3. Rule score ``s_i = 1/(L Hq) sum_l sum_h softmax_{j in C}(m[l,h] . K[l, h/g, j] / sqrt(D))_i``
-   (mode ``query`` scores with ``q_bar`` instead of ``m``).
-4. Keep ``F ∪ top-B(C)``; the rest is evicted (every layer and head) by slot-map redirect.
+   (``protect_system``), as the engine hands it over in :class:`PlanContext`. Candidates
+   ``C`` = live positions minus ``F``.
+2. Skip test. ``budget_scope="total"`` (default, the paper's "residual budget"): nothing to
+   do when ``|live| <= B``; else keep ``F`` and the top ``max(B - |F|, 0)`` of ``C``, so the
+   request holds ``max(B, |F|)`` live tokens. ``"history"``: nothing to do when
+   ``|C| <= B``; else keep ``F`` and the top ``B`` of ``C`` (``B`` on top of ``F``).
+3. Only in a compression event (past the skip test): ``q_bar [L, Hq, D]`` = mean post-RoPE
+   query over the actionable span computed in this prefill (none computed: over the last
+   ``fallback_window`` computed positions); mode ``memory`` folds it into the session memory
+   ``m <- normalize(beta m + (1 - beta) normalize(q_bar))`` and scores with ``m``; mode
+   ``query`` scores with ``normalize(q_bar)`` and leaves the memory alone.
+4. Rule score ``s_i = 1/(L Hq) sum_l sum_h softmax_{j in C}(p[l,h] . K[l, h/g, j] / sqrt(D))_i``
+   with the probe ``p`` of step 3 (unit norm per layer and head in both modes, so the modes
+   differ by the memory only, not by the softmax temperature). The rest of ``C`` is evicted
+   (every layer and head) by slot-map redirect.
+5. Mode ``learned`` (Phase-2) ranks by ``s~ = log(|C| s) + alpha MLP(...)`` of the residual
+   head (:mod:`agentkv.methods.intentkv_head`) on top of the memory rule score.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -26,21 +40,27 @@ from agentkv.methods.base import (
     register_method,
     topk_positions,
 )
-from agentkv.methods.query_memory import QueryMemoryStore
+from agentkv.methods.intentkv_head import ResidualHead, head_for, rule_logit
+from agentkv.methods.query_memory import QueryMemoryStore, normalize
 from agentkv.policies import IntentKV, KVPolicy
 
 
-class _QueryMean(PrefillObserver):
-    """Accumulates the mean post-RoPE query over the actionable span (fallback: the last
-    computed position, when no actionable token was computed in this request)."""
+class QueryMean(PrefillObserver):
+    """Accumulates the mean post-RoPE query over the actionable span.
 
-    def __init__(self, req: ObserveRequest):
+    Fallback, when no actionable token is computed in this request: the mean over the last
+    ``window`` computed positions (a bounded tail window: the generation prompt and the end of
+    the newest message), never a single token.
+    """
+
+    def __init__(self, req: ObserveRequest, window: int = 32):
         s = req.shape
         self.actionable = req.actionable
-        self.last = req.seq_len - 1
+        self.tail_from = max(req.seq_len - window, req.num_cached)
         self.sum = torch.zeros(s.num_layers, s.num_q_heads, s.head_dim)
         self.count = torch.zeros(s.num_layers)
-        self.fallback = torch.zeros(s.num_layers, s.num_q_heads, s.head_dim)
+        self.tail_sum = torch.zeros(s.num_layers, s.num_q_heads, s.head_dim)
+        self.tail_count = torch.zeros(s.num_layers)
 
     def observe(self, layer, q, q_positions, k, k_positions, head_mask):
         pos = q_positions.cpu()
@@ -48,15 +68,37 @@ class _QueryMean(PrefillObserver):
         if bool(sel.any()):
             self.sum[layer] += q[:, sel.to(q.device)].float().sum(dim=1).cpu()
             self.count[layer] += int(sel.sum())
-        if int(pos[-1]) == self.last:
-            self.fallback[layer] = q[:, -1].float().cpu()
+        tail = pos >= self.tail_from
+        if bool(tail.any()):
+            self.tail_sum[layer] += q[:, tail.to(q.device)].float().sum(dim=1).cpu()
+            self.tail_count[layer] += int(tail.sum())
 
     def result(self) -> torch.Tensor:
-        """``q_bar`` float32 ``[L, Hq, D]``."""
+        """``q_bar`` float32 ``[L, Hq, D]`` (zeros for a layer that saw no query)."""
         has = self.count > 0
-        q_bar = self.fallback.clone()
+        q_bar = self.tail_sum / self.tail_count.clamp_min(1)[:, None, None]
         q_bar[has] = self.sum[has] / self.count[has][:, None, None]
         return q_bar
+
+
+@dataclass
+class ScoringEvent:
+    """One compression event's inputs and rule scores (what Phase-2 trains on).
+
+    Attributes:
+        ctx: the plan context.
+        probe: float32 ``[L, Hq, D]``, the scoring query (memory or normalised ``q_bar``).
+        candidates: bool ``[T]``.
+        scores: float32 ``[T]`` rule scores (softmax mass over the candidates).
+        key_means: float32 ``[T, D]``, post-RoPE key of each live position averaged over
+            layers and KV heads (zeros where not live).
+    """
+
+    ctx: PlanContext
+    probe: torch.Tensor
+    candidates: torch.Tensor
+    scores: torch.Tensor
+    key_means: torch.Tensor
 
 
 @register_method
@@ -68,39 +110,92 @@ class IntentKVMethod(Method):
         assert isinstance(policy, IntentKV)
         return policy.protect_system
 
+    def observed_tail(self, policy: KVPolicy) -> int:
+        assert isinstance(policy, IntentKV)
+        return policy.fallback_window
+
     def __init__(self, shape: ModelShape, memory_capacity: int = 1024):
         super().__init__(shape)
         self.memory = QueryMemoryStore(memory_capacity)
+        self._head: ResidualHead | None = None
+        #: called with every compression event that scores (Phase-2 training data)
+        self.recorder: Callable[[ScoringEvent], None] | None = None
+
+    def head(self) -> ResidualHead:
+        """The residual head for this model (loaded once; :class:`HeadNotFound` if none)."""
+        if self._head is None:
+            self._head = head_for(self.shape)
+        return self._head
 
     def observer(self, policy: KVPolicy, req: ObserveRequest) -> PrefillObserver | None:
-        return _QueryMean(req)
+        assert isinstance(policy, IntentKV)
+        if policy.mode == "learned":
+            self.head()  # fail before the prefill, naming the command that makes a head
+        return QueryMean(req, policy.fallback_window)
 
     def plan(self, ctx: PlanContext) -> Plan:
         policy = ctx.policy
         assert isinstance(policy, IntentKV)
-        q_bar: torch.Tensor = ctx.observation
-        m = self.memory.update(ctx.session_id, q_bar, policy.memory_decay)
-        probe = m if policy.mode == "memory" else q_bar
-        candidates = ctx.live & ~ctx.forced
-        n_cand = int(candidates.sum())
-        if n_cand <= policy.budget:
-            return Plan(note=f"history {n_cand} <= budget {policy.budget}: nothing evicted")
-        scores = self.rule_scores(ctx, probe, candidates)
-        keep = topk_positions(scores, candidates, policy.budget)
+        live = ctx.live
+        candidates = live & ~ctx.forced
+        n_live, n_cand = int(live.sum()), int(candidates.sum())
+        n_forced = n_live - n_cand
+        if policy.budget_scope == "total":
+            if n_live <= policy.budget:
+                return Plan(note=f"live {n_live} <= budget {policy.budget}: nothing evicted")
+            keep_n = max(policy.budget - n_forced, 0)
+        else:
+            if n_cand <= policy.budget:
+                return Plan(note=f"history {n_cand} <= budget {policy.budget}: nothing evicted")
+            keep_n = policy.budget
+        # a compression event: only now does the session memory move
+        probe = self.probe(ctx, policy)
+        scores = None
+        if keep_n > 0:
+            want_keys = policy.mode == "learned" or self.recorder is not None
+            scores, key_means = self.rule_scores(ctx, probe, candidates, want_keys)
+            if self.recorder is not None:
+                self.recorder(ScoringEvent(ctx, probe, candidates, scores, key_means))
+            if policy.mode == "learned":
+                scores = self.learned_scores(ctx, policy, probe, candidates, scores, key_means)
+        if scores is None:
+            keep = candidates.nonzero().reshape(-1)[:0]
+        else:
+            keep = topk_positions(scores, candidates, keep_n)
         keep_mask = torch.zeros_like(candidates)
         keep_mask[keep] = True
         evict = torch.nonzero(candidates & ~keep_mask).reshape(-1)
-        return Plan(evict=evict, scores=scores)
+        note = "" if keep_n > 0 else f"forced set ({n_forced}) fills the budget"
+        return Plan(evict=evict, scores=scores, note=note)
+
+    def probe(self, ctx: PlanContext, policy: IntentKV) -> torch.Tensor:
+        """The scoring query, float32 ``[L, Hq, D]``, unit norm per (layer, head): the updated
+        session memory (``memory``, ``learned``) or ``normalize(q_bar)`` (``query``)."""
+        q_bar: torch.Tensor = ctx.observation
+        if policy.mode == "query":
+            return normalize(q_bar.float())
+        return self.memory.update(ctx.session_id, q_bar, policy.memory_decay)
 
     def rule_scores(
-        self, ctx: PlanContext, probe: torch.Tensor, candidates: torch.Tensor
-    ) -> torch.Tensor:
-        """float32 ``[T]``: mean over layers and query heads of the softmax over candidates."""
+        self,
+        ctx: PlanContext,
+        probe: torch.Tensor,
+        candidates: torch.Tensor,
+        key_means: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Rule scores float32 ``[T]`` (mean over layers and query heads of the softmax over
+        candidates) and, with ``key_means``, float32 ``[T, D]`` keys averaged over layers and
+        KV heads (the mean over GQA-expanded heads is the same)."""
         s = self.shape
         scores = torch.zeros(ctx.seq_len)
+        ksum = torch.zeros(ctx.seq_len, s.head_dim) if key_means else None
+        kcount = torch.zeros(ctx.seq_len) if key_means else None
         for layer in range(s.num_layers):
             k, positions, head_mask = ctx.read_keys(layer)
             pos = positions.cpu()
+            if ksum is not None and kcount is not None:
+                ksum[pos] += k.float().mean(dim=1).cpu()
+                kcount[pos] += 1
             key_mask = candidates[pos]
             if not bool(key_mask.any()):
                 continue
@@ -108,7 +203,35 @@ class IntentKVMethod(Method):
             q = probe[layer].to(k.device, k.dtype)[:, None, :]  # [Hq, 1, D]
             probs = attention_probs(q, None, k, None, head_mask, key_mask.to(k.device))
             scores[pos] += probs[:, 0, :].sum(dim=0).cpu()
-        return scores / (s.num_layers * s.num_q_heads)
+        means = None
+        if ksum is not None and kcount is not None:
+            means = ksum / kcount.clamp_min(1)[:, None]
+        return scores / (s.num_layers * s.num_q_heads), means
+
+    def learned_scores(
+        self,
+        ctx: PlanContext,
+        policy: IntentKV,
+        probe: torch.Tensor,
+        candidates: torch.Tensor,
+        scores: torch.Tensor,
+        key_means: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """float32 ``[T]``: ``s~`` on the candidates (``-inf`` elsewhere)."""
+        assert key_means is not None
+        idx = torch.nonzero(candidates).reshape(-1)
+        span = torch.nonzero(ctx.actionable & ctx.live).reshape(-1)
+        with torch.no_grad():
+            s_tilde = self.head()(
+                rule_logit(scores[idx]),
+                key_means[idx],
+                probe.mean(dim=(0, 1)),
+                key_means[span],
+                alpha_max=policy.alpha_max,
+            )
+        out = torch.full((ctx.seq_len,), float("-inf"))
+        out[idx] = s_tilde
+        return out
 
     def end_session(self, session_id: str) -> None:
         self.memory.drop(session_id)

@@ -1,8 +1,12 @@
 """QueryMemory: IntentKV's per-session running intent, one unit vector per (layer, head).
 
-``m <- normalize(beta * m + (1 - beta) * q_bar)`` along ``D`` after every request of the
-session; first request: ``m = normalize(q_bar)``. Stored in an LRU keyed by session id;
-request-local sessions (``req:`` ids) are never stored, so they can never match.
+``m <- normalize(beta * m + (1 - beta) * normalize(q_bar))`` along ``D`` at each compression
+event of the session; first event: ``m = normalize(q_bar)``. ``q_bar`` is normalised before
+mixing: post-RoPE query rows have norms ~4-19, so a raw ``q_bar`` would swamp the unit ``m``
+(the old memory's share ~7% at ``beta = 0.5``) and the memory would forget at once; with it,
+``beta`` is the old memory's share of the direction (``beta = 0.5``: ``m`` bisects the old
+memory and the new query). Stored in an LRU keyed by session id; request-local sessions
+(``req:`` ids) are never stored, so they can never match.
 """
 
 from __future__ import annotations
@@ -41,10 +45,11 @@ class QueryMemoryStore:
         return m
 
     def update(self, session_id: str, q_bar: torch.Tensor, decay: float) -> torch.Tensor:
-        """Fold ``q_bar [L, Hq, D]`` into the session's memory and return the new memory."""
-        q_bar = q_bar.detach().float().cpu()
+        """Fold ``q_bar [L, Hq, D]`` into the session's memory and return the new memory
+        (float32 ``[L, Hq, D]``, unit norm along ``D``)."""
+        q_hat = normalize(q_bar.detach().float().cpu())
         prev = self.get(session_id)
-        m = normalize(q_bar) if prev is None else normalize(decay * prev + (1 - decay) * q_bar)
+        m = q_hat if prev is None else normalize(decay * prev + (1 - decay) * q_hat)
         if not is_request_local(session_id):
             self._store[session_id] = m
             self._store.move_to_end(session_id)

@@ -84,6 +84,7 @@ RANGE_CASES = [
     (IntentKV, "memory_decay", -0.1, "memory_decay: must be in [0, 1), got -0.1"),
     (IntentKV, "memory_decay", float("nan"), "memory_decay: must be in [0, 1), got nan"),
     (IntentKV, "alpha_max", 100.5, "alpha_max: must be in [0, 100], got 100.5"),
+    (IntentKV, "fallback_window", 0, "fallback_window: must be in [1, 4096], got 0"),
     (TriAxialKV, "avg_bits", 1.5, "avg_bits: must be in [2, 4], got 1.5"),
     (TriAxialKV, "avg_bits", 8, "avg_bits: must be in [2, 4], got 8"),
     (KVzap, "threshold", -21, "threshold: must be in [-20, 5], got -21"),
@@ -148,7 +149,12 @@ def test_boundaries_are_accepted(cls, field, value):
         (StreamingLLM, {"budget": 8, "sinks": 8}, r"sinks: must be < budget \(8\), got 8"),
         (StreamingLLM, {"sinks": 2000}, r"sinks: must be < budget \(1024\), got 2000"),
         (SnapKV, {"kernel": 4}, r"kernel: must be odd, got 4"),
-        (IntentKV, {"mode": "random"}, r"mode\n.*Input should be 'memory' or 'query'"),
+        (IntentKV, {"mode": "random"}, r"mode\n.*Input should be 'memory', 'query' or 'learned'"),
+        (
+            IntentKV,
+            {"budget_scope": "all"},
+            r"budget_scope\n.*Input should be 'total' or 'history'",
+        ),
         (TriAxialKV, {"group_size": 64}, r"group_size\n.*Input should be 32"),
         (
             TriAxialKV,
@@ -228,6 +234,10 @@ def test_describe():
 def test_parse_policy():
     p = parse_policy({"method": "intentkv", "budget": 512})
     assert p == IntentKV(budget=512)
+    # a payload of a client that predates budget_scope gets the paper's (total) reading
+    assert p.budget_scope == "total" and p.fallback_window == 32
+    old = parse_policy({"method": "intentkv", "budget": 512, "budget_scope": "history"})
+    assert old.describe() == "intentkv(budget=512, budget_scope=history)"
     assert parse_policy(p) is p
     with pytest.raises(ValidationError, match="does not match any of the expected tags"):
         parse_policy({"method": "lru"})

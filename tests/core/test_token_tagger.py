@@ -106,6 +106,7 @@ class Reference:
     parts: list[Part]
     system_end: int  # end of the system block (0: none)
     messages_end: int  # start of the generation prompt
+    closers: dict[int, int]  # start char of each message's closing <|im_end|> -> the message
 
 
 def _content_blocks(content) -> list[tuple[str, Modality]]:
@@ -126,6 +127,7 @@ def render_reference(messages, tools, kind: str, add_generation_prompt: bool = T
     """Both templates written out by hand, recording where each message part lands."""
     out: list[str] = []
     parts: list[Part] = []
+    closers: dict[int, int] = {}
     pos = 0
 
     def emit(s: str, message: int = -1, role: Role = Role.DELIM, modality=Modality.TEXT):
@@ -147,6 +149,10 @@ def render_reference(messages, tools, kind: str, add_generation_prompt: bool = T
             blocks[0] = (blocks[0][0].lstrip("\n"), blocks[0][1])
         for text, modality in blocks:
             emit(text, i, role, modality)
+
+    def close(i: int):
+        closers[pos] = i
+        emit("<|im_end|>\n")
 
     def text_of(content) -> str:
         return "".join(t for t, _ in _content_blocks(content))
@@ -215,7 +221,7 @@ def render_reference(messages, tools, kind: str, add_generation_prompt: bool = T
                 emit('", "arguments": ')
                 emit(call["function"]["arguments"], i, Role.TOOL_CALL)
                 emit("}\n</tool_call>")
-            emit("<|im_end|>\n")
+            close(i)
         elif role == "tool":
             if i == 0 or messages[i - 1]["role"] != "tool":
                 marker("<|im_start|>", "user\n")
@@ -225,15 +231,15 @@ def render_reference(messages, tools, kind: str, add_generation_prompt: bool = T
             emit_content(i, m.get("content"), Role.OBS)
             emit("\n</tool_response>")
             if i == n - 1 or messages[i + 1]["role"] != "tool":
-                emit("<|im_end|>\n")
+                close(i)
         else:
             marker("<|im_start|>", role + "\n")
             emit_content(i, m.get("content"), BODY[role])
-            emit("<|im_end|>\n")
+            close(i)
     messages_end = pos
     if add_generation_prompt:
         marker("<|im_start|>", "assistant\n")
-    return Reference("".join(out), parts, system_end, messages_end)
+    return Reference("".join(out), parts, system_end, messages_end, closers)
 
 
 # ------------------------------------------------------------------------ expectations
@@ -342,6 +348,14 @@ def check_against_reference(kind, tok, messages, tools=None, gen=True) -> tuple[
             continue
         assert tags.message_index[t] >= 0
         assert tags.actionable[t] == (tags.message_index[t] in actionable)
+    # each message's closing <|im_end|> is its own: owner, turn bucket, actionable flag
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    closing = {s: t for t, (s, _) in enumerate(offsets) if tags.token_ids[t] == im_end}
+    for s, i in ref.closers.items():
+        t = closing[s]
+        assert tags.message_index[t] == i, where(t)
+        assert unpacked(tags.codes[t]).temporal == bucket(i), where(t)
+        assert tags.actionable[t] == (i in actionable), where(t)
     assert tags.forced(True) == [
         tags.actionable[t] or t >= tags.tail_start or t < tags.protected_prefix
         for t in range(len(offsets))
@@ -646,12 +660,13 @@ def test_search_fallback_agrees_with_alignment(kind_tok):
         system_end=len(block),
     )
     assert searched == exact
-    # without system_end the system block ends where the first user message's share starts
+    # without system_end the system block ends where the first user message's share starts:
+    # after the system block's own closing token, so the guess is exact
     guessed = tag_tokens(exact.text, msgs, tok, messages_end=len(bare))
-    p = exact.protected_prefix
-    assert guessed.codes[p:] == exact.codes[p:] and guessed.actionable == exact.actionable
-    assert guessed.protected_prefix < p
-    assert tok.decode(guessed.token_ids[: guessed.protected_prefix]).endswith("</tool_call>")
+    assert guessed == exact
+    assert tok.decode(guessed.token_ids[: guessed.protected_prefix]).endswith(
+        "</tool_call><|im_end|>\n"
+    )
 
 
 def _norm(m):

@@ -97,9 +97,11 @@ def test_encoded_payload_shape(base):
     assert base["policy"] == {
         "method": "intentkv",
         "budget": 2048,
+        "budget_scope": "total",
         "memory_decay": 0.5,
         "mode": "memory",
         "protect_system": True,
+        "fallback_window": 32,
         "alpha_max": 1.0,
     }
     roles = [m["role"] for m in base["messages"]]
@@ -282,7 +284,7 @@ MALFORMED = [
         "mode-bad",
         lambda b: _mut(b, ("policy", "mode"), "both"),
         "policy.mode",
-        "'memory' or 'query'",
+        "'memory', 'query' or 'learned'",
     ),
     (
         "policy-extra",

@@ -1,4 +1,5 @@
-"""IntentKV on the real engine: rule score, forced set, QueryMemory across turns and sessions.
+"""IntentKV on the real engine: budget semantics, rule score, forced set, QueryMemory across
+turns and sessions, the fallback query.
 
 The engine's own IntentKV instance is observed (its ``plan`` wrapped, nothing replaced): each
 record holds the real plan context, the plan, the keys the plan read and the session memory
@@ -78,12 +79,12 @@ def chat(engine, messages, tools, policy, sid, max_tokens=1):
     )
 
 
-def check_rule_plan(rec: Record, probe: torch.Tensor, budget: int) -> torch.Tensor:
-    """Scores equal the brute force; kept = forced + the ``budget`` best candidates."""
+def check_rule_plan(rec: Record, probe: torch.Tensor, keep_n: int) -> torch.Tensor:
+    """Scores equal the brute force; kept = forced + the ``keep_n`` best candidates."""
     ctx, plan = rec.ctx, rec.plan
     T = ctx.seq_len
     candidates = ctx.live & ~ctx.forced
-    assert int(candidates.sum()) > budget
+    assert int(candidates.sum()) > keep_n > 0
     brute = brute_rule_score(probe, rec.keys, candidates, T)
     torch.testing.assert_close(plan.scores.double(), brute, rtol=1e-4, atol=1e-9)
     assert float(brute[candidates].sum()) == pytest.approx(1.0, rel=1e-6)
@@ -91,25 +92,33 @@ def check_rule_plan(rec: Record, probe: torch.Tensor, budget: int) -> torch.Tens
     evicted[plan.evict] = True
     assert not bool((evicted & ctx.forced).any())
     kept = candidates & ~evicted
-    assert int(kept.sum()) == budget and bool((evicted <= candidates).all())
+    assert int(kept.sum()) == keep_n and bool((evicted <= candidates).all())
     assert float(brute[kept].min()) >= float(brute[candidates & evicted].max()) - 1e-9
     return brute
 
 
-def test_rule_score_forced_set_and_cached_holes(engine, airline_cached, intentkv):
+def n_forced(engine, messages, tools, policy: IntentKV) -> int:
+    return sum(engine.renderer.encode(messages, tools).forced(policy.protect_system))
+
+
+def test_total_budget_rule_score_and_cached_holes(engine, airline_cached, intentkv):
+    """The paper's reading: live KV after the plan = max(B, |forced|), the rest by score."""
     method, records = intentkv
     messages, tools = airline_cached
-    policy, sid = IntentKV(budget=64), "x:intentkv-rule"
+    F = n_forced(engine, messages, tools, IntentKV())
+    policy, sid = IntentKV(budget=F + 64), "x:intentkv-rule"
     res = chat(engine, messages, tools, policy, sid)
     (rec,) = records
+    assert int(rec.ctx.forced.sum()) == F
     q_bar = rec.ctx.observation
-    # first turn: m = normalize(q_bar), unit norm per (layer, head)
+    # first compression event: m = normalize(q_bar), unit norm per (layer, head)
     torch.testing.assert_close(rec.memory, normalize(q_bar))
     torch.testing.assert_close(rec.memory.norm(dim=-1), torch.ones(q_bar.shape[:2]))
-    check_rule_plan(rec, rec.memory, policy.budget)
+    check_rule_plan(rec, rec.memory, 64)
+    T = rec.ctx.seq_len
+    assert T - rec.plan.evict.numel() == policy.budget  # total live KV = B
     assert res.usage.evicted_tokens == rec.plan.evict.numel()
     # the finished request's prefix-cache entry holds exactly the plan's holes
-    T = rec.ctx.seq_len
     tokens = torch.tensor(engine.renderer.encode(messages, tools).token_ids)
     match = engine.store.prefix_cache.match(sid, tokens, max_len=T)
     assert match.length == T and match.from_session
@@ -121,23 +130,53 @@ def test_rule_score_forced_set_and_cached_holes(engine, airline_cached, intentkv
     engine.store.check_invariants()
 
 
-def test_nothing_evicted_when_history_fits(engine, airline_cached, intentkv):
+def test_budget_below_forced_set_and_history_scope(engine, airline_cached, intentkv):
+    """B < |forced|: only the forced set stays. ``budget_scope="history"``: B on top of it."""
     _, records = intentkv
     messages, tools = airline_cached
-    res = chat(engine, messages, tools, IntentKV(budget=4096), "x:intentkv-fits")
+    F = n_forced(engine, messages, tools, IntentKV())
+    chat(engine, messages, tools, IntentKV(budget=F // 2), "x:intentkv-tight")
+    tight = records[-1]
+    T = tight.ctx.seq_len
+    assert (
+        sorted(tight.plan.evict.tolist()) == torch.nonzero(~tight.ctx.forced).reshape(-1).tolist()
+    )
+    assert "fills the budget" in tight.plan.note and T - tight.plan.evict.numel() == F
+    assert tight.memory is not None  # still a compression event: the memory moves
+    chat(engine, messages, tools, IntentKV(budget=64, budget_scope="history"), "x:intentkv-hist")
+    hist = records[-1]
+    check_rule_plan(hist, hist.memory, 64)
+    assert T - hist.plan.evict.numel() == F + 64
+    for sid in ("x:intentkv-tight", "x:intentkv-hist"):
+        engine.end_session(sid)
+    engine.store.check_invariants()
+
+
+def test_memory_moves_only_in_compression_events(engine, airline_cached, intentkv):
+    """A request under budget evicts nothing and leaves the session memory alone (the paper's
+    appendix: the memory updates after the skip test); the next compression event starts it."""
+    method, records = intentkv
+    messages, tools = airline_cached
+    sid = "x:intentkv-fits"
+    res = chat(engine, messages, tools, IntentKV(budget=4096), sid)
     (rec,) = records
     assert rec.plan.is_noop and "nothing evicted" in rec.plan.note
     assert res.usage.evicted_tokens == 0 and res.usage.live_kv_tokens >= res.usage.prompt_tokens
-    assert rec.memory is not None  # the memory still follows the session
-    engine.end_session("x:intentkv-fits")
+    assert rec.memory is None and sid not in method.memory
+    turn2 = messages + [{"role": "assistant", "content": res.text}, NEXT_USER]
+    chat(engine, turn2, tools, IntentKV(budget=128, protect_system=False), sid)
+    ev = records[-1]
+    assert not ev.plan.is_noop
+    torch.testing.assert_close(ev.memory, normalize(ev.ctx.observation))
+    engine.end_session(sid)
 
 
 def test_memory_across_turns_modes_and_sessions(engine, airline_cached, intentkv):
     method, records = intentkv
     messages, tools = airline_cached
     beta = 0.7
-    mem_policy = IntentKV(budget=64, memory_decay=beta)
-    query_policy = IntentKV(budget=64, memory_decay=beta, mode="query")
+    mem_policy = IntentKV(budget=160, memory_decay=beta, protect_system=False)
+    query_policy = mem_policy.model_copy(update={"mode": "query"})
     sm, sq = "x:intentkv-memory", "x:intentkv-query"
 
     # turn 1 of both sessions, then turn 2
@@ -148,21 +187,26 @@ def test_memory_across_turns_modes_and_sessions(engine, airline_cached, intentkv
     chat(engine, turn2, tools, query_policy, sq)
     m1, q1, m2, q2 = records
     assert [r.ctx.session_id for r in records] == [sm, sq, sm, sq]
+    keep2 = 160 - int((m2.ctx.live & m2.ctx.forced).sum())
 
-    # memory recurrence: m2 = normalize(beta * m1 + (1 - beta) * q_bar2), unit norm
+    # memory recurrence on directions: m2 = normalize(beta m1 + (1 - beta) normalize(q_bar2))
     torch.testing.assert_close(m1.memory, normalize(m1.ctx.observation))
-    expected = normalize(beta * m1.memory + (1 - beta) * m2.ctx.observation)
-    torch.testing.assert_close(m2.memory, expected)
+    q_hat2 = normalize(m2.ctx.observation)
+    torch.testing.assert_close(m2.memory, normalize(beta * m1.memory + (1 - beta) * q_hat2))
     torch.testing.assert_close(m2.memory.norm(dim=-1), torch.ones(m2.memory.shape[:2]))
-    assert not torch.allclose(m2.memory, normalize(m2.ctx.observation), atol=1e-3)
+    # the memory remembers turn 1: closer to m1 than to the new query (beta > 1/2)
+    cos_old = (m2.memory * m1.memory).sum(-1)
+    cos_new = (m2.memory * q_hat2).sum(-1)
+    assert bool((cos_old > cos_new).all())
 
-    # turn 2 scores: memory mode with m2, query mode with its own q_bar
-    check_rule_plan(m2, m2.memory, 64)
-    check_rule_plan(q2, q2.ctx.observation, 64)
+    # turn 2 scores: memory mode with m2, query mode with normalize(q_bar): the same norm, so
+    # the modes differ by the memory only; query mode never stores a memory
+    check_rule_plan(m2, m2.memory, keep2)
+    check_rule_plan(q2, normalize(q2.ctx.observation), keep2)
+    assert q1.memory is None and q2.memory is None and sq not in method.memory
     cand_q = q2.ctx.live & ~q2.ctx.forced
-    with_memory = brute_rule_score(q2.memory, q2.keys, cand_q, q2.ctx.seq_len)
+    with_memory = brute_rule_score(m2.memory, q2.keys, cand_q, q2.ctx.seq_len)
     assert not torch.allclose(q2.plan.scores.double(), with_memory, atol=1e-5)
-    assert set(q2.plan.evict.tolist()) != set(m2.plan.evict.tolist())
 
     # another session starts from its own query, and leaves these memories alone
     before = method.memory.get(sm).clone()
@@ -175,8 +219,69 @@ def test_memory_across_turns_modes_and_sessions(engine, airline_cached, intentkv
     chat(engine, other, tools, mem_policy, "req:intentkv-local")
     r = records[-1]
     assert r.memory is None and "req:intentkv-local" not in method.memory
-    check_rule_plan(r, normalize(r.ctx.observation), 64)
+    check_rule_plan(r, normalize(r.ctx.observation), 160 - int((r.ctx.live & r.ctx.forced).sum()))
     for sid in (sm, sq, "x:intentkv-other", "req:intentkv-local"):
         engine.end_session(sid)
     assert sm not in method.memory
     engine.store.check_invariants()
+
+
+def test_fallback_query_is_the_tail_window(engine, airline_cached, intentkv):
+    """No actionable message: q_bar averages the last ``fallback_window`` positions, and the
+    engine recomputes them even when the prefix cache holds the whole prompt, so a warm and a
+    cold request score with the same query."""
+    from agentkv import FullCache
+    from agentkv.engine.engine import GenerationConfig
+
+    _, records = intentkv
+    messages, tools = airline_cached
+
+    def no_actionable(sid: str, window: int) -> Record:
+        policy = IntentKV(budget=128, protect_system=False, fallback_window=window)
+        payload = build_payload(messages, policy, sid)
+        anns = [a.model_copy(update={"actionable": False}) for a in payload.messages]
+        payload = payload.model_copy(update={"messages": anns})
+        engine.chat(messages, tools, payload=payload, gen=GenerationConfig(max_tokens=1))
+        engine.end_session(sid)
+        return records[-1]
+
+    warm = no_actionable("req:fallback-warm", 16)  # the prompt sits in the prefix cache
+    assert not bool(warm.ctx.actionable.any()) and not warm.plan.is_noop
+    engine.store.flush_prefix_cache()
+    cold = no_actionable("req:fallback-cold", 16)
+    torch.testing.assert_close(warm.ctx.observation, cold.ctx.observation, rtol=1e-4, atol=1e-4)
+    # a window, not the last token's query alone
+    one = no_actionable("req:fallback-one", 1)
+    assert not torch.allclose(one.ctx.observation, cold.ctx.observation, atol=1e-3)
+    # warm the shared prefix cache again for the tests that follow
+    payload = build_payload(messages, FullCache(), "x:methods-warmup")
+    engine.chat(messages, tools, payload=payload, gen=GenerationConfig(max_tokens=1))
+    engine.end_session("x:methods-warmup")
+    engine.store.check_invariants()
+
+
+def test_learned_mode_with_an_untrained_head_is_the_rule(
+    engine, airline_cached, intentkv, tmp_path, monkeypatch
+):
+    """Phase-2 at initialisation: s~ = log(|C| s) exactly, so the plan is the memory rule's."""
+    from agentkv.methods.intentkv_head import HEAD_FILE, HEADS_ENV, HeadConfig, ResidualHead
+
+    method, records = intentkv
+    ResidualHead(HeadConfig.for_shape(engine.shape, model="untrained")).save(
+        tmp_path / "untrained" / HEAD_FILE
+    )
+    monkeypatch.setenv(HEADS_ENV, str(tmp_path))
+    monkeypatch.setattr(method, "_head", None)
+    messages, tools = airline_cached
+    rule = IntentKV(budget=160, protect_system=False)
+    chat(engine, messages, tools, rule, "x:intentkv-rule-twin")
+    chat(engine, messages, tools, rule.model_copy(update={"mode": "learned"}), "x:intentkv-learned")
+    r, lr = records[-2:]
+    assert method.head().config.model == "untrained"
+    assert torch.equal(r.plan.evict, lr.plan.evict) and lr.plan.evict.numel() > 0
+    cand = lr.ctx.live & ~lr.ctx.forced
+    expected = torch.log(r.plan.scores[cand].double() * int(cand.sum())).float()
+    torch.testing.assert_close(lr.plan.scores[cand], expected)
+    assert bool(torch.isinf(lr.plan.scores[~cand]).all())
+    for sid in ("x:intentkv-rule-twin", "x:intentkv-learned"):
+        engine.end_session(sid)

@@ -7,8 +7,9 @@ tool schema, a tool call, its result and a user question; ~600 tokens) through t
 engine. A new method joins by adding one line to :data:`METHOD_CASES` (and, if it always keeps
 some positions, one entry to :func:`always_kept`).
 
-Checks: the budget holds after the plan (IntentKV: live tokens <= budget + forced set;
-per-head baselines: live entries per (layer, KV head) <= budget), resident bytes follow the
+Checks: the budget holds after the plan (IntentKV: live tokens <= max(budget, forced set),
+or budget + forced set with ``budget_scope="history"``; per-head baselines: live entries per
+(layer, KV head) <= budget), resident bytes follow the
 decision (evicting methods: within 10% of their effective bytes; quantizing methods: every
 cell before the residual window quantized), decode only appends;
 FullCache evicts nothing and answers exactly like a request without a payload; the positions
@@ -42,7 +43,8 @@ METHOD_CASES = [
     pytest.param(StreamingLLM(budget=BUDGET, sinks=4), id="streamingllm"),
     pytest.param(SnapKV(budget=BUDGET, window=16, kernel=5), id="snapkv"),
     pytest.param(H2O(budget=BUDGET, recent=16), id="h2o"),
-    pytest.param(IntentKV(budget=BUDGET), id="intentkv"),
+    pytest.param(IntentKV(budget=BUDGET, protect_system=False), id="intentkv"),
+    pytest.param(IntentKV(budget=BUDGET, budget_scope="history"), id="intentkv-history"),
     pytest.param(UniformQuant(bits=4, residual=64), id="uniform_quant-4"),
     pytest.param(UniformQuant(bits=2, residual=64), id="uniform_quant-2"),
 ]
@@ -51,7 +53,7 @@ NEXT_USER = {"role": "user", "content": "The 3 PM flight works. Please book it w
 
 
 def keeps_forced_set(policy: KVPolicy) -> bool:
-    """Methods whose budget covers the compressible history only (IntentKV's forced set)."""
+    """Methods that keep whole positions: a forced set, then the best candidates."""
     return isinstance(policy, IntentKV)
 
 
@@ -76,7 +78,11 @@ def budget_bound(policy: KVPolicy, T: int, n_forced: int) -> int:
     """Live KV tokens allowed right after the plan."""
     if not policy.evicts:
         return T
-    return policy.budget + (n_forced if keeps_forced_set(policy) else 0)
+    if isinstance(policy, IntentKV):
+        if policy.budget_scope == "history":
+            return policy.budget + n_forced
+        return max(policy.budget, n_forced)
+    return policy.budget
 
 
 def encode(engine, messages, tools, payload):
@@ -149,8 +155,8 @@ def test_method(engine, airline_cached, policy):
     else:
         assert bool(((prec == int(Precision.FULL)) | ~kept).all()) and u1.quantized_entries == 0
     if keeps_forced_set(policy):
-        # exactly `budget` candidates beside the forced set, whole positions
-        assert int(resident.sum()) == int(forced.sum()) + policy.budget
+        # the forced set and the best candidates up to the bound, whole positions
+        assert int(resident.sum()) == bound and bool(resident[forced].all())
         assert bool((kept == resident).all())
 
     turn2 = messages + [{"role": "assistant", "content": REPLY}, NEXT_USER]
