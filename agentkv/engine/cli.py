@@ -1,4 +1,5 @@
-"""``agentkv`` command line: ``serve``, ``demo`` and ``bench replay|compare|export|merge``."""
+"""``agentkv`` command line: ``serve``, ``demo``, ``train-kvzap`` and
+``bench replay|compare|export|merge``."""
 
 from __future__ import annotations
 
@@ -66,6 +67,48 @@ def demo(
         budgets=[int(b) for b in budgets.split(",") if b],
         trace_index=trace,
         max_messages=max_messages,
+    )
+
+
+@app.command("train-kvzap")
+def train_kvzap(
+    out: Annotated[Path, typer.Option(help="folder for the surrogates, metrics and plots")],
+    model: ModelOpt = None,
+    device: DeviceOpt = None,
+    wiki_texts: Annotated[int, typer.Option(help="Wikipedia passages")] = 200,
+    trace_texts: Annotated[
+        int, typer.Option(help="tau-bench windows (trajectories outside the replay sample)")
+    ] = 100,
+    prompt_tokens: Annotated[int, typer.Option(help="tokens per training context")] = 256,
+    tokens_per_text: Annotated[
+        int, typer.Option(help="positions sampled per context (training pairs)")
+    ] = 96,
+    epochs: Annotated[int, typer.Option(help="MLP epochs")] = 30,
+    seed: Annotated[int, typer.Option(help="sampling and initialisation seed")] = 0,
+) -> None:
+    """Train KVzap surrogates (linear and MLP) for a model on KVzip+ targets it computes.
+
+    Load the result with ``KVzap(surrogate_path=OUT)``."""
+    from agentkv.train.kvzap_fit import TrainConfig
+    from agentkv.train.kvzap_fit import train_kvzap as run
+
+    with _user_errors():
+        m = run(
+            TrainConfig(
+                out=out,
+                model=model,
+                device=device,
+                wiki_texts=wiki_texts,
+                trace_texts=trace_texts,
+                prompt_tokens=prompt_tokens,
+                tokens_per_text=tokens_per_text,
+                epochs=epochs,
+                seed=seed,
+            )
+        )
+    print(
+        f"R^2 (validation, mean over layers and heads): linear {m['linear_r2_mean']:.3f}, "
+        f"mlp {m['mlp_r2_mean']:.3f}; wrote {out}/linear.safetensors, {out}/mlp.safetensors"
     )
 
 

@@ -28,6 +28,7 @@ import torch
 from agentkv.annotation import MessageAnnotation, annotate_messages
 from agentkv.cache import DEAD, KVStore, RequestKV
 from agentkv.engine.chat_template import ChatRenderer
+from agentkv.engine.decode_pruning import DecodePruning
 from agentkv.engine.model_loader import load_model
 from agentkv.engine.store_cache import CACHE_KWARG, LiveView, StoreCache
 from agentkv.engine.telemetry import KVUsage, SessionMetrics
@@ -249,7 +250,9 @@ class Engine:
         with self._lock:
             req, logits, plan_info = self._prefill_and_plan(tags, payload)
             try:
-                out_ids, finish, (raw, eff) = self._decode(req, logits, gen, stream)
+                out_ids, finish, (raw, eff) = self._decode(
+                    req, logits, gen, stream, plan_info["decode_pruning"]
+                )
                 usage = self._usage(req, payload, tags, len(out_ids), plan_info, t0)
             finally:
                 self.store.finish_request(req, cache=True)
@@ -300,7 +303,9 @@ class Engine:
                 positions = torch.arange(n, n + len(target_ids) - 1)
                 if positions.numel():
                     slots = self.store.extend(req, target_ids[:-1])
-                    cache = StoreCache(LiveView(self.store, req), positions, slots)
+                    pruning = plan_info["decode_pruning"]  # its observer scores the target too
+                    observer = pruning.observer if pruning is not None else None
+                    cache = StoreCache(LiveView(self.store, req), positions, slots, observer)
                     tail_logits = self._forward(
                         target_ids[:-1], positions, cache, keep=positions.numel()
                     )
@@ -436,6 +441,9 @@ class Engine:
             plan = method.plan(ctx)
             info = self._apply(req, plan)
             info["forced"] = int(ctx.forced.sum())
+            info["decode_pruning"] = DecodePruning.for_request(
+                self.store, req, method, ctx, observer, info
+            )
         except BaseException:
             self.store.finish_request(req, cache=False)
             raise
@@ -463,7 +471,12 @@ class Engine:
         }
 
     def _decode(
-        self, req, logits, gen: GenerationConfig, stream: _ContentStream | None
+        self,
+        req,
+        logits,
+        gen: GenerationConfig,
+        stream: _ContentStream | None,
+        pruning: DecodePruning | None = None,
     ) -> tuple[list[int], str, tuple[int, int]]:
         generator = None
         if gen.temperature > 0:
@@ -491,10 +504,13 @@ class Engine:
                 break
             pos = req.seq_len
             slots = self.store.extend(req, [tok])
-            cache = StoreCache(view, torch.tensor([pos]), slots)
+            observer = pruning.observer if pruning is not None else None
+            cache = StoreCache(view, torch.tensor([pos]), slots, observer)
             logits = self._forward([tok], torch.tensor([pos]), cache, keep=1)[-1]
             raw += pos + 1
             eff += int(round(cache.attended_keys / self.shape.num_layers))
+            if pruning is not None:
+                view = pruning.after_step(view)
         return out, finish, (raw, eff)
 
     def _greedy_fork(self, req: RequestKV, logits: torch.Tensor, n_tokens: int) -> list[int]:
@@ -563,6 +579,7 @@ class Engine:
             resident_kv_tokens=stats.resident_slots,
             resident_kv_bytes=stats.resident_bytes,
             planned_live_kv_tokens=round(plan_info["planned_live"], 2),
+            compression_ratio=round(1 - stats.effective_live_tokens / max(stats.seq_len, 1), 4),
             forced_tokens=plan_info["forced"],
             evicted_tokens=plan_info["evicted_tokens"],
             evicted_entries=plan_info["evicted_entries"],

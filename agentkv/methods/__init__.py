@@ -3,8 +3,9 @@
 Importing this package registers every implementation with :mod:`agentkv.methods.base`.
 """
 
-from agentkv.methods import full_cache, h2o, intentkv, snapkv, streaming_llm  # noqa: F401
+from agentkv.methods import full_cache, h2o, intentkv, kvzap, snapkv, streaming_llm  # noqa: F401
 from agentkv.methods.base import (
+    DecodeContext,
     Method,
     MethodSet,
     ModelShape,
@@ -17,6 +18,7 @@ from agentkv.methods.base import (
 )
 
 __all__ = [
+    "DecodeContext",
     "Method",
     "MethodSet",
     "ModelShape",
