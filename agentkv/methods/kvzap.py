@@ -66,7 +66,9 @@ class KVzapScores(PrefillObserver):
         if end > self.capacity:
             grow = max(end, 2 * self.capacity) - self.capacity
             assert self.known is not None
-            self.scores = torch.cat([self.scores, self.scores.new_zeros(*self.scores.shape[:2], grow)], -1)
+            self.scores = torch.cat(
+                [self.scores, self.scores.new_zeros(*self.scores.shape[:2], grow)], -1
+            )
             self.known = torch.cat([self.known, self.known.new_zeros(grow)])
             self.capacity += grow
 

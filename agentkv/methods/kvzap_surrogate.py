@@ -148,9 +148,9 @@ class Surrogate:
             t = {k: f.get_tensor(k).float() for k in f.keys()}  # noqa: SIM118
         sur = cls(meta, t["w1"], t["b1"], t.get("w2"), t.get("b2"))
         L, H1, D = sur.w1.shape
-        ok = (L, D) == (meta.num_layers, meta.hidden_size) and sur.b1.shape == (L, H1)
+        ok = (meta.num_layers, meta.hidden_size) == (L, D) and sur.b1.shape == (L, H1)
         if sur.w2 is None:
-            ok = ok and H1 == meta.num_kv_heads and meta.kind == "linear"
+            ok = ok and meta.num_kv_heads == H1 and meta.kind == "linear"
         else:
             assert sur.b2 is not None
             ok = ok and sur.w2.shape == (L, meta.num_kv_heads, H1) and meta.kind == "mlp"

@@ -272,9 +272,7 @@ def train_kvzap(cfg: TrainConfig) -> dict[str, Any]:
         "linear_val_mse": sum(lin_val_mse) / L,
         "mlp_train_mse": [sum(c[e] for c in mlp_train) / L for e in range(cfg.epochs)],
         "mlp_val_mse": [sum(c[e] for c in mlp_val) / L for e in range(cfg.epochs)],
-        "file_bytes": {
-            k: (cfg.out / f"{k}.safetensors").stat().st_size for k in ("linear", "mlp")
-        },
+        "file_bytes": {k: (cfg.out / f"{k}.safetensors").stat().st_size for k in ("linear", "mlp")},
         "params": {"linear": linear.num_params, "mlp": mlp.num_params},
     }
     for kind in ("linear", "mlp"):
