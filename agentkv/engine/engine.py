@@ -355,7 +355,8 @@ class Engine:
         try:
             self.methods.for_policy(payload.policy)
         except ValueError as e:
-            raise RequestError(str(e), field="payload.policy.method") from None
+            field = getattr(e, "field", None) or "payload.policy.method"
+            raise RequestError(str(e), field=field) from None
         if len(annotations) != len(messages):
             raise RequestError(
                 f"payload has {len(annotations)} message annotations for {len(messages)} messages",
@@ -408,6 +409,7 @@ class Engine:
         reuse = T
         if type(method).observer is not Method.observer:
             reuse = next((i + 1 for i, a in enumerate(tags.actionable) if a), T)
+        reuse = method.prefix_reuse(policy, payload.session_id, reuse)
         # request-local ids never match again: their holes go to no session namespace
         store_session = None if is_request_local(payload.session_id) else payload.session_id
         req = self.store.begin_request(store_session, tags.token_ids[:reuse])

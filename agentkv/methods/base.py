@@ -167,6 +167,11 @@ class Method:
         """Raise ``ValueError`` (message naming the field) if this engine cannot serve
         ``policy``, e.g. a missing trained artifact. Called before the request runs."""
 
+    def prefix_reuse(self, policy: KVPolicy, session_id: str, limit: int) -> int:
+        """Length (``1..limit``) of the prompt prefix offered to the prefix cache, which reuses
+        at most that many minus one positions; the rest are recomputed (and observed)."""
+        return limit
+
     def decode_interval(self, policy: KVPolicy) -> int:
         """Call :meth:`plan_decode` every this many decode steps (0: never)."""
         return 0

@@ -99,6 +99,7 @@ class KVzapScores(PrefillObserver):
         known = self.known[start:end].cpu()
         return sc.masked_fill(~known[None, None, :], float("inf"))
 
+    @torch.inference_mode()  # the buffers were made in the engine's inference mode
     def adopt(self, prev: KVzapScores, upto: int) -> None:
         """Take the scores of positions ``< upto`` this request did not compute from ``prev``
         (the session's previous buffer: same tokens, reused from the prefix cache)."""
@@ -111,6 +112,13 @@ class KVzapScores(PrefillObserver):
         take = (~self.known[:upto]) & prev.known[:upto].to(device)
         self.scores[:, :, :upto][:, :, take] = prev.scores[:, :, :upto].to(device)[:, :, take]
         self.known[:upto] |= take
+
+    def scored_prefix(self) -> int:
+        """Length of the leading run of scored positions."""
+        if self.known is None:
+            return 0
+        unknown = torch.nonzero(~self.known).reshape(-1)
+        return int(unknown[0]) if unknown.numel() else self.capacity
 
     def result(self) -> KVzapScores:
         return self
@@ -143,6 +151,12 @@ class KVzapMethod(Method):
     def observer(self, policy: KVPolicy, req: ObserveRequest) -> PrefillObserver | None:
         assert isinstance(policy, KVzap)
         return KVzapScores(self.surrogate(policy), req)
+
+    def prefix_reuse(self, policy: KVPolicy, session_id: str, limit: int) -> int:
+        """Only the session's own scored positions come from the prefix cache: a position
+        reused without a score could not be pruned (other sessions' prefixes are recomputed)."""
+        prev = self._sessions.get(session_id)
+        return min(limit, 1 + (0 if prev is None else prev.scored_prefix()))
 
     def decode_interval(self, policy: KVPolicy) -> int:
         assert isinstance(policy, KVzap)

@@ -39,7 +39,12 @@ _MAX_FILE_BYTES = 1 << 30
 
 
 class SurrogateNotFound(ValueError):
-    """No usable surrogate for this model / path (the message names the command to make one)."""
+    """No usable surrogate for this model / path (the message names the command to make one);
+    ``field`` names the policy field at fault (the engine's HTTP 400 names it)."""
+
+    def __init__(self, message: str, field: str):
+        super().__init__(message)
+        self.field = field
 
 
 @dataclass(frozen=True)
@@ -181,7 +186,8 @@ def shipped_surrogate(kind: str, shape: ModelShape) -> Surrogate:
         f"payload.policy.surrogate: KVzap ships {kind!r} surrogates only for "
         f"SmolLM2-135M-Instruct; this model ({shape.num_layers} layers, {shape.num_q_heads} "
         f"query / {shape.num_kv_heads} KV heads of dim {shape.head_dim}) has none. Train one "
-        f"with `{TRAIN_HINT}` and set KVzap(surrogate_path=DIR)"
+        f"with `{TRAIN_HINT}` and set KVzap(surrogate_path=DIR)",
+        "payload.policy.surrogate",
     )
 
 
@@ -197,17 +203,19 @@ def surrogate_from_path(path: str, kind: str, shape: ModelShape) -> Surrogate:
         try:
             folder.resolve().relative_to(Path(root).resolve())
         except ValueError:
-            raise SurrogateNotFound(f"{field}: must lie inside ${ROOT_ENV}") from None
+            raise SurrogateNotFound(f"{field}: must lie inside ${ROOT_ENV}", field) from None
     sur = _read_surrogate(folder / f"{kind}.safetensors")
     if sur is None:
         raise SurrogateNotFound(
             f"{field}: no readable {kind}.safetensors KVzap surrogate in {path!r}; "
-            f"make one with `{TRAIN_HINT}`"
+            f"make one with `{TRAIN_HINT}`",
+            field,
         )
     if not sur.meta.matches(shape):
         raise SurrogateNotFound(
             f"{field}: the surrogate in {path!r} was trained for {sur.meta.model!r} "
             f"({sur.meta.num_layers} layers, {sur.meta.num_kv_heads} KV heads), not this model; "
-            f"make one with `{TRAIN_HINT}`"
+            f"make one with `{TRAIN_HINT}`",
+            field,
         )
     return sur
