@@ -5,7 +5,8 @@ policy at a small budget; :func:`test_method` is parametrised over it and drives
 a real session (SmolLM2-135M, a real tau-bench airline conversation with a system prompt, a
 tool schema, a tool call, its result and a user question; ~600 tokens) through the embedded
 engine. A new method joins by adding one line to :data:`METHOD_CASES` (and, if it always keeps
-some positions, one entry to :func:`always_kept`).
+some positions, one entry to :func:`always_kept`). Threshold methods (KVzap) have no budget:
+their bound is the prompt length, and they must still evict on this prompt.
 
 Checks: the budget holds after the plan (IntentKV: live tokens <= budget + forced set;
 per-head baselines: live entries per (layer, KV head) <= budget), decode only appends;
@@ -20,7 +21,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from agentkv import H2O, FullCache, IntentKV, KVPolicy, SnapKV, StreamingLLM, build_payload
+from agentkv import H2O, FullCache, IntentKV, KVPolicy, KVzap, SnapKV, StreamingLLM, build_payload
 from agentkv.cache import DEAD
 
 pytestmark = pytest.mark.slow
@@ -32,6 +33,7 @@ METHOD_CASES = [
     pytest.param(SnapKV(budget=BUDGET, window=16, kernel=5), id="snapkv"),
     pytest.param(H2O(budget=BUDGET, recent=16), id="h2o"),
     pytest.param(IntentKV(budget=BUDGET), id="intentkv"),
+    pytest.param(KVzap(threshold=-5.0, window=16), id="kvzap"),
 ]
 REPLY = "Yes: HAT083 leaves JFK at 3:00 PM EST and lands in Seattle at 9:00 PM EST."
 NEXT_USER = {"role": "user", "content": "The 3 PM flight works. Please book it with my card."}
@@ -56,12 +58,14 @@ def always_kept(policy: KVPolicy, T: int, forced: torch.Tensor) -> torch.Tensor:
         keep[T - min(policy.window, policy.budget) :] = True
     elif isinstance(policy, H2O):
         keep[T - min(policy.recent, policy.budget) :] = True
+    elif isinstance(policy, KVzap):
+        keep[T - policy.window :] = True
     return keep
 
 
 def budget_bound(policy: KVPolicy, T: int, n_forced: int) -> int:
-    """Live KV tokens allowed right after the plan."""
-    if not policy.evicts:
+    """Live KV tokens allowed right after the plan (threshold methods: no budget)."""
+    if not policy.evicts or not hasattr(policy, "budget"):
         return T
     return policy.budget + (n_forced if keeps_forced_set(policy) else 0)
 
@@ -125,10 +129,12 @@ def test_method(engine, airline_cached, policy):
             assert bool(live_all_heads[kept].all()), "a promised position was evicted"
             bound = budget_bound(policy, T, int(forced.sum()))
             assert int(per_head.max()) <= bound
-            if policy.evicts:  # T is well above the budget: the budget is used in full
-                assert int(per_head.min()) == bound
-                assert info["evicted_entries"] == per_head.numel() * T - int(per_head.sum())
-                assert info["evicted_tokens"] == int((~resident).sum()) > 0
+            if policy.evicts:
+                assert info["evicted_entries"] == per_head.numel() * T - int(per_head.sum()) > 0
+                assert info["evicted_tokens"] == int((~resident).sum())
+                if hasattr(policy, "budget"):  # T is well above it: the budget is used in full
+                    assert int(per_head.min()) == bound
+                    assert info["evicted_tokens"] > 0
             else:
                 assert info["evicted_entries"] == info["evicted_tokens"] == 0
                 assert bool(resident.all()) and mask is None
