@@ -95,6 +95,7 @@ def test_full_cache_matches_no_payload(engine, airline_request):
     assert full.token_ids == plain.token_ids and full.text == plain.text
     for u in (plain.usage, full.usage):
         assert u.method == "full" and u.evicted_tokens == 0 and u.evicted_entries == 0
+        assert u.compression_ratio == 0.0
         assert u.prompt_tokens <= u.live_kv_tokens <= u.prompt_tokens + u.completion_tokens
     engine.end_session(plain.usage.session_id)
     engine.end_session("x:matrix-full")
