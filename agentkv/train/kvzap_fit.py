@@ -146,7 +146,8 @@ def fit_mlp(
     hidden: int,
 ) -> tuple[list[torch.Tensor], list[float], list[float]]:
     """One-hidden-layer GELU MLP; returns ``([w1, b1, w2, b2] raw space, train, val MSE per
-    epoch)``."""
+    epoch)``. The weights are those of the epoch with the lowest validation MSE (early
+    stopping: with ~20k pairs per layer the MLP overfits after a few epochs)."""
     torch.manual_seed(cfg.seed)
     mu, sd = _standardise(x)
     z, zv = (x - mu) / sd, (x_val - mu) / sd
@@ -159,6 +160,7 @@ def fit_mlp(
     steps = cfg.epochs * math.ceil(len(z) / cfg.batch_size)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, max(steps, 1))
     train_curve, val_curve = [], []
+    best: tuple[float, list[torch.Tensor]] | None = None
     for _ in range(cfg.epochs):
         perm = torch.randperm(len(z))
         total = 0.0
@@ -169,14 +171,17 @@ def fit_mlp(
             loss.backward()
             opt.step()
             sched.step()
-            total += float(loss) * len(idx)
+            total += float(loss.detach()) * len(idx)
         train_curve.append(total / len(z))
         with torch.no_grad():
             val_curve.append(float(F.mse_loss(l2(F.gelu(l1(zv))), y_val)))
-    with torch.no_grad():
-        w1 = l1.weight / sd[None, :]
-        b1 = l1.bias - l1.weight @ (mu / sd)
-    return [w1, b1, l2.weight.detach().clone(), l2.bias.detach().clone()], train_curve, val_curve
+            if best is None or val_curve[-1] < best[0]:
+                best = (val_curve[-1], [p.detach().clone() for p in params])
+    assert best is not None
+    w1_std, b1_std, w2, b2 = best[1]
+    w1 = w1_std / sd[None, :]
+    b1 = b1_std - w1_std @ (mu / sd)
+    return [w1, b1, w2, b2], train_curve, val_curve
 
 
 def _plots(out: Path, metrics: dict[str, Any]) -> None:
@@ -202,10 +207,11 @@ def _plots(out: Path, metrics: dict[str, Any]) -> None:
     for ax, kind in zip(axes, ("linear", "mlp"), strict=True):
         r2 = torch.tensor(metrics[f"{kind}_r2_per_head"])
         im = ax.imshow(r2.numpy(), aspect="auto", vmin=0, vmax=1, cmap="viridis")
-        ax.set_title(f"{kind} (mean R^2 {r2.mean():.3f})")
+        ax.set_title(f"{kind}: mean {r2.mean():.3f}", fontsize=10)
         ax.set_xlabel("KV head")
         ax.set_xticks(range(r2.shape[1]))
     axes[0].set_ylabel("layer")
+    fig.suptitle(f"KVzap validation R^2 per head, {metrics['model']}")
     fig.colorbar(im, ax=axes, shrink=0.8, label="validation R^2")
     fig.savefig(out / "r2_per_head.png", dpi=120)
     plt.close(fig)
