@@ -203,6 +203,20 @@ class KVzap(KVPolicy):
     threshold: float = Field(-4.0, ge=-20.0, le=5.0, description="tau on predicted log-score")
     window: int = Field(128, ge=0, le=MAX_BUDGET, description="recent tokens always kept")
     surrogate: Literal["mlp", "linear"] = "mlp"
+    surrogate_path: str | None = Field(
+        None,
+        min_length=1,
+        max_length=1024,
+        pattern=r"^[^\x00-\x1f]+$",
+        description="server-side folder from `agentkv train-kvzap --out DIR` (for models "
+        "without a shipped surrogate); None = the surrogate shipped for the default model",
+    )
+    decode_interval: int = Field(
+        16,
+        ge=0,
+        le=4096,
+        description="prune during decode every N generated tokens (0: prefill only)",
+    )
 
 
 class ARKV(KVPolicy):

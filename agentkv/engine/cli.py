@@ -1,4 +1,4 @@
-"""``agentkv`` command line: ``serve``, ``demo``, ``train-intentkv`` and
+"""``agentkv`` command line: ``serve``, ``demo``, ``train-intentkv``, ``train-kvzap`` and
 ``bench replay|compare|export|merge``."""
 
 from __future__ import annotations
@@ -191,6 +191,48 @@ def train_intentkv(
         f"{d['rows']} rows from {d['sessions']} sessions ({d['candidates']} candidates, "
         f"positive rate {d['positive_rate']:.4f}); validation AUC rule {m['rule']['auc']:.3f} "
         f"-> head {m['head']['auc']:.3f}; wrote {out}/head.safetensors"
+    )
+
+
+@app.command("train-kvzap")
+def train_kvzap(
+    out: Annotated[Path, typer.Option(help="folder for the surrogates, metrics and plots")],
+    model: ModelOpt = None,
+    device: DeviceOpt = None,
+    wiki_texts: Annotated[int, typer.Option(help="Wikipedia passages")] = 200,
+    trace_texts: Annotated[
+        int, typer.Option(help="tau-bench windows (trajectories outside the replay sample)")
+    ] = 100,
+    prompt_tokens: Annotated[int, typer.Option(help="tokens per training context")] = 256,
+    tokens_per_text: Annotated[
+        int, typer.Option(help="positions sampled per context (training pairs)")
+    ] = 96,
+    epochs: Annotated[int, typer.Option(help="MLP epochs")] = 30,
+    seed: Annotated[int, typer.Option(help="sampling and initialisation seed")] = 0,
+) -> None:
+    """Train KVzap surrogates (linear and MLP) for a model on KVzip+ targets it computes.
+
+    Load the result with ``KVzap(surrogate_path=OUT)``."""
+    from agentkv.train.kvzap_fit import TrainConfig
+    from agentkv.train.kvzap_fit import train_kvzap as run
+
+    with _user_errors():
+        m = run(
+            TrainConfig(
+                out=out,
+                model=model,
+                device=device,
+                wiki_texts=wiki_texts,
+                trace_texts=trace_texts,
+                prompt_tokens=prompt_tokens,
+                tokens_per_text=tokens_per_text,
+                epochs=epochs,
+                seed=seed,
+            )
+        )
+    print(
+        f"R^2 (validation, mean over layers and heads): linear {m['linear_r2_mean']:.3f}, "
+        f"mlp {m['mlp_r2_mean']:.3f}; wrote {out}/linear.safetensors, {out}/mlp.safetensors"
     )
 
 

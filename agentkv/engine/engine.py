@@ -29,6 +29,7 @@ from agentkv.annotation import MessageAnnotation, annotate_messages
 from agentkv.cache import KVStore, OutOfSlots, Precision, RequestKV
 from agentkv.engine.calibration import CALIBRATION_MESSAGES
 from agentkv.engine.chat_template import ChatRenderer
+from agentkv.engine.decode_pruning import DecodePruning
 from agentkv.engine.kernel_decode import KernelDecode
 from agentkv.engine.model_loader import load_model
 from agentkv.engine.store_cache import CACHE_KWARG, LiveView, StoreCache
@@ -392,7 +393,9 @@ class Engine:
                 positions = torch.arange(n, n + len(target_ids) - 1)
                 if positions.numel():
                     slots = self.store.extend(req, target_ids[:-1])  # [L * Hkv, m - 1]
-                    cache = StoreCache(LiveView(self.store, req), positions, slots)
+                    pruning = plan_info["decode_pruning"]  # its observer scores the target too
+                    observer = pruning.observer if pruning is not None else None
+                    cache = StoreCache(LiveView(self.store, req), positions, slots, observer)
                     tail_logits = self._forward(
                         target_ids[:-1], positions, cache, keep=positions.numel()
                     )
@@ -538,7 +541,8 @@ class Engine:
         try:
             self.methods.for_policy(payload.policy)
         except ValueError as e:
-            raise RequestError(str(e), field="payload.policy.method") from None
+            field = getattr(e, "field", None) or "payload.policy.method"
+            raise RequestError(str(e), field=field) from None
         if len(annotations) != len(messages):
             raise RequestError(
                 f"payload has {len(annotations)} message annotations for {len(messages)} messages",
@@ -599,6 +603,7 @@ class Engine:
         if method.observes_prefill:
             tail = method.observed_tail(policy)
             reuse = next((i + 1 for i, a in enumerate(tags.actionable) if a), max(T - tail + 1, 1))
+        reuse = method.prefix_reuse(policy, payload.session_id, reuse)
         # request-local ids never match again: their holes go to no session namespace
         store_session = None if is_request_local(payload.session_id) else payload.session_id
         req = self.store.begin_request(
@@ -635,6 +640,9 @@ class Engine:
             info = self._apply(req, plan)
             info["forced"] = int(ctx.forced.sum())
             info["forced_mask"] = ctx.forced
+            info["decode_pruning"] = DecodePruning.for_request(
+                self.store, req, method, ctx, observer, info
+            )
         except BaseException:
             self.store.finish_request(req, cache=False)
             raise
@@ -700,6 +708,7 @@ class Engine:
         raw = eff = 0
         finish = "length"
         view = LiveView(self.store, req)
+        pruning: DecodePruning | None = info.get("decode_pruning")
         kernel = None
         if self.decode_attention != "dense":
             backend = "torch" if self.decode_attention == "reference" else "triton"
@@ -729,14 +738,19 @@ class Engine:
                 break
             if kernel is not None:
                 kernel.append(slots)
-            cache = StoreCache(view, torch.tensor([pos]), slots, kernel=kernel)
+            observer = pruning.observer if pruning is not None else None
+            cache = StoreCache(view, torch.tensor([pos]), slots, observer, kernel=kernel)
             logits = self._forward([tok], torch.tensor([pos]), cache, keep=1)[-1]
             raw += pos + 1
             if kernel is not None:
                 eff += int(round(req.slot_map.effective_live_tokens()))
             else:
                 eff += int(round(cache.attended_keys / self.shape.num_layers))
-            if self._demote_tail(req, info):  # a page filled: the views re-read the pools
+            moved = self._demote_tail(req, info)  # a page filled: the views re-read the pools
+            if pruning is not None:
+                pruned = pruning.after_step(view)
+                moved = moved or pruned is not view
+            if moved:
                 view = LiveView(self.store, req)
                 if kernel is not None:
                     kernel.rebuild()
@@ -810,6 +824,7 @@ class Engine:
             quantized_entries=plan_info["quantized"],
             slot_map_bytes=stats.slot_map_bytes,
             planned_live_kv_tokens=round(plan_info["planned_live"], 2),
+            compression_ratio=round(1 - stats.effective_live_tokens / max(stats.seq_len, 1), 4),
             forced_tokens=plan_info["forced"],
             evicted_tokens=plan_info["evicted_tokens"],
             evicted_entries=plan_info["evicted_entries"],

@@ -106,12 +106,14 @@ def load_model(
     device: str | None = None,
     dtype: torch.dtype | None = None,
 ) -> tuple[Any, Any]:
-    """``(model, tokenizer)`` with the agentkv attention function installed.
+    """``(model, tokenizer)`` with the agentkv attention function and the hidden-state hooks
+    (:mod:`agentkv.engine.hidden_states`) installed.
 
     ``dtype`` defaults to float32 on CPU and bfloat16 on CUDA.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from agentkv.engine.hidden_states import install_hidden_state_hooks
     from agentkv.engine.store_cache import register_attention
 
     register_attention()
@@ -124,4 +126,5 @@ def load_model(
         path, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION
     )
     lm.to(device).eval()
+    install_hidden_state_hooks(lm)  # layer inputs -> observers that ask for them (KVzap)
     return lm, tokenizer

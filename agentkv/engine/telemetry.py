@@ -52,6 +52,11 @@ class KVUsage(BaseModel):
     planned_live_kv_tokens: float = Field(
         0.0, description="effective live KV right after the plan, before decode / target tokens"
     )
+    compression_ratio: float = Field(
+        0.0,
+        description="fraction of the request's (layer, KV head, position) KV entries removed "
+        "at its end: 1 - live_kv_tokens / positions with KV (KVzap's compression ratio)",
+    )
     forced_tokens: int = Field(0, description="positions the policy had to keep (forced set)")
     evicted_tokens: int = Field(description="positions evicted by this request's plan")
     evicted_entries: int = Field(description="(layer, KV head, position) entries evicted")

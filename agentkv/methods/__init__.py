@@ -7,11 +7,13 @@ from agentkv.methods import (  # noqa: F401
     full_cache,
     h2o,
     intentkv,
+    kvzap,
     snapkv,
     streaming_llm,
     uniform_quant,
 )
 from agentkv.methods.base import (
+    DecodeContext,
     DecodePrecision,
     Method,
     MethodSet,
@@ -25,6 +27,7 @@ from agentkv.methods.base import (
 )
 
 __all__ = [
+    "DecodeContext",
     "DecodePrecision",
     "Method",
     "MethodSet",

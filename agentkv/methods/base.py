@@ -130,6 +130,11 @@ class PrefillObserver:
     ) -> None:  # pragma: no cover - interface
         raise NotImplementedError
 
+    def observe_hidden(self, layer: int, hidden: torch.Tensor, positions: torch.Tensor) -> None:
+        """Optional: ``hidden [n, D_h]``, the input of decoder layer ``layer`` (residual stream,
+        before its input norm) at int64 ``positions [n]``; in prefill, and in decode for
+        methods that prune while decoding (:meth:`Method.decode_interval`)."""
+
     def result(self) -> Any:
         return None
 
@@ -147,6 +152,23 @@ class ObserveRequest:
     num_cached: int
     actionable: torch.Tensor
     shape: ModelShape
+
+
+@dataclass
+class DecodeContext:
+    """What a method sees when asked to prune during decode.
+
+    Attributes:
+        policy, session_id, shape: as in :class:`PlanContext`.
+        seq_len: positions with KV so far (prompt + decoded tokens written).
+        observation: ``observer.result()`` of the request's observer (fed during decode).
+    """
+
+    policy: KVPolicy
+    session_id: str
+    shape: ModelShape
+    seq_len: int
+    observation: Any = None
 
 
 class Method:
@@ -182,6 +204,23 @@ class Method:
 
     def plan(self, ctx: PlanContext) -> Plan:
         raise NotImplementedError
+
+    def check(self, policy: KVPolicy) -> None:
+        """Raise ``ValueError`` (message naming the field) if this engine cannot serve
+        ``policy``, e.g. a missing trained artifact. Called before the request runs."""
+
+    def prefix_reuse(self, policy: KVPolicy, session_id: str, limit: int) -> int:
+        """Length (``1..limit``) of the prompt prefix offered to the prefix cache, which reuses
+        at most that many minus one positions; the rest are recomputed (and observed)."""
+        return limit
+
+    def decode_interval(self, policy: KVPolicy) -> int:
+        """Call :meth:`plan_decode` every this many decode steps (0: never)."""
+        return 0
+
+    def plan_decode(self, ctx: DecodeContext) -> Plan | None:
+        """A plan over the positions so far while decoding (None: nothing to change)."""
+        return None
 
     def end_session(self, session_id: str) -> None:
         """Forget per-session state."""
@@ -222,6 +261,7 @@ class MethodSet:
         inst = self._instances.get(policy.method)
         if inst is None:
             inst = self._instances[policy.method] = method_class(policy.method)(self.shape)
+        inst.check(policy)
         return inst
 
     def end_session(self, session_id: str) -> None:

@@ -1,2 +1,3 @@
-"""Training learned components (``agentkv train-intentkv``: IntentKV's residual head). Sits
-above the engine layer (it loads models and reads trace sources)."""
+"""Training learned components: IntentKV's residual head (``agentkv train-intentkv``) and
+KVzap surrogates on KVzip+ targets (``agentkv train-kvzap``). Sits above the engine layer (it
+loads models and reads trace sources)."""

@@ -149,7 +149,21 @@ CASES: list[tuple[str, Any, str | None]] = [
     ("sinks-over-budget", policy(method="streamingllm", budget=4, sinks=8), f"{AK}.policy"),
     ("snapkv-even-kernel", policy(method="snapkv", kernel=4), f"{AK}.policy.kernel"),
     # policies that validate but have no engine implementation yet
-    ("kvzap-not-implemented", policy(method="kvzap"), f"{AK}.policy.method"),
+    (
+        "kvzap-path-control-char",
+        policy(method="kvzap", surrogate_path="a\nb"),
+        f"{AK}.policy.surrogate_path",
+    ),
+    (
+        "kvzap-path-missing",
+        policy(method="kvzap", surrogate_path="/nonexistent/kvzap"),
+        f"{AK}.policy.surrogate_path",
+    ),
+    (
+        "kvzap-decode-interval",
+        policy(method="kvzap", decode_interval=-1),
+        f"{AK}.policy.decode_interval",
+    ),
     ("triaxialkv-not-implemented", policy(method="triaxialkv"), f"{AK}.policy.method"),
     ("arkv-not-implemented", policy(method="arkv"), f"{AK}.policy.method"),
     # message annotations

@@ -11,7 +11,7 @@ from agentkv.engine.engine import (
     RequestError,
     _ContentStream,
 )
-from agentkv.policies import FullCache, KVzap
+from agentkv.policies import ARKV, FullCache, KVzap
 from agentkv.wire import KVPayload, build_payload
 
 from .chats import tool_call_fewshot
@@ -28,11 +28,26 @@ MSGS = [{"role": "user", "content": "Hi"}]
         ([{"role": "robot", "content": "x"}], None, "messages"),
         ([{"role": "user", "content": 5}], None, "messages"),
         ([object()], None, "messages"),
-        (MSGS, KVPayload(session_id="s", policy=KVzap()), "payload.policy.method"),
+        (MSGS, KVPayload(session_id="s", policy=ARKV()), "payload.policy.method"),
+        (
+            MSGS,
+            KVPayload(session_id="s", policy=KVzap(surrogate_path="/nonexistent")),
+            "payload.policy.surrogate_path",
+        ),
         (MSGS, build_payload(MSGS * 2, FullCache(), "s"), "payload.messages"),
         ([{"role": "user", "content": "hello " * 9000}], None, "messages"),
     ],
-    ids=["empty", "no-role", "bad-role", "bad-content", "not-a-message", "kvzap", "count", "long"],
+    ids=[
+        "empty",
+        "no-role",
+        "bad-role",
+        "bad-content",
+        "not-a-message",
+        "arkv",
+        "kvzap-path",
+        "count",
+        "long",
+    ],
 )
 def test_bad_requests_raise_request_error(engine, messages, payload, field):
     with pytest.raises(RequestError) as info:

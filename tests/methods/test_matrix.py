@@ -5,7 +5,8 @@ policy at a small budget; :func:`test_method` is parametrised over it and drives
 a real session (SmolLM2-135M, a real tau-bench airline conversation with a system prompt, a
 tool schema, a tool call, its result and a user question; ~600 tokens) through the embedded
 engine. A new method joins by adding one line to :data:`METHOD_CASES` (and, if it always keeps
-some positions, one entry to :func:`always_kept`).
+some positions, one entry to :func:`always_kept`). Threshold methods (KVzap) have no budget:
+their bound is the prompt length, and they must still evict on this prompt.
 
 Checks: the budget holds after the plan (IntentKV: live tokens <= max(budget, forced set),
 or budget + forced set with ``budget_scope="history"``; per-head baselines: live entries per
@@ -28,6 +29,7 @@ from agentkv import (
     FullCache,
     IntentKV,
     KVPolicy,
+    KVzap,
     SnapKV,
     StreamingLLM,
     UniformQuant,
@@ -47,6 +49,7 @@ METHOD_CASES = [
     pytest.param(IntentKV(budget=BUDGET, budget_scope="history"), id="intentkv-history"),
     pytest.param(UniformQuant(bits=4, residual=64), id="uniform_quant-4"),
     pytest.param(UniformQuant(bits=2, residual=64), id="uniform_quant-2"),
+    pytest.param(KVzap(threshold=-5.0, window=16), id="kvzap"),
 ]
 REPLY = "Yes: HAT083 leaves JFK at 3:00 PM EST and lands in Seattle at 9:00 PM EST."
 NEXT_USER = {"role": "user", "content": "The 3 PM flight works. Please book it with my card."}
@@ -71,12 +74,14 @@ def always_kept(policy: KVPolicy, T: int, forced: torch.Tensor) -> torch.Tensor:
         keep[T - min(policy.window, policy.budget) :] = True
     elif isinstance(policy, H2O):
         keep[T - min(policy.recent, policy.budget) :] = True
+    elif isinstance(policy, KVzap):
+        keep[T - policy.window :] = True
     return keep
 
 
 def budget_bound(policy: KVPolicy, T: int, n_forced: int) -> int:
-    """Live KV tokens allowed right after the plan."""
-    if not policy.evicts:
+    """Live KV tokens allowed right after the plan (threshold methods: no budget)."""
+    if not policy.evicts or not hasattr(policy, "budget"):
         return T
     if isinstance(policy, IntentKV):
         if policy.budget_scope == "history":
@@ -102,6 +107,7 @@ def test_full_cache_matches_no_payload(engine, airline_request):
     assert full.token_ids == plain.token_ids and full.text == plain.text
     for u in (plain.usage, full.usage):
         assert u.method == "full" and u.evicted_tokens == 0 and u.evicted_entries == 0
+        assert u.compression_ratio == 0.0
         assert u.prompt_tokens <= u.live_kv_tokens <= u.prompt_tokens + u.completion_tokens
     engine.end_session(plain.usage.session_id)
     engine.end_session("x:matrix-full")
@@ -134,10 +140,12 @@ def test_method(engine, airline_cached, policy):
     )
     bound = budget_bound(policy, T, int(forced.sum()))
     assert int(per_head.max()) <= bound
-    if policy.evicts:  # T is well above the budget: the budget is used in full
-        assert int(per_head.min()) == bound
-        assert u1.evicted_entries == per_head.numel() * T - int(per_head.sum())
-        assert u1.evicted_tokens == int((~resident).sum()) > 0
+    if policy.evicts:
+        assert u1.evicted_entries == per_head.numel() * T - int(per_head.sum()) > 0
+        assert u1.evicted_tokens == int((~resident).sum())
+        if hasattr(policy, "budget"):  # T is well above it: the budget is used in full
+            assert int(per_head.min()) == bound
+            assert u1.evicted_tokens > 0
         # memory is freed at the grain of the decision: resident bytes follow live cells
         assert u1.resident_kv_bytes <= 1.10 * u1.live_kv_bytes
     else:

@@ -1,0 +1,209 @@
+"""KVzap (kvzap.txt): a learned surrogate scores every KV pair; prune below a threshold.
+
+Per layer ``l``, the surrogate (:mod:`agentkv.methods.kvzap_surrogate`) maps the layer's input
+hidden state ``h_t`` to ``Hkv`` predicted ``log s+`` scores (KVzip+). A (layer, KV head,
+position) entry is kept iff its score is ``>= threshold`` or the position is one of the last
+``window`` positions; the decision is per KV head (``Plan.keep_mask [L, Hkv, T]``), so the
+compression ratio adapts to the input.
+
+- Prefill: the observer receives each computed position's layer inputs through the engine's
+  hidden-state hooks and fills a score buffer ``[L, Hkv, T]``.
+- Later turns of a session: positions reused from the prefix cache are not recomputed; their
+  scores come from the session's previous buffer (an LRU of :data:`SESSION_CAPACITY`
+  sessions). Positions with no score (another session's shared prefix) are kept.
+- Decode: the buffer keeps growing with the decoded positions; every ``decode_interval``
+  steps :meth:`KVzapMethod.plan_decode` evicts the positions that left the window since the
+  last pass and score below the threshold (kvzap.txt Algorithm 1 with a score buffer so the
+  window slides).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+
+from agentkv.methods.base import (
+    DecodeContext,
+    Method,
+    ObserveRequest,
+    Plan,
+    PlanContext,
+    PrefillObserver,
+    register_method,
+)
+from agentkv.methods.kvzap_surrogate import Surrogate, shipped_surrogate, surrogate_from_path
+from agentkv.policies import KVPolicy, KVzap
+from agentkv.session import is_request_local
+
+#: sessions whose score buffers are kept for their next turn.
+SESSION_CAPACITY = 64
+
+
+class KVzapScores(PrefillObserver):
+    """The request's score buffer, filled from layer inputs (prefill, then decode).
+
+    Attributes:
+        scores: float32 ``[L, Hkv, capacity]`` predicted ``log s+`` (on the model's device).
+        known: bool ``[capacity]``, position scored (computed by this request, or taken from
+            the session's previous buffer).
+        pruned_until: positions below it have been through a plan.
+    """
+
+    def __init__(self, surrogate: Surrogate, req: ObserveRequest):
+        self.surrogate = surrogate
+        self.shape = req.shape
+        self.capacity = max(req.seq_len, 1)
+        self.scores: torch.Tensor | None = None
+        self.known: torch.Tensor | None = None
+        self.pruned_until = 0
+
+    def _ensure(self, end: int, device: torch.device) -> None:
+        if self.scores is None:
+            s = self.shape
+            self.scores = torch.zeros(s.num_layers, s.num_kv_heads, self.capacity, device=device)
+            self.known = torch.zeros(self.capacity, dtype=torch.bool, device=device)
+        if end > self.capacity:
+            grow = max(end, 2 * self.capacity) - self.capacity
+            assert self.known is not None
+            self.scores = torch.cat(
+                [self.scores, self.scores.new_zeros(*self.scores.shape[:2], grow)], -1
+            )
+            self.known = torch.cat([self.known, self.known.new_zeros(grow)])
+            self.capacity += grow
+
+    def observe(self, layer, q, q_positions, k, k_positions, head_mask) -> None:
+        """Attention inputs are not needed (scores come from hidden states)."""
+
+    def observe_hidden(self, layer: int, hidden: torch.Tensor, positions: torch.Tensor) -> None:
+        if hidden.shape[-1] != self.surrogate.meta.hidden_size:
+            raise ValueError(
+                f"KVzap surrogate expects hidden size {self.surrogate.meta.hidden_size}, "
+                f"the model has {hidden.shape[-1]}"
+            )
+        end = int(positions[-1]) + 1
+        self._ensure(end, hidden.device)
+        assert self.scores is not None and self.known is not None
+        pos = positions.to(hidden.device)
+        self.scores[layer][:, pos] = self.surrogate.score(layer, hidden).T
+        if layer == 0:
+            self.known[pos] = True
+
+    def window_scores(self, start: int, end: int) -> torch.Tensor:
+        """float32 CPU ``[L, Hkv, end - start]``; unknown positions read ``+inf`` (kept)."""
+        s = self.shape
+        if self.scores is None or self.known is None:
+            return torch.full((s.num_layers, s.num_kv_heads, end - start), float("inf"))
+        self._ensure(end, self.scores.device)
+        sc = self.scores[:, :, start:end].float().cpu()
+        known = self.known[start:end].cpu()
+        return sc.masked_fill(~known[None, None, :], float("inf"))
+
+    @torch.inference_mode()  # the buffers were made in the engine's inference mode
+    def adopt(self, prev: KVzapScores, upto: int) -> None:
+        """Take the scores of positions ``< upto`` this request did not compute from ``prev``
+        (the session's previous buffer: same tokens, reused from the prefix cache)."""
+        if prev.scores is None or prev.known is None or upto <= 0:
+            return
+        upto = min(upto, prev.capacity)
+        device = prev.scores.device if self.scores is None else self.scores.device
+        self._ensure(upto, device)
+        assert self.scores is not None and self.known is not None
+        take = (~self.known[:upto]) & prev.known[:upto].to(device)
+        self.scores[:, :, :upto][:, :, take] = prev.scores[:, :, :upto].to(device)[:, :, take]
+        self.known[:upto] |= take
+
+    def scored_prefix(self) -> int:
+        """Length of the leading run of scored positions."""
+        if self.known is None:
+            return 0
+        unknown = torch.nonzero(~self.known).reshape(-1)
+        return int(unknown[0]) if unknown.numel() else self.capacity
+
+    def result(self) -> KVzapScores:
+        return self
+
+
+@register_method
+class KVzapMethod(Method):
+    name = "kvzap"
+
+    def __init__(self, shape):
+        super().__init__(shape)
+        self._surrogates: dict[tuple[str, str | None], Surrogate] = {}
+        self._sessions: OrderedDict[str, KVzapScores] = OrderedDict()
+
+    def surrogate(self, policy: KVzap) -> Surrogate:
+        key = (policy.surrogate, policy.surrogate_path)
+        sur = self._surrogates.get(key)
+        if sur is None:
+            if policy.surrogate_path is None:
+                sur = shipped_surrogate(policy.surrogate, self.shape)
+            else:
+                sur = surrogate_from_path(policy.surrogate_path, policy.surrogate, self.shape)
+            self._surrogates[key] = sur
+        return sur
+
+    def check(self, policy: KVPolicy) -> None:
+        assert isinstance(policy, KVzap)
+        self.surrogate(policy)
+
+    def observer(self, policy: KVPolicy, req: ObserveRequest) -> PrefillObserver | None:
+        assert isinstance(policy, KVzap)
+        return KVzapScores(self.surrogate(policy), req)
+
+    def prefix_reuse(self, policy: KVPolicy, session_id: str, limit: int) -> int:
+        """Only the session's own scored positions come from the prefix cache: a position
+        reused without a score could not be pruned (other sessions' prefixes are recomputed)."""
+        prev = self._sessions.get(session_id)
+        return min(limit, 1 + (0 if prev is None else prev.scored_prefix()))
+
+    def decode_interval(self, policy: KVPolicy) -> int:
+        assert isinstance(policy, KVzap)
+        return policy.decode_interval
+
+    def plan(self, ctx: PlanContext) -> Plan:
+        policy = ctx.policy
+        assert isinstance(policy, KVzap)
+        obs: KVzapScores = ctx.observation
+        T = ctx.seq_len
+        prev = self._sessions.get(ctx.session_id)
+        if prev is not None and prev is not obs:
+            obs.adopt(prev, T)
+        scores = obs.window_scores(0, T)  # [L, Hkv, T]
+        keep = scores >= policy.threshold
+        protected = max(T - policy.window, 0)
+        keep[:, :, protected:] = True
+        obs.pruned_until = protected
+        self._remember(ctx.session_id, obs)
+        finite = torch.isfinite(scores)
+        return Plan(
+            keep_mask=keep,
+            scores=scores.masked_fill(~finite, 0.0),
+            note=f"kvzap: {int(finite[0, 0].sum())}/{T} positions scored",
+        )
+
+    def plan_decode(self, ctx: DecodeContext) -> Plan | None:
+        policy = ctx.policy
+        assert isinstance(policy, KVzap)
+        obs: KVzapScores = ctx.observation
+        T = ctx.seq_len
+        start, end = obs.pruned_until, max(T - policy.window, 0)
+        if end <= start:
+            return None
+        s = self.shape
+        keep = torch.ones(s.num_layers, s.num_kv_heads, T, dtype=torch.bool)
+        keep[:, :, start:end] = obs.window_scores(start, end) >= policy.threshold
+        obs.pruned_until = end
+        return Plan(keep_mask=keep, note="kvzap decode")
+
+    def _remember(self, session_id: str, obs: KVzapScores) -> None:
+        if is_request_local(session_id):
+            return
+        self._sessions[session_id] = obs
+        self._sessions.move_to_end(session_id)
+        while len(self._sessions) > SESSION_CAPACITY:
+            self._sessions.popitem(last=False)
+
+    def end_session(self, session_id: str) -> None:
+        self._sessions.pop(session_id, None)
