@@ -273,7 +273,9 @@ class Engine:
         self._lock = threading.Lock()
         self._stop_ids = self._stop_token_ids()
         if key_channel_scales not in ("absmax", "rms", "none"):
-            raise ValueError(f"key_channel_scales must be absmax|rms|none, got {key_channel_scales!r}")
+            raise ValueError(
+                f"key_channel_scales must be absmax|rms|none, got {key_channel_scales!r}"
+            )
         self.key_channel_scales = key_channel_scales
         self._calibrate()
 
@@ -606,9 +608,7 @@ class Engine:
         reuse = method.prefix_reuse(policy, payload.session_id, reuse)
         # request-local ids never match again: their holes go to no session namespace
         store_session = None if is_request_local(payload.session_id) else payload.session_id
-        req = self.store.begin_request(
-            store_session, tags.token_ids[:reuse], namespace=namespace
-        )
+        req = self.store.begin_request(store_session, tags.token_ids[:reuse], namespace=namespace)
         try:
             actionable = torch.tensor(tags.actionable, dtype=torch.bool)
             observer = method.observer(
