@@ -22,7 +22,16 @@ from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.graph import START, MessagesState, StateGraph
 
 import agentkv
-from agentkv import H2O, FullCache, IntentKV, KVzap, SnapKV, UnimplementedPolicyWarning
+from agentkv import (
+    H2O,
+    FullCache,
+    IntentKV,
+    KVzap,
+    SnapKV,
+    TriAxialKV,
+    UniformQuant,
+    UnimplementedPolicyWarning,
+)
 from agentkv.integrations.langchain import KVPolicyMiddleware
 from agentkv.integrations.langgraph import (
     KVUsageCallbackHandler,
@@ -211,15 +220,19 @@ def test_openai_sdk_usage_and_explicit_session(engine_url: str) -> None:
 
 def test_unimplemented_method_warns_at_wrap_time(engine_url: str) -> None:
     caps = httpx.get(engine_url + "/agentkv/capabilities", timeout=30).json()
-    assert "kvzap" not in caps["methods"] and {"full", "intentkv", "h2o"} <= set(caps["methods"])
-    with pytest.warns(UnimplementedPolicyWarning, match="does not implement 'kvzap'"):
-        kv_client(openai.OpenAI(base_url=engine_url, api_key="x"), KVzap())
-    with pytest.warns(UnimplementedPolicyWarning, match="kvzap"):
-        with_kv_policy(two_nodes(chat(engine_url)), default=FullCache(), nodes={"act": KVzap()})
+    assert "triaxialkv" not in caps["methods"]
+    assert {"full", "intentkv", "h2o", "kvzap", "uniform_quant"} <= set(caps["methods"])
+    with pytest.warns(UnimplementedPolicyWarning, match="does not implement 'triaxialkv'"):
+        kv_client(openai.OpenAI(base_url=engine_url, api_key="x"), TriAxialKV())
+    with pytest.warns(UnimplementedPolicyWarning, match="triaxialkv"):
+        with_kv_policy(
+            two_nodes(chat(engine_url)), default=FullCache(), nodes={"act": TriAxialKV()}
+        )
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # implemented methods: silent
         kv_client(openai.OpenAI(base_url=engine_url, api_key="x"), IntentKV(budget=64))
         with_kv_policy(two_nodes(chat(engine_url)), default=H2O(budget=64))
+        kv_client(openai.OpenAI(base_url=engine_url, api_key="x"), UniformQuant(bits=4))
 
 
 def free_port() -> int:

@@ -143,7 +143,7 @@ def test_decode_prunes_positions_leaving_the_window(engine):
             prefill_evicted = info["evicted_entries"]
             pruning = info["decode_pruning"]
             assert pruning is not None and pruning.interval == 4
-            out, _, _ = engine._decode(req, logits, gen, None, pruning)
+            out, _, _ = engine._decode(req, logits, gen, None, info)
             n = req.seq_len
             assert n == T + len(out) - 1 and len(out) >= 12
             keep = req.slot_map.keep_mask
