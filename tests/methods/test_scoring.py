@@ -308,7 +308,7 @@ def test_intentkv_rule_score_forced_set_and_budget(qk):
     assert bool(kept[ctx.forced].all())  # forced set kept
     # total budget: the forced set first, the best candidates up to `budget` live positions
     n_cand = policy.budget - int(ctx.forced.sum())
-    assert 0 < n_cand and int((kept & candidates).sum()) == n_cand
+    assert n_cand > 0 and int((kept & candidates).sum()) == n_cand
     top = ref[candidates].topk(n_cand).values.min()
     assert bool((ref[kept & candidates] >= top).all())
     # second turn: the memory mixes the first turn's intent with the new query
