@@ -40,7 +40,7 @@ import weakref
 from collections.abc import Callable, Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 from uuid import UUID
 
 import openai
@@ -260,6 +260,18 @@ def _tap(result: Any) -> Any:
     return result
 
 
+def _reraise_unreachable(
+    client: Any, e: openai.APIConnectionError, payload: Any, kwargs: dict[str, Any]
+) -> NoReturn:
+    """A connection error of an agentkv call says which server was not reachable (timeouts,
+    a subclass, and calls without an agentkv payload are re-raised as they are)."""
+    if isinstance(e, openai.APITimeoutError) or (
+        payload is None and not has_payload(kwargs.get("extra_body"))
+    ):
+        raise e
+    raise _unreachable(client, e) from e
+
+
 def _wrap_sync(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -268,12 +280,8 @@ def _wrap_sync(original: Callable[..., Any]) -> Callable[..., Any]:
             _check_server(self, payload)
         try:
             result = original(self, *args, **kwargs)
-        except openai.APITimeoutError:
-            raise
         except openai.APIConnectionError as e:
-            if payload is None and not has_payload(kwargs.get("extra_body")):
-                raise
-            raise _unreachable(self, e) from e
+            _reraise_unreachable(self, e, payload, kwargs)
         return _tap(result) if _ENABLED else result
 
     setattr(wrapper, _MARK, original)
@@ -288,12 +296,8 @@ def _wrap_async(original: Callable[..., Any]) -> Callable[..., Any]:
             await asyncio.to_thread(_check_server, self, payload)
         try:
             result = await original(self, *args, **kwargs)
-        except openai.APITimeoutError:
-            raise
         except openai.APIConnectionError as e:
-            if payload is None and not has_payload(kwargs.get("extra_body")):
-                raise
-            raise _unreachable(self, e) from e
+            _reraise_unreachable(self, e, payload, kwargs)
         return _tap(result) if _ENABLED else result
 
     setattr(wrapper, _MARK, original)

@@ -75,6 +75,7 @@ class KVPool:
             )
             for _ in range(num_layers)
         ]
+        self._heads = torch.arange(num_kv_heads, device=self.device)[None, :]  # write index
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -121,14 +122,13 @@ class KVPool:
             )
         full = self.layers[layer].full
         idx = cells.to(self.device, torch.int64).t()
-        heads = torch.arange(h, device=self.device)[None, :]
-        full.k[idx, heads] = k.to(self.device, self.dtype)
-        full.v[idx, heads] = v.to(self.device, self.dtype)
+        full.k[idx, self._heads] = k.to(self.device, self.dtype)
+        full.v[idx, self._heads] = v.to(self.device, self.dtype)
 
     def gather(self, layer: int, cells: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantized K and V of ``cells`` (int64 ``[Hkv, n]``, any precision, DEAD = zero
         rows): two ``[n, Hkv, D]`` tensors in the pool dtype."""
-        slots = cells.to(self.device).t().contiguous()
+        slots = cells.to(self.device).t()  # [n, Hkv] view; the kernel reads it head-major
         return dequant_gather(
             self.layers[layer], slots, out_dtype=self.dtype, backend=self.backend, per_head=True
         )

@@ -713,6 +713,8 @@ class Engine:
         if self.decode_attention != "dense":
             backend = "torch" if self.decode_attention == "reference" else "triton"
             kernel = KernelDecode(self.store, req, gen.max_tokens, backend)
+        # live cells per column: +1 per decode step; recounted only when a plan changes them
+        live = req.slot_map.effective_live_tokens()
         for _ in range(gen.max_tokens):
             if gen.should_stop is not None and gen.should_stop():
                 finish = "abort"
@@ -742,8 +744,9 @@ class Engine:
             cache = StoreCache(view, torch.tensor([pos]), slots, observer, kernel=kernel)
             logits = self._forward([tok], torch.tensor([pos]), cache, keep=1)[-1]
             raw += pos + 1
+            live += 1
             if kernel is not None:
-                eff += int(round(req.slot_map.effective_live_tokens()))
+                eff += int(round(live))
             else:
                 eff += int(round(cache.attended_keys / self.shape.num_layers))
             moved = self._demote_tail(req, info)  # a page filled: the views re-read the pools
@@ -751,6 +754,7 @@ class Engine:
                 pruned = pruning.after_step(view)
                 moved = moved or pruned is not view
             if moved:
+                live = req.slot_map.effective_live_tokens()
                 view = LiveView(self.store, req)
                 if kernel is not None:
                     kernel.rebuild()
