@@ -5,7 +5,9 @@ once under FullCache (the reference) and once per policy, each in its own sessio
 from an empty prefix cache (so prefix hits come from the session's own earlier turns). At
 every assistant message of the trace the engine teacher-forces the reference assistant tokens
 on the context as the policy holds it after its evictions, and continues greedily for
-``greedy_tokens`` tokens from the same state:
+``greedy_tokens`` tokens from the same state (the reference decodes step by step; each policy
+checks whether greedy decoding would reproduce the reference's continuation in one
+teacher-forced pass, :meth:`Engine.score`'s ``greedy_reference``):
 
 - fidelity vs FullCache: top-1 agreement and mean KL(full || policy) over the reference
   assistant tokens, NLL delta (policy - full, nats/token), greedy exact match of the first
@@ -151,7 +153,13 @@ def _run_policy(
             node = messages[i].get("node")
             payload = build_payload(messages[:i], policy, session, node=node)
             res = engine.score(
-                messages[:i], messages[i], trace.tools, payload, greedy_tokens=greedy_tokens
+                messages[:i],
+                messages[i],
+                trace.tools,
+                payload,
+                greedy_tokens=greedy_tokens,
+                # the reference decodes greedily; the others check its continuation in one pass
+                greedy_reference=None if reference is None else reference[i].greedy_ids,
             )
             results[i] = res
             ref = reference[i] if reference is not None else res

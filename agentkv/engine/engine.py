@@ -125,7 +125,9 @@ class ScoreResult:
         logits: float32 ``[n, V]`` (CPU) next-token logits at each target position.
         usage: telemetry of the request.
         greedy_ids: greedy continuation from the compressed context (``greedy_tokens`` asked),
-            stopping early at an end-of-turn token.
+            stopping early at an end-of-turn token. Checked against a reference continuation
+            (``score(greedy_reference=...)``): the reference itself when greedy decoding
+            reproduces it, else the agreeing prefix plus the first token that differs.
     """
 
     target_ids: torch.Tensor
@@ -365,14 +367,20 @@ class Engine:
         tools: Sequence[Mapping[str, Any]] | None = None,
         payload: KVPayload | None = None,
         greedy_tokens: int = 0,
+        greedy_reference: Sequence[int] | None = None,
     ) -> ScoreResult:
         """Teacher-force ``target`` (an assistant message) after ``messages``.
 
         The context is held as the policy leaves it after prefill (evictions applied); the
         target's tokens then attend to it, as decode steps would. With ``greedy_tokens > 0``,
         the model first continues greedily from the same state for that many tokens in a fork
-        that writes nothing to the store (``ScoreResult.greedy_ids``). The prompt and target
-        are cached for the session's next turn.
+        that writes nothing to the store (``ScoreResult.greedy_ids``). With
+        ``greedy_reference`` (another run's ``greedy_ids``, e.g. FullCache's), the fork checks
+        instead whether greedy decoding would reproduce that continuation, in one
+        teacher-forced forward pass over it rather than ``greedy_tokens`` decode steps (the
+        same answer: greedy decoding reproduces a sequence iff each of its tokens is the
+        argmax after its prefix). The prompt and target are cached for the session's next
+        turn.
         """
         resolved = self._resolve(messages, payload)
         prompt = self._encode(messages, tools, resolved.annotations, add_generation_prompt=True)
@@ -391,7 +399,12 @@ class Engine:
         with self._lock:
             req, logits, plan_info = self._prefill_and_plan(prompt, resolved.payload)
             try:
-                greedy = self._greedy_fork(req, logits, greedy_tokens) if greedy_tokens else []
+                if not greedy_tokens:
+                    greedy = []
+                elif greedy_reference is not None:
+                    greedy = self._greedy_check(req, logits, greedy_reference, greedy_tokens)
+                else:
+                    greedy = self._greedy_fork(req, logits, greedy_tokens)
                 positions = torch.arange(n, n + len(target_ids) - 1)
                 if positions.numel():
                     slots = self.store.extend(req, target_ids[:-1])  # [L * Hkv, m - 1]
@@ -776,6 +789,31 @@ class Engine:
             logits = self._forward([tok], torch.tensor([pos]), cache, keep=1)[-1]
             pos += 1
         return out
+
+    def _greedy_check(
+        self, req: RequestKV, logits: torch.Tensor, reference: Sequence[int], n_tokens: int
+    ) -> list[int]:
+        """What :meth:`_greedy_fork` would return, checked against ``reference`` (at most
+        ``n_tokens`` ids) in one teacher-forced pass in a private view: ``reference`` itself
+        if every argmax agrees (ending at a stop token where it is shorter than
+        ``n_tokens``), else the agreeing prefix plus the first differing argmax."""
+        ref = [int(t) for t in reference][:n_tokens]
+        ids = ref[:-1] if len(ref) == n_tokens else ref  # a short one must end at a stop
+        if ids:
+            pos = req.seq_len
+            positions = torch.arange(pos, pos + len(ids))
+            cache = StoreCache(LiveView(self.store, req), positions)
+            step_logits = self._forward(ids, positions, cache, keep=len(ids))
+            all_logits = torch.cat([logits[None].float(), step_logits], dim=0)
+        else:
+            all_logits = logits[None].float()
+        pred = all_logits.argmax(-1).tolist()  # [len(ids) + 1]: argmax after each prefix
+        for j, tok in enumerate(ref):
+            if pred[j] != tok:
+                return ref[:j] if pred[j] in self._stop_ids else [*ref[:j], pred[j]]
+        if len(ref) < n_tokens and pred[len(ref)] not in self._stop_ids:
+            return [*ref, pred[len(ref)]]
+        return ref
 
     @staticmethod
     def _truncate_at_stop(text: str, gen: GenerationConfig) -> str:

@@ -127,3 +127,35 @@ def run_stream(pieces: list[str], stop: list[str], content: str | None) -> str:
 )
 def test_content_stream_holds_back_undecided_text(pieces, stop, content):
     assert run_stream(pieces, stop, content) == content
+
+
+@pytest.mark.slow
+def test_greedy_reference_check_agrees_with_greedy_decoding(engine, sid):
+    """``score(greedy_reference=...)`` gives what step-by-step greedy decoding gives (the
+    reference itself when decoding reproduces it, else up to the first differing token),
+    for a policy that keeps the context (FullCache) and one that evicts most of it."""
+    from agentkv.policies import StreamingLLM
+
+    messages = [
+        {"role": "system", "content": "You are a terse assistant for an airline."},
+        {"role": "user", "content": "My booking code is ZX81QP. Please repeat it, then say hi."},
+    ]
+    target = {"role": "assistant", "content": "Your booking code is ZX81QP. Hi!"}
+    n = 8
+    ref = engine.score(
+        messages, target, None, build_payload(messages, FullCache(), f"{sid}-r"), greedy_tokens=n
+    ).greedy_ids
+    assert ref
+    for k, policy in enumerate([FullCache(), StreamingLLM(budget=8, sinks=2)]):
+        payload = build_payload(messages, policy, f"{sid}-{k}")
+        decoded = engine.score(messages, target, None, payload, greedy_tokens=n).greedy_ids
+        payload = build_payload(messages, policy, f"{sid}-{k}b")
+        checked = engine.score(
+            messages, target, None, payload, greedy_tokens=n, greedy_reference=ref
+        ).greedy_ids
+        assert (checked == ref) == (decoded == ref)
+        assert checked == decoded[: len(checked)]
+        if k == 0:
+            assert checked == ref
+        else:  # 8 live tokens cannot hold the code: the continuation differs
+            assert checked != ref and len(checked) <= len(ref) + 1
