@@ -260,6 +260,7 @@ def dequant_gather(
     backend: Backend = "auto",
     block_t: int = 32,
     per_head: bool = False,
+    num_warps: int = 4,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Gather and dequantize the K and V rows of ``slots``.
 
@@ -267,7 +268,8 @@ def dequant_gather(
     mix of precisions, the same id for every KV head; or, with ``per_head=True``,
     [..., Hkv]: head ``h`` of row ``i`` reads cell ``(slots[..., i, h], h)`` (per-(layer, head)
     slot maps). Returns (k, v), each [..., Hkv, D] of ``out_dtype`` (default the full pool's
-    dtype); rows whose slot is ``dead_id`` are zero.
+    dtype); rows whose slot is ``dead_id`` are zero. ``block_t`` (positions per program)
+    and ``num_warps`` are tuning knobs (``benchmarks/dequant_gather.py``).
     """
     dt = out_dtype or pools.dtype
     if resolve_backend(backend, slots.device) == "torch":
@@ -333,7 +335,7 @@ def dequant_gather(
             HAS_INT2=p2 is not None,
             PER_HEAD=per_head,
             HAS_KCS=kcs is not None,
-            num_warps=4,
+            num_warps=num_warps,
         )
     shape = (*lead, h, d)
     return k.reshape(shape), v.reshape(shape)

@@ -1,0 +1,172 @@
+"""Prefill over a quantized cached prefix: ``dequant_gather`` bandwidth on the GPU.
+
+Before a prefill chunk attends to a cached prefix held in the mixed-precision pools, the
+engine gathers and dequantizes the prefix's K/V rows into a dense bf16 buffer
+(:func:`agentkv.kernels.dequant_gather`, per-(layer, head) slot maps as the store keeps
+them). This times it for one layer of N tokens (Hkv=8, D=128) with every cell in one
+precision (bf16 / INT4 / INT2) or mixed (75% INT2 pages, 25% INT4), with cells laid out
+``contiguous`` (a column's cells in allocation order, as a fresh demotion writes them) or
+``scattered`` (a random permutation), and 0% or 50% DEAD.
+
+Effective bandwidth = (bytes read + bytes written) / time, where bytes read are the live
+cells' codes, scales and zeros (useful bytes, not the sectors touched) and the slot map, and bytes written the dense bf16
+K and V (DEAD rows are written as zeros). The anchor is a plain device-to-device copy of the
+output's size (``copy_tbps``), the best this kernel could do. Not a test; never gates CI::
+
+    python benchmarks/dequant_gather.py --out docs/benchmarks/dequant_gather.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import platform
+from pathlib import Path
+
+import torch
+
+from agentkv.kernels import KVPools, dequant_gather, write_int2_pages, write_int4
+
+HKV, D = 8, 128
+
+
+def _bench_us(fn) -> float:
+    import triton
+
+    return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")) * 1e3
+
+
+def build(n: int, layout: str, dev: torch.device, seed: int = 0):
+    """Pools holding the same random K/V ``[n, Hkv, D]`` in every precision, and per-head
+    unified slot ids ``[n, Hkv]`` for each precision."""
+    g = torch.Generator(device=dev).manual_seed(seed)
+    k = torch.randn(n, HKV, D, device=dev, dtype=torch.bfloat16, generator=g)
+    v = torch.randn(n, HKV, D, device=dev, dtype=torch.bfloat16, generator=g)
+    pools = KVPools.allocate(n + 1, n, n // 32, HKV, D, device=dev)
+
+    def order(m: int) -> torch.Tensor:
+        if layout == "contiguous":
+            return torch.arange(m, device=dev)
+        return torch.randperm(m, device=dev, generator=g)
+
+    full_ids = order(n) + 1
+    int4_ids = order(n)
+    pages = order(n // 32)
+    pools.full.k[full_ids] = k
+    pools.full.v[full_ids] = v
+    write_int4(pools.int4, int4_ids, k, v)
+    write_int2_pages(pools.int2, pages, k, v)
+    heads = torch.ones(1, HKV, dtype=torch.int64, device=dev)
+    slots = {
+        "bf16": full_ids[:, None] * heads,
+        "int4": (int4_ids + pools.int4_base)[:, None] * heads,
+        "int2": pools.int2_slot_ids(pages).reshape(n)[:, None] * heads,
+    }
+    n2 = (3 * n // 4) // 32 * 32
+    slots["mixed"] = torch.cat([slots["int2"][:n2], slots["int4"][n2:]])
+    return pools, {name: s.to(torch.int32).contiguous() for name, s in slots.items()}, n2
+
+
+def bytes_moved(impl: str, n: int, live: torch.Tensor, n2: int) -> tuple[int, int]:
+    """(read, written) bytes of one gather of ``n`` positions (``live`` bool ``[n, Hkv]``)."""
+    ng = D // 32
+    written = 2 * n * HKV * D * 2
+    read = n * HKV * 4  # the slot map
+    is2 = torch.zeros(n, dtype=torch.bool, device=live.device)
+    if impl == "int2":
+        is2[:] = True
+    elif impl == "mixed":
+        is2[:n2] = True
+    cells2 = int((live & is2[:, None]).sum())
+    cells_other = int(live.sum()) - cells2
+    if impl == "bf16":
+        return read + cells_other * 2 * D * 2, written
+    read += cells_other * 2 * (D // 2 + 2 * ng * 2)  # INT4 K, V: codes + scales + zeros
+    # INT2: K and V codes, V scales + zeros per cell, K scale + zero once per page and head
+    pages = -(-int(is2.sum()) // 32)
+    read += cells2 * (2 * (D // 4) + 2 * ng * 2) + pages * HKV * 2 * D * 2
+    return read, written
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--out", type=Path, default=Path("docs/benchmarks/dequant_gather.json"))
+    ap.add_argument("--tokens", default="32768,262144")
+    ap.add_argument("--block-t", default="16,32,64")
+    ap.add_argument("--warps", default="4,8")
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    rows = []
+    for n in (int(x) for x in args.tokens.split(",")):
+        out = torch.empty(2, n, HKV, D, dtype=torch.bfloat16, device=dev)
+        src = torch.randn_like(out)
+        copy_us = _bench_us(lambda out=out, src=src: out.copy_(src))
+        copy_tbps = 2 * out.numel() * 2 / copy_us / 1e6
+        del out, src
+        for layout in ("contiguous", "scattered"):
+            pools, slots, n2 = build(n, layout, dev)
+            g = torch.Generator(device=dev).manual_seed(1)
+            dead = torch.rand(n, HKV, device=dev, generator=g) < 0.5
+            for impl, s in slots.items():
+                for dead_frac in (0.0, 0.5):
+                    sm = torch.where(dead, torch.zeros_like(s), s) if dead_frac else s
+                    live = sm != 0
+                    rd, wr = bytes_moved(impl, n, live, n2)
+                    ref_k, ref_v = dequant_gather(pools, sm.long(), per_head=True, backend="torch")
+                    best = None
+                    for bt in (int(x) for x in args.block_t.split(",")):
+                        for w in (int(x) for x in args.warps.split(",")):
+
+                            def fn(sm=sm, bt=bt, w=w, pools=pools):
+                                return dequant_gather(
+                                    pools, sm, per_head=True, block_t=bt, num_warps=w
+                                )
+
+                            k, v = fn()
+                            err = max(
+                                float((k.float() - ref_k).abs().max()),
+                                float((v.float() - ref_v).abs().max()),
+                            )
+                            us = _bench_us(fn)
+                            row = dict(
+                                tokens=n,
+                                layout=layout,
+                                impl=impl,
+                                dead=dead_frac,
+                                block_t=bt,
+                                num_warps=w,
+                                us=round(us, 2),
+                                read_bytes=rd,
+                                written_bytes=wr,
+                                effective_tbps=round((rd + wr) / us / 1e6, 3),
+                                copy_tbps=round(copy_tbps, 3),
+                                max_abs_err_vs_torch=err,
+                            )
+                            rows.append(row)
+                            if best is None or us < best["us"]:
+                                best = row
+                    print(
+                        f"N={n:>6} {layout:10} {impl:5} dead={dead_frac:.1f} best "
+                        f"{best['us']:8.1f} us  {best['effective_tbps']:.2f} TB/s "
+                        f"(copy {copy_tbps:.2f})  block_t={best['block_t']} "
+                        f"warps={best['num_warps']}  err={best['max_abs_err_vs_torch']:.2e}",
+                        flush=True,
+                    )
+            del pools, slots
+            torch.cuda.empty_cache()
+    meta = dict(
+        gpu=torch.cuda.get_device_name(dev),
+        date=dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        torch=torch.__version__,
+        machine=platform.platform(),
+        command="python benchmarks/dequant_gather.py "
+        + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()),
+    )
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
