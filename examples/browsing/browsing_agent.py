@@ -14,6 +14,15 @@ Nothing in the nodes is agentkv: :func:`build_agent` wraps the graph once with
 ``with_kv_policy(builder, default=..., nodes={...})`` and every ``ChatOpenAI`` call a node makes
 carries its node's policy, the thread's session id and per-message tags to the server.
 
+**One prefix for every node.** All nodes send the same system prompt with the same tools bound
+(the server renders tool schemas into the system block); a node's own instruction comes last.
+So each call extends the thread's cached sequence and the server prefills only what is new,
+whichever node made the previous call. (A first version sent ``plan`` and ``answer`` no tools:
+their system block then left ``browse``'s after 63 tokens, and as the thread's session keeps
+the holes and quantized cells every node's policy made, ``browse``'s next call reused only
+those 63 tokens and recomputed the rest.) ``plan`` and ``answer`` keep only the
+text of their reply.
+
 **Scripted mode.** A 135M model rarely emits a well-formed tool call. With ``scripted=True`` the
 ``browse`` node still calls the model on the same prompt (tools bound), then replaces the
 reply's tool calls with the next step of the turn's script (``state["script"]``); the real
@@ -94,8 +103,13 @@ def build_graph(
     tools: Sequence[BaseTool],
     scripted: bool = True,
     max_steps: int = 4,
+    scripted_reply_tokens: int = 8,
 ) -> StateGraph:
-    """The agent's ``StateGraph`` (not compiled): nodes plan, browse, tools, answer."""
+    """The agent's ``StateGraph`` (not compiled): nodes plan, browse, tools, answer.
+
+    ``max_steps``: browse calls per turn when the model picks the tools. In scripted mode the
+    browse replies are cut at ``scripted_reply_tokens`` (their tool call comes from the
+    script, only their text stays in the history)."""
     llm_with_tools = llm.bind_tools(list(tools))
 
     def plan(state: ResearchState) -> dict[str, Any]:
@@ -104,7 +118,11 @@ def build_graph(
         return {"messages": [text_only(llm_with_tools.invoke(prompt))], "steps": 0}
 
     def browse(state: ResearchState) -> dict[str, Any]:
-        reply = llm_with_tools.invoke([SystemMessage(SYSTEM_PROMPT), *state["messages"]])
+        prompt = [SystemMessage(SYSTEM_PROMPT), *state["messages"]]
+        if scripted:
+            reply = llm_with_tools.invoke(prompt, max_tokens=scripted_reply_tokens)
+        else:
+            reply = llm_with_tools.invoke(prompt)
         update: dict[str, Any] = {"steps": state.get("steps", 0) + 1}
         if scripted:
             script = list(state.get("script") or [])

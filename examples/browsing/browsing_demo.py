@@ -223,7 +223,7 @@ def run_demo(
     agentkv server, its own ``cache_salt`` per configuration, so no configuration reuses
     another's prefix cache. ``end_sessions``: drop each session from the server after its task.
     Returns ``{"model", "scripted", "records": [CallRecord], "turns": [TurnResult],
-    "sessions": [{"config", "task", "thread_id", "cache_salt"}]}``."""
+    "sessions": [{"config", "task", "thread_id", "cache_salt"}], "configs"}``."""
     caps = agentkv.fetch_capabilities(base_url, api_key=api_key)
     model = model or (caps.model if caps else None) or _first_model(base_url, api_key)
     print_fn(
@@ -277,6 +277,7 @@ def run_demo(
         "records": recorder.records,
         "turns": turns,
         "sessions": sessions,
+        "configs": dict(configs),
     }
 
 
@@ -444,6 +445,47 @@ def plot_live_kv(records: Sequence[CallRecord], path: Path, title: str = "") -> 
     return path
 
 
+def write_report(
+    result: Mapping[str, Any], out: Path, print_fn: Callable[[str], Any] = print
+) -> dict[str, Path]:
+    """Print the per-node table and the answers' facts; write ``table.md``, ``results.json``
+    and ``live_kv.png`` under ``out``. Returns the paths written by name."""
+    records, turns = result["records"], result["turns"]
+    mode = "scripted" if result["scripted"] else "model picks tools"
+    stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    out.mkdir(parents=True, exist_ok=True)
+    table = format_table(records)
+    print_fn("")
+    print_fn(table)
+    print_fn("")
+    print_fn(format_answers(turns))
+    paths = {"table": out / "table.md", "results": out / "results.json"}
+    paths["table"].write_text(table + "\n", encoding="utf-8")
+    paths["results"].write_text(
+        json.dumps(
+            {
+                "model": result["model"],
+                "mode": mode,
+                "date": stamp,
+                "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
+                "configs": {k: v.model_dump(mode="json") for k, v in result["configs"].items()},
+                "records": [asdict(r) for r in records],
+                "turns": [asdict(t) for t in turns],
+            },
+            indent=1,
+        ),
+        encoding="utf-8",
+    )
+    title = (
+        f"browsing agent, {result['model']}, {mode}; {platform.machine()}, "
+        f"{os.cpu_count()} CPUs, {stamp}"
+    )
+    plot = plot_live_kv(records, out / "live_kv.png", title)
+    if plot is not None:
+        paths["plot"] = plot
+    return paths
+
+
 # -------------------------------------------------------------------------------- CLI
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
@@ -510,38 +552,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             max_tokens=args.max_tokens or (24 if scripted else 256),
             corpus=corpus,
         )
-    records, turns = result["records"], result["turns"]
-    table = format_table(records)
-    mode = "scripted" if scripted else "model picks tools"
-    stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    title = (
-        f"browsing agent, {result['model']}, {mode}; {platform.machine()}, "
-        f"{os.cpu_count()} CPUs, {stamp}"
-    )
-    plot = plot_live_kv(records, args.out / "live_kv.png", title)
-    print()
-    print(table)
-    print()
-    print(format_answers(turns))
-    (args.out / "table.md").write_text(table + "\n", encoding="utf-8")
-    (args.out / "results.json").write_text(
-        json.dumps(
-            {
-                "model": result["model"],
-                "mode": mode,
-                "date": stamp,
-                "configs": {k: v.model_dump(mode="json") for k, v in CONFIGS.items()},
-                "records": [asdict(r) for r in records],
-                "turns": [asdict(t) for t in turns],
-            },
-            indent=1,
-        ),
-        encoding="utf-8",
-    )
+    paths = write_report(result, args.out)
     print(
-        f"\nmode: {mode.upper()}; {len(records)} model calls in "
-        f"{time.perf_counter() - t0:.0f} s; wrote {args.out / 'table.md'}, "
-        f"{args.out / 'results.json'}" + (f", {plot}" if plot else "")
+        f"\nmode: {'SCRIPTED' if scripted else 'MODEL'}; {len(result['records'])} model calls in "
+        f"{time.perf_counter() - t0:.0f} s; wrote {', '.join(str(p) for p in paths.values())}"
     )
     return result
 

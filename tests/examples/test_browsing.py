@@ -5,6 +5,7 @@ server's telemetry."""
 
 from __future__ import annotations
 
+import json
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,7 +17,6 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "examples" / "browsing"))
 
-from browsing_agent import NODE_POLICIES  # noqa: E402
 from research_tasks import TASKS, ResearchTask  # noqa: E402
 from wiki_corpus import WikiCorpus, make_tools  # noqa: E402
 
@@ -78,8 +78,8 @@ def one_thread() -> Iterator[None]:
 
 
 @pytest.mark.slow
-def test_agent_runs_per_node_policies_on_the_engine(server, corpus, one_thread) -> None:
-    from browsing_demo import format_table, node_rows, run_demo
+def test_agent_runs_per_node_policies_on_the_engine(server, corpus, one_thread, tmp_path) -> None:
+    from browsing_demo import node_rows, run_demo, write_report
 
     budget = 64
     per_node = GraphPolicy(
@@ -138,6 +138,11 @@ def test_agent_runs_per_node_policies_on_the_engine(server, corpus, one_thread) 
         assert by_node["browse"]["policies"] == [want]
         assert (by_node["browse"]["evicted_tokens"] > 0) == per_node_run
         assert httpx.delete(url, params=params, timeout=30).status_code == 200
-    table = format_table(records)
+    # the report: the table has one row per node with the policy the server applied
+    paths = write_report(result, tmp_path, print_fn=lines.append)
+    table = paths["table"].read_text()
     assert f"| per-node | browse | intentkv(budget={budget}) | 2 |" in table
-    assert set(NODE_POLICIES) == {"plan", "browse", "answer"}
+    assert "| FullCache | ALL |  | 4 |" in table
+    saved = json.loads(paths["results"].read_text())
+    assert len(saved["records"]) == 8 and saved["mode"] == "scripted"
+    assert paths["plot"].read_bytes().startswith(b"\x89PNG")
