@@ -146,3 +146,17 @@ def test_agent_runs_per_node_policies_on_the_engine(server, corpus, one_thread, 
     saved = json.loads(paths["results"].read_text())
     assert len(saved["records"]) == 8 and saved["mode"] == "scripted"
     assert paths["plot"].read_bytes().startswith(b"\x89PNG")
+
+
+def test_demo_server_reports_a_serve_that_fails_to_start(tmp_path) -> None:
+    """`make demo` starts `agentkv serve` itself; when it exits, the demo says so and where
+    its log is (here: a model directory that does not exist)."""
+    from browsing_demo import agentkv_server
+
+    log = tmp_path / "server.log"
+    with (
+        pytest.raises(SystemExit, match=r"agentkv serve exited with 2; see .*server\.log"),
+        agentkv_server(model=str(tmp_path / "nope"), log_path=log, timeout_s=120),
+    ):
+        pass
+    assert "not a HF model directory" in log.read_text()
