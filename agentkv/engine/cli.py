@@ -10,6 +10,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated
 
+import click
 import typer
 
 from agentkv.engine.tenancy import DEFAULT_MAX_REQUEST_BYTES  # stdlib only, no torch
@@ -93,13 +94,21 @@ def serve(
         int,
         typer.Option(help="reject request bodies larger than this (HTTP 413)", min=1024),
     ] = DEFAULT_MAX_REQUEST_BYTES,
+    image_parts: Annotated[
+        str,
+        typer.Option(
+            help="image content parts, which the text-only model cannot read: 'drop' them from "
+            "the prompt (counted in usage.agentkv.dropped_image_parts) or 'reject' (HTTP 400)",
+            click_type=click.Choice(["drop", "reject"]),
+        ),
+    ] = "drop",
 ) -> None:
     from agentkv.engine.engine import Engine
     from agentkv.engine.model_loader import ModelNotFound
     from agentkv.engine.server import serve as run_server
     from agentkv.engine.tenancy import ServerOptions
 
-    options = ServerOptions.from_env(api_key, admin_api_key, max_request_bytes)
+    options = ServerOptions.from_env(api_key, admin_api_key, max_request_bytes, image_parts)
 
     try:
         engine = Engine(model, device=device, kv_slots=kv_slots)
