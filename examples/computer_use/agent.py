@@ -154,13 +154,13 @@ def build_graph(
     browser: Browser,
     task: Sequence[Turn] | None = None,
     max_steps: int = 8,
-    on_call: Callable[[str, float], None] | None = None,
+    on_call: Callable[[str, AIMessage, float], None] | None = None,
 ) -> StateGraph:
     """The agent's ``StateGraph`` (compile it with ``with_kv_policy``).
 
     ``llm``: a LangChain chat model (``ChatOpenAI``); ``task``: the scripted plan (None: the
     model picks the actions); ``max_steps``: actions per instruction before ``report`` is
-    forced; ``on_call(node, seconds)``: called after each model call (progress lines).
+    forced; ``on_call(node, reply, seconds)``: called after each model call (progress).
     """
     actor = llm.bind_tools(TOOLS)
 
@@ -168,7 +168,7 @@ def build_graph(
         t0 = time.perf_counter()
         reply = model.invoke(messages)
         if on_call is not None:
-            on_call(node, time.perf_counter() - t0)
+            on_call(node, reply, time.perf_counter() - t0)
         return reply
 
     def act(state: MessagesState) -> dict[str, Any]:
@@ -218,7 +218,7 @@ def build_graph(
     return graph
 
 
-def first_message(start_url: str, obs_content: list[dict[str, Any]], text: str) -> HumanMessage:
-    """The first instruction, with the start page's observation (text and screenshot)."""
-    return HumanMessage(content=[{"type": "text", "text": f"{text}\n(start page: {start_url})"},
-                                 *obs_content])
+def instruction(turn: Turn, page_text: str) -> HumanMessage:
+    """A user turn: the instruction and the page the browser shows now (text only; the
+    screenshots come with the tool results)."""
+    return HumanMessage(content=f"{turn.instruction}\n\nThe browser shows:\n{page_text}")
