@@ -66,9 +66,7 @@ PAYLOAD_PARAM = f"{CUSTOM_PARAMS}.{WIRE_KEY}"
 #: ``usage.agentkv.dropped_image_parts`` (``--image-parts drop``), or a 400 (``reject``)
 IMAGE_PARTS = frozenset({"image_url", "image", "input_image"})
 #: other content-part types a text-only model cannot read: rejected (400), never dropped
-MEDIA_PARTS = frozenset(
-    {"input_audio", "audio", "file", "input_file", "video_url"}
-)
+MEDIA_PARTS = frozenset({"input_audio", "audio", "file", "input_file", "video_url"})
 MAX_STOP = 16
 
 
@@ -228,9 +226,7 @@ def _error(
     )
 
 
-def drop_image_parts(
-    messages: list[Any], mode: Literal["drop", "reject"]
-) -> tuple[list[Any], int]:
+def drop_image_parts(messages: list[Any], mode: Literal["drop", "reject"]) -> tuple[list[Any], int]:
     """``messages`` without their image content parts, and how many were dropped.
 
     The embedded engine's model reads text only: an image part is dropped from the prompt

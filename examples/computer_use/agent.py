@@ -110,31 +110,47 @@ class Turn:
 DEMO_TASK: tuple[Turn, ...] = (
     Turn(
         "Find a blue mug in the shop.",
-        (Step("type", {"role": "searchbox", "name": "Search products", "text": "blue mug",
-                       "submit": True}),),
+        (
+            Step(
+                "type",
+                {
+                    "role": "searchbox",
+                    "name": "Search products",
+                    "text": "blue mug",
+                    "submit": True,
+                },
+            ),
+        ),
     ),
     Turn(
         "Open it and add it to my cart.",
-        (Step("click", {"role": "link", "name": "Blue ceramic mug"}),
-         Step("click", {"role": "button", "name": "Add to cart"})),
+        (
+            Step("click", {"role": "link", "name": "Blue ceramic mug"}),
+            Step("click", {"role": "button", "name": "Add to cart"}),
+        ),
     ),
     Turn(
         "What does the steel water bottle on the home page cost? Then come back to the cart.",
-        (Step("click", {"role": "link", "name": "Home"}),
-         Step("scroll", {"direction": "down"}),
-         Step("scroll", {"direction": "up"}),
-         Step("click", {"role": "link", "name": "Steel water bottle"}),
-         Step("go_back"),
-         Step("go_back")),
+        (
+            Step("click", {"role": "link", "name": "Home"}),
+            Step("scroll", {"direction": "down"}),
+            Step("scroll", {"direction": "up"}),
+            Step("click", {"role": "link", "name": "Steel water bottle"}),
+            Step("go_back"),
+            Step("go_back"),
+        ),
     ),
     Turn(
         "Check out: Ada Lovelace, ada@example.com, 12 Analytical Way.",
-        (Step("click", {"role": "link", "name": "Checkout"}),
-         Step("type", {"role": "textbox", "name": "Full name", "text": "Ada Lovelace"}),
-         Step("type", {"role": "textbox", "name": "Email", "text": "ada@example.com"}),
-         Step("type", {"role": "textbox", "name": "Street address",
-                       "text": "12 Analytical Way"}),
-         Step("click", {"role": "button", "name": "Place order"})),
+        (
+            Step("click", {"role": "link", "name": "Checkout"}),
+            Step("type", {"role": "textbox", "name": "Full name", "text": "Ada Lovelace"}),
+            Step("type", {"role": "textbox", "name": "Email", "text": "ada@example.com"}),
+            Step(
+                "type", {"role": "textbox", "name": "Street address", "text": "12 Analytical Way"}
+            ),
+            Step("click", {"role": "button", "name": "Place order"}),
+        ),
     ),
 )
 #: the short task the CI test runs
@@ -188,8 +204,9 @@ def build_graph(
                 response_metadata=reply.response_metadata,
             )
         elif done >= max_steps:
-            reply = AIMessage(content=reply.content, id=reply.id,
-                              response_metadata=reply.response_metadata)
+            reply = AIMessage(
+                content=reply.content, id=reply.id, response_metadata=reply.response_metadata
+            )
         return {"messages": [reply]}
 
     def run_browser(state: MessagesState) -> dict[str, Any]:
@@ -197,8 +214,9 @@ def build_graph(
         out = []
         for call in last.tool_calls:
             obs = run_tool(browser, call["name"], call["args"])
-            out.append(ToolMessage(content=obs.content(), tool_call_id=call["id"],
-                                   name=call["name"]))
+            out.append(
+                ToolMessage(content=obs.content(), tool_call_id=call["id"], name=call["name"])
+            )
         return {"messages": out}
 
     def report(state: MessagesState) -> dict[str, Any]:

@@ -73,9 +73,19 @@ class RunReport:
         for u in self.requests:
             r = rows.setdefault(
                 u.get("node") or "-",
-                {"policy": u["policy"], "calls": 0, "peak_prompt": 0, "peak_live": 0.0,
-                 "peak_resident_bytes": 0, "evicted": 0, "quantized": 0, "prefix_hits": 0,
-                 "prompt": 0, "wall_s": 0.0, "dropped_images": 0},
+                {
+                    "policy": u["policy"],
+                    "calls": 0,
+                    "peak_prompt": 0,
+                    "peak_live": 0.0,
+                    "peak_resident_bytes": 0,
+                    "evicted": 0,
+                    "quantized": 0,
+                    "prefix_hits": 0,
+                    "prompt": 0,
+                    "wall_s": 0.0,
+                    "dropped_images": 0,
+                },
             )
             r["calls"] += 1
             r["peak_prompt"] = max(r["peak_prompt"], u["prompt_tokens"])
@@ -125,23 +135,36 @@ def run_computer_use(
         browser = stack.enter_context(Browser())
         chromium = browser.version
         say(f"[{mode}] Chromium {chromium} on {shop.url}; agentkv server {base_url}")
-        llm = ChatOpenAI(model=model, base_url=base_url, api_key=api_key, max_tokens=max_tokens,
-                         temperature=0, max_retries=0, timeout=600)
+        llm = ChatOpenAI(
+            model=model,
+            base_url=base_url,
+            api_key=api_key,
+            max_tokens=max_tokens,
+            temperature=0,
+            max_retries=0,
+            timeout=600,
+        )
         n = {"calls": 0}
 
         def on_call(node: str, reply: Any, seconds: float) -> None:
             n["calls"] += 1
             u = agentkv.usage(reply) or {}
-            say(f"[{mode}] call {n['calls']:>2} {node:<6} prompt {u.get('prompt_tokens', 0):>5} "
+            say(
+                f"[{mode}] call {n['calls']:>2} {node:<6} prompt {u.get('prompt_tokens', 0):>5} "
                 f"tok, live KV {u.get('live_kv_tokens', 0):>7.1f}, dropped images "
-                f"{u.get('dropped_image_parts', 0)}, {seconds:.1f}s")
+                f"{u.get('dropped_image_parts', 0)}, {seconds:.1f}s"
+            )
 
         graph = build_graph(llm, browser, task if scripted else None, on_call=on_call)
-        app = with_kv_policy(graph, default=FullCache(), nodes=policies,
-                             checkpointer=InMemorySaver())
+        app = with_kv_policy(
+            graph, default=FullCache(), nodes=policies, checkpointer=InMemorySaver()
+        )
         usage, recorder = KVUsageCallbackHandler(), CallRecorder()
-        config = {"configurable": {"thread_id": sid}, "callbacks": [usage, recorder],
-                  "recursion_limit": 100}
+        config = {
+            "configurable": {"thread_id": sid},
+            "callbacks": [usage, recorder],
+            "recursion_limit": 100,
+        }
         t0 = time.perf_counter()
         browser.goto(shop.url)
         answers = []
@@ -170,8 +193,10 @@ def run_computer_use(
     if vlm_cost:
         tok = load_gemma3_tokenizer()
         if tok is None:
-            say(f"VLM screenshot cost skipped: Gemma 3 tokenizer not found; fetch it with: "
-                f"{FETCH_HINT}")
+            say(
+                f"VLM screenshot cost skipped: Gemma 3 tokenizer not found; fetch it with: "
+                f"{FETCH_HINT}"
+            )
         else:
             report.vlm = screenshot_cost(report.calls, tok)
     return report
@@ -204,14 +229,20 @@ def format_report(report: RunReport) -> str:
         )
     by_node = report.session.get("by_node", {})
     if by_node:
-        seen = ", ".join(f"{k}: {v['requests']} calls, {'/'.join(v['policies'])}"
-                         for k, v in by_node.items())
+        seen = ", ".join(
+            f"{k}: {v['requests']} calls, {'/'.join(v['policies'])}" for k, v in by_node.items()
+        )
         lines += ["", f"server session telemetry (GET /v1/agentkv/sessions): {seen}"]
     if report.vlm:
         last = max(report.vlm, key=lambda c: c.tokens)
         text_tokens = next(
-            (u["prompt_tokens"] for u, c in zip(report.requests, report.vlm, strict=False)
-             if c is last), None)
+            (
+                u["prompt_tokens"]
+                for u, c in zip(report.requests, report.vlm, strict=False)
+                if c is last
+            ),
+            None,
+        )
         total_img = sum(c.image_tokens for c in report.vlm)
         b = last.image_tokens_by_bucket
         lines += [
@@ -234,44 +265,73 @@ def format_report(report: RunReport) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m examples.computer_use", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m examples.computer_use",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--base-url", help="an OpenAI-compatible endpoint (default: embedded engine)")
     ap.add_argument("--model", default="smollm2", help="model name sent to --base-url")
     ap.add_argument("--api-key", default="x")
     mode = ap.add_mutually_exclusive_group()
-    mode.add_argument("--scripted", dest="scripted", action="store_true", default=None,
-                      help="tools follow a fixed plan (default with the embedded tiny model)")
-    mode.add_argument("--model-driven", dest="scripted", action="store_false",
-                      help="the model picks the tools (needs a capable --base-url model)")
+    mode.add_argument(
+        "--scripted",
+        dest="scripted",
+        action="store_true",
+        default=None,
+        help="tools follow a fixed plan (default with the embedded tiny model)",
+    )
+    mode.add_argument(
+        "--model-driven",
+        dest="scripted",
+        action="store_false",
+        help="the model picks the tools (needs a capable --base-url model)",
+    )
     ap.add_argument("--short", action="store_true", help="the 2-turn task (what CI runs)")
     ap.add_argument("--act-policy", default="intentkv:budget=512")
     ap.add_argument("--report-policy", default="uniform_quant:bits=4")
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--device", default=None)
+    ap.add_argument(
+        "--baseline",
+        action="store_true",
+        help="first run the same task with FullCache on every node, for comparison",
+    )
     ap.add_argument("--json", help="write the report (rows, requests, VLM cost) to this file")
     args = ap.parse_args(argv)
     scripted = args.scripted if args.scripted is not None else args.base_url is None
-    try:
-        report = run_computer_use(
-            task=SHORT_TASK if args.short else DEMO_TASK,
-            base_url=args.base_url,
-            model=args.model,
-            scripted=scripted,
-            policies={"act": args.act_policy, "report": args.report_policy},
-            max_tokens=args.max_tokens,
-            api_key=args.api_key,
-            device=args.device,
-        )
-    except BrowserMissing as e:
-        print(f"computer-use: {e}", file=sys.stderr)
-        return 2
-    print(format_report(report))
-    print(f"\ncart after the run: {report.cart}; orders: {report.orders}")
+    runs = [("FullCache on every node", {})] if args.baseline else []
+    runs.append(("per-node policies", {"act": args.act_policy, "report": args.report_policy}))
+    out = {}
+    for title, policies in runs:
+        try:
+            report = run_computer_use(
+                task=SHORT_TASK if args.short else DEMO_TASK,
+                base_url=args.base_url,
+                model=args.model,
+                scripted=scripted,
+                policies=policies,
+                max_tokens=args.max_tokens,
+                api_key=args.api_key,
+                device=args.device,
+                vlm_cost=title == runs[-1][0],
+            )
+        except BrowserMissing as e:
+            print(f"computer-use: {e}", file=sys.stderr)
+            return 2
+        print(f"\n### {title}\n\n{format_report(report)}")
+        print(f"\ncart after the run: {report.cart}; orders: {report.orders}")
+        out[title] = {
+            "mode": report.mode,
+            "policies": report.policies,
+            "rows": report.rows(),
+            "requests": report.requests,
+            "vlm": [c.__dict__ for c in report.vlm or []],
+            "wall_time_s": report.wall_time_s,
+            "chromium": report.chromium,
+            "orders": report.orders,
+        }
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"mode": report.mode, "rows": report.rows(), "requests": report.requests,
-                       "vlm": [c.__dict__ for c in report.vlm or []],
-                       "wall_time_s": report.wall_time_s, "chromium": report.chromium}, f,
-                      indent=1)
+            json.dump(out, f, indent=1)
     return 0

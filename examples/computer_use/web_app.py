@@ -12,7 +12,6 @@ import html
 import threading
 import time
 from dataclasses import dataclass, field
-
 from urllib.parse import parse_qs
 
 from fastapi import FastAPI, Request
@@ -124,7 +123,9 @@ def create_shop(state: ShopState | None = None) -> FastAPI:
             f"<li>{html.escape(p.name)} x {n}: {p.price * n:.2f} EUR</li>" for p, n in rows
         )
         total = sum(p.price * n for p, n in rows)
-        body = f'<ul>{items}</ul><p>Total: {total:.2f} EUR</p><a href="/checkout">Go to checkout</a>'
+        body = (
+            f'<ul>{items}</ul><p>Total: {total:.2f} EUR</p><a href="/checkout">Go to checkout</a>'
+        )
         return _page("Your cart", body, count())
 
     @app.get("/checkout", response_class=HTMLResponse)

@@ -67,8 +67,10 @@ def test_gemma3_own_template_tags_every_image_token(gemma3):
     ]
     tags = r.encode(msgs)
     assert tags.text.startswith("<bos><start_of_turn>user\n")  # Gemma 3's own scaffolding
-    boi, soft, eoi = (gemma3.convert_tokens_to_ids(t) for t in (
-        "<start_of_image>", "<image_soft_token>", "<end_of_image>"))
+    boi, soft, eoi = (
+        gemma3.convert_tokens_to_ids(t)
+        for t in ("<start_of_image>", "<image_soft_token>", "<end_of_image>")
+    )
     runs = _image_runs(tags)
     assert runs == [[boi, *[soft] * PER_IMAGE, eoi]] * 2  # exactly the images' tokens
     counts = _counts(tags)
@@ -76,8 +78,11 @@ def test_gemma3_own_template_tags_every_image_token(gemma3):
     assert counts[(Role.USER, Modality.IMAGE, Temporal.CURRENT)] == PER_IMAGE + 2
     assert sum(n for (_, m, _), n in counts.items() if m is Modality.IMAGE) == 2 * (PER_IMAGE + 2)
     # the text around the images keeps the text modality
-    text_ids = [t for t, c in zip(tags.token_ids, tags.codes, strict=True)
-                if TagCode.unpack(c).modality is Modality.TEXT]
+    text_ids = [
+        t
+        for t, c in zip(tags.token_ids, tags.codes, strict=True)
+        if TagCode.unpack(c).modality is Modality.TEXT
+    ]
     assert soft not in text_ids and "blue one" in gemma3.decode(text_ids)
 
 
@@ -93,10 +98,13 @@ def test_computer_use_screenshots_are_obs_image_and_age_by_turn(gemma3):
         msgs.append({"role": "user", "content": instruction})
         for step in range(2):
             cid = f"c{turn}{step}"
-            call = {"id": cid, "type": "function",
-                    "function": {"name": "click", "arguments": '{"role": "link"}'}}
+            call = {
+                "id": cid,
+                "type": "function",
+                "function": {"name": "click", "arguments": '{"role": "link"}'},
+            }
             msgs.append({"role": "assistant", "content": None, "tool_calls": [call]})
-            tree = {"type": "text", "text": f"- link \"Page {turn}.{step}\""}
+            tree = {"type": "text", "text": f'- link "Page {turn}.{step}"'}
             msgs.append({"role": "tool", "tool_call_id": cid, "content": [tree, SHOT]})
     tags = r.encode(msgs)
     counts = _counts(tags)
