@@ -37,6 +37,42 @@ def _images(messages) -> int:
     )
 
 
+def test_browser_tools_drive_the_shop():
+    """The tools on the real Chromium, no model: search, open, add to cart, a failed click
+    is an observation, scroll and go_back move around."""
+    _chromium_or_skip()
+    from examples.computer_use.agent import run_tool
+    from examples.computer_use.browser import Browser
+    from examples.computer_use.web_app import ShopServer
+
+    with ShopServer() as shop, Browser() as b:
+        first = b.goto(shop.url)
+        assert 'searchbox "Search products"' in first.tree
+        assert first.screenshot[:2] == b"\xff\xd8"  # a JPEG
+        obs = run_tool(
+            b,
+            "type",
+            {"role": "searchbox", "name": "Search products", "text": "blue mug", "submit": "true"},
+        )
+        assert "/search?q=blue+mug" in obs.url and 'link "Blue ceramic mug"' in obs.tree
+        obs = run_tool(b, "click", {"role": "link", "name": "Blue ceramic mug"})
+        obs = run_tool(b, "click", {"role": "button", "name": "Add to cart"})
+        assert obs.url.endswith("/cart") and shop.state.cart == {1: 1}
+        missing = run_tool(b, "click", {"role": "button", "name": "No such button"})
+        assert missing.note.startswith("Failed: clicked button 'No such button'")
+        assert (
+            run_tool(b, "click", {"role": "link"}).note
+            == "Failed: click needs the argument 'name'."
+        )
+        scrolled = run_tool(b, "scroll", {"direction": "down"})
+        assert scrolled.note == "Done: scrolled down." and scrolled.url.endswith("/cart")
+        back = run_tool(b, "go_back", {})
+        assert "/product/1" in back.url
+        parts = back.content()
+        assert [p["type"] for p in parts] == ["text", "image_url"]
+        assert parts[1]["image_url"]["url"].startswith("data:image/jpeg;base64,")
+
+
 @pytest.fixture(scope="module")
 def report(server):
     _chromium_or_skip()
