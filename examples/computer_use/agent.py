@@ -9,8 +9,8 @@ Graph (one ``invoke`` per user instruction; the ``thread_id`` keeps the session)
   observations (the accessibility tree as text, the screenshot as an image part), and picks
   the next action: ``click(role, name)``, ``type(role, name, text, submit)``,
   ``scroll(direction)``, ``go_back()``; no tool call ends the instruction.
-- ``browser`` (no model call): runs the action in Chromium and answers with a tool message
-  ``[accessibility tree (text), screenshot (image)]``. agentkv's client tags those parts
+- ``browser`` (no model call, LangGraph's ``ToolNode``): runs the action in Chromium and
+  answers with a tool message ``[accessibility tree (text), screenshot (image)]``. agentkv's client tags those parts
   ``obs|text`` and ``obs|image``; a turn runs from one user instruction to the next, so older
   screenshots age through the temporal buckets (``turn_m1``, ``turn_m2``, ``older``).
 - ``report`` (model call): tells the user what was done.
@@ -26,11 +26,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
-from langchain_core.tools import tool
+from langchain_core.tools import BaseTool, tool
 from langgraph.graph import END, START, MessagesState, StateGraph
+from langgraph.prebuilt import ToolNode
 
 from .browser import Browser
 
@@ -45,51 +46,33 @@ REPORT = "Tell the user in one short sentence what you did on the website."
 
 
 # ------------------------------------------------------------------------- the tools
-@tool
-def click(role: str, name: str) -> str:
-    """Click the element with this ARIA role (link, button, ...) and accessible name."""
-    raise NotImplementedError  # executed by the browser node
+def browser_tools(browser: Browser) -> list[BaseTool]:
+    """The agent's tools on ``browser``. Each acts, then returns the observation as content
+    blocks ``[accessibility tree (text), screenshot (image_url)]``, which LangGraph's
+    ``ToolNode`` puts in the tool message as they are."""
 
+    @tool
+    def click(role: str, name: str) -> list[dict[str, Any]]:
+        """Click the element with this ARIA role (link, button, ...) and accessible name."""
+        return browser.click(role, name).content()
 
-@tool("type")
-def type_text(role: str, name: str, text: str, submit: bool = False) -> str:
-    """Type text into the field with this role (textbox, searchbox) and accessible name;
-    submit=true presses Enter afterwards."""
-    raise NotImplementedError
+    @tool("type")
+    def type_text(role: str, name: str, text: str, submit: bool = False) -> list[dict[str, Any]]:
+        """Type text into the field with this role (textbox, searchbox) and accessible name;
+        submit=true presses Enter afterwards."""
+        return browser.type(role, name, text, submit).content()
 
+    @tool
+    def scroll(direction: Literal["down", "up"] = "down") -> list[dict[str, Any]]:
+        """Scroll the page one screen down or up."""
+        return browser.scroll(direction).content()
 
-@tool
-def scroll(direction: str = "down") -> str:
-    """Scroll the page one screen "down" or "up"."""
-    raise NotImplementedError
+    @tool
+    def go_back() -> list[dict[str, Any]]:
+        """Go back to the previous page."""
+        return browser.go_back().content()
 
-
-@tool
-def go_back() -> str:
-    """Go back to the previous page."""
-    raise NotImplementedError
-
-
-TOOLS = [click, type_text, scroll, go_back]
-
-
-def run_tool(browser: Browser, name: str, args: dict[str, Any]):
-    """Run one tool call in the browser; an unknown tool or bad arguments is a failed step."""
-    try:
-        if name == "click":
-            return browser.click(str(args["role"]), str(args["name"]))
-        if name == "type":
-            submit = args.get("submit", False) in (True, "true", "True", 1)
-            return browser.type(str(args["role"]), str(args["name"]), str(args["text"]), submit)
-        if name == "scroll":
-            return browser.scroll(str(args.get("direction", "down")))
-        if name == "go_back":
-            return browser.go_back()
-        note = f"Failed: unknown tool {name!r}."
-    except KeyError as e:
-        note = f"Failed: {name} needs the argument {e.args[0]!r}."
-    obs = browser.observe()
-    return type(obs)(obs.url, obs.title, obs.tree, obs.screenshot, note)
+    return [click, type_text, scroll, go_back]
 
 
 # ---------------------------------------------------------------------- the task
@@ -178,7 +161,8 @@ def build_graph(
     model picks the actions); ``max_steps``: actions per instruction before ``report`` is
     forced; ``on_call(node, reply, seconds)``: called after each model call (progress).
     """
-    actor = llm.bind_tools(TOOLS)
+    tools = browser_tools(browser)
+    actor = llm.bind_tools(tools)
 
     def timed(node: str, model: Any, messages: list[Any]) -> AIMessage:
         t0 = time.perf_counter()
@@ -209,16 +193,6 @@ def build_graph(
             )
         return {"messages": [reply]}
 
-    def run_browser(state: MessagesState) -> dict[str, Any]:
-        last = state["messages"][-1]
-        out = []
-        for call in last.tool_calls:
-            obs = run_tool(browser, call["name"], call["args"])
-            out.append(
-                ToolMessage(content=obs.content(), tool_call_id=call["id"], name=call["name"])
-            )
-        return {"messages": out}
-
     def report(state: MessagesState) -> dict[str, Any]:
         return {"messages": [timed("report", llm, [SystemMessage(REPORT), *state["messages"]])]}
 
@@ -227,7 +201,7 @@ def build_graph(
 
     graph = StateGraph(MessagesState)
     graph.add_node("act", act)
-    graph.add_node("browser", run_browser)
+    graph.add_node("browser", ToolNode(tools))
     graph.add_node("report", report)
     graph.add_edge(START, "act")
     graph.add_conditional_edges("act", route, {"browser": "browser", "report": "report"})

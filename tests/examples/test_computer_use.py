@@ -38,10 +38,10 @@ def _images(messages) -> int:
 
 
 def test_browser_tools_drive_the_shop():
-    """The tools on the real Chromium, no model: search, open, add to cart, a failed click
-    is an observation, scroll and go_back move around."""
+    """The agent's tools on the real Chromium, no model: search, open, add to cart; a failed
+    click is an observation; scroll and go_back move around. Each returns [text, image]."""
     _chromium_or_skip()
-    from examples.computer_use.agent import run_tool
+    from examples.computer_use.agent import browser_tools
     from examples.computer_use.browser import Browser
     from examples.computer_use.web_app import ShopServer
 
@@ -49,28 +49,26 @@ def test_browser_tools_drive_the_shop():
         first = b.goto(shop.url)
         assert 'searchbox "Search products"' in first.tree
         assert first.screenshot[:2] == b"\xff\xd8"  # a JPEG
-        obs = run_tool(
-            b,
-            "type",
-            {"role": "searchbox", "name": "Search products", "text": "blue mug", "submit": "true"},
+        tools = {t.name: t for t in browser_tools(b)}
+
+        def text(parts):
+            assert [p["type"] for p in parts] == ["text", "image_url"]
+            assert parts[1]["image_url"]["url"].startswith("data:image/jpeg;base64,")
+            return parts[0]["text"]
+
+        found = text(
+            tools["type"].invoke(
+                {"role": "searchbox", "name": "Search products", "text": "blue mug", "submit": True}
+            )
         )
-        assert "/search?q=blue+mug" in obs.url and 'link "Blue ceramic mug"' in obs.tree
-        obs = run_tool(b, "click", {"role": "link", "name": "Blue ceramic mug"})
-        obs = run_tool(b, "click", {"role": "button", "name": "Add to cart"})
-        assert obs.url.endswith("/cart") and shop.state.cart == {1: 1}
-        missing = run_tool(b, "click", {"role": "button", "name": "No such button"})
-        assert missing.note.startswith("Failed: clicked button 'No such button'")
-        assert (
-            run_tool(b, "click", {"role": "link"}).note
-            == "Failed: click needs the argument 'name'."
-        )
-        scrolled = run_tool(b, "scroll", {"direction": "down"})
-        assert scrolled.note == "Done: scrolled down." and scrolled.url.endswith("/cart")
-        back = run_tool(b, "go_back", {})
-        assert "/product/1" in back.url
-        parts = back.content()
-        assert [p["type"] for p in parts] == ["text", "image_url"]
-        assert parts[1]["image_url"]["url"].startswith("data:image/jpeg;base64,")
+        assert "/search?q=blue+mug" in found and 'link "Blue ceramic mug"' in found
+        text(tools["click"].invoke({"role": "link", "name": "Blue ceramic mug"}))
+        added = text(tools["click"].invoke({"role": "button", "name": "Add to cart"}))
+        assert "/cart" in added and shop.state.cart == {1: 1}
+        missing = text(tools["click"].invoke({"role": "button", "name": "No such button"}))
+        assert missing.startswith("Failed: clicked button 'No such button'")
+        assert text(tools["scroll"].invoke({"direction": "down"})).startswith("Done: scrolled")
+        assert "/product/1" in text(tools["go_back"].invoke({}))
 
 
 @pytest.fixture(scope="module")
