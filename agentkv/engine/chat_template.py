@@ -18,6 +18,7 @@ from agentkv.token_tagger import (
     Slot,
     TokenTags,
     align_pieces,
+    image_sequence,
     marker,
     message_parts,
     message_text_pieces,
@@ -48,16 +49,19 @@ def template_renders_tools(template: str | None) -> bool:
     )
 
 
-def normalise_message(message: Any, marks: Mapping[Slot, str] | None = None) -> dict[str, Any]:
+def normalise_message(
+    message: Any, marks: Mapping[Slot, str] | None = None, image_text: str = IMAGE_PLACEHOLDER
+) -> dict[str, Any]:
     """An OpenAI-format dict a Jinja chat template can render (content always a string).
 
-    Content blocks are joined (images as :data:`IMAGE_PLACEHOLDER`); reasoning (blocks, or
+    Content blocks are joined (images as ``image_text``: :data:`IMAGE_PLACEHOLDER`, or a VLM's
+    image tokens); reasoning (blocks, or
     ``<think>...</think>`` inline in an assistant's content) moves to ``reasoning_content``;
     tool-call arguments become JSON strings. ``marks`` replaces the text of the given piece
     slots (see :func:`agentkv.token_tagger.message_text_pieces`), for locating pieces.
     """
     view = openai_view(message)
-    reasoning, blocks, calls = message_parts(view)
+    reasoning, blocks, calls = message_parts(view, image_text)
     marks = marks or {}
     reasoning = marks.get(("reasoning", 0), reasoning)
     texts = [marks.get(("content", b), text) for b, (text, _) in enumerate(blocks)]
@@ -87,14 +91,26 @@ def normalise_message(message: Any, marks: Mapping[Slot, str] | None = None) -> 
 
 
 class ChatRenderer:
-    """Renders and tags requests for one tokenizer."""
+    """Renders and tags requests for one tokenizer.
 
-    def __init__(self, tokenizer: Any, template: str | None = None):
+    ``image_tokens``: a VLM's tokens per image (Gemma 3: 256). Image content blocks then
+    render as the tokenizer's image tokens (:func:`agentkv.token_tagger.image_sequence`),
+    tagged with the image modality; None (a text-only model): as :data:`IMAGE_PLACEHOLDER`.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        template: str | None = None,
+        image_tokens: int | None = None,
+        image_token: str | None = None,
+    ):
         self.tokenizer = tokenizer
         own = getattr(tokenizer, "chat_template", None)
         if template is None:
             template = own if template_renders_tools(own) else bundled_template()
         self.template = template
+        self.image_text = image_sequence(tokenizer, image_tokens, image_token)
 
     def render(
         self,
@@ -119,7 +135,7 @@ class ChatRenderer:
     ) -> TokenTags:
         """Render, tokenize and tag a request (``messages``: OpenAI dicts or LangChain)."""
         views = [openai_view(m) for m in messages]
-        norm = [normalise_message(v) for v in views]
+        norm = [normalise_message(v, image_text=self.image_text) for v in views]
         text = self.render(norm, tools, add_generation_prompt)
         messages_end = None
         if add_generation_prompt:
@@ -133,6 +149,7 @@ class ChatRenderer:
             messages_end=messages_end,
             spans=self._locate(views, text, tools, add_generation_prompt),
             system_end=self._system_end(norm, text, tools),
+            image_text=self.image_text,
         )
 
     def _locate(
@@ -145,7 +162,7 @@ class ChatRenderer:
         """Where each message piece was rendered (``tag_tokens``'s ``spans``), from a second
         rendering with every piece replaced by a marker; None when the template's scaffolding
         depends on the contents (then the tagger searches for the pieces)."""
-        pieces = [message_text_pieces(v, Role.USER) for v in views]
+        pieces = [message_text_pieces(v, Role.USER, self.image_text) for v in views]
         flat = [p.text for ps in pieces for p in ps]
         # first with empty messages marked too (exact anchors for them), then without
         for mark_empty in (True, False):
@@ -158,7 +175,7 @@ class ChatRenderer:
                     if p.text or mark_empty:
                         marks[p.slot] = marker(k)
                     k += 1
-                marked.append(normalise_message(v, marks))
+                marked.append(normalise_message(v, marks, self.image_text))
             try:
                 marked_text = self.render(marked, tools, add_generation_prompt)
             except Exception:  # a template that rejects the markers

@@ -7,6 +7,7 @@ import logging
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from enum import Enum
 from pathlib import Path
 from typing import Annotated
 
@@ -28,6 +29,13 @@ DeviceOpt = Annotated[
     str | None, typer.Option("--device", help="cpu, cuda, ... (default: cuda if available)")
 ]
 SlotsOpt = Annotated[int, typer.Option("--kv-slots", help="KV pool size in tokens")]
+
+
+class ImagePartsChoice(str, Enum):
+    """``--image-parts``: what the text-only engine does with image content parts."""
+
+    drop = "drop"
+    reject = "reject"
 
 
 _SERVE_HELP = """Serve the OpenAI-compatible API (/v1/chat/completions, /v1/models, /health)
@@ -93,13 +101,20 @@ def serve(
         int,
         typer.Option(help="reject request bodies larger than this (HTTP 413)", min=1024),
     ] = DEFAULT_MAX_REQUEST_BYTES,
+    image_parts: Annotated[
+        ImagePartsChoice,
+        typer.Option(
+            help="image content parts, which the text-only model cannot read: 'drop' them from "
+            "the prompt (counted in usage.agentkv.dropped_image_parts) or 'reject' (HTTP 400)",
+        ),
+    ] = ImagePartsChoice.drop,
 ) -> None:
     from agentkv.engine.engine import Engine
     from agentkv.engine.model_loader import ModelNotFound
     from agentkv.engine.server import serve as run_server
     from agentkv.engine.tenancy import ServerOptions
 
-    options = ServerOptions.from_env(api_key, admin_api_key, max_request_bytes)
+    options = ServerOptions.from_env(api_key, admin_api_key, max_request_bytes, image_parts.value)
 
     try:
         engine = Engine(model, device=device, kv_slots=kv_slots)

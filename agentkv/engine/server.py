@@ -13,7 +13,9 @@ tokens and prefix hits, live and evicted KV, wall time.
 The agentkv payload is read from ``custom_params["agentkv"]`` (absent -> FullCache; a
 payload without message annotations gets them derived from the request's messages).
 Responses carry ``usage.agentkv`` (:class:`agentkv.engine.telemetry.KVUsage`). Bad input ->
-HTTP 400 with an OpenAI-style error naming the field; the server keeps serving.
+HTTP 400 with an OpenAI-style error naming the field; the server keeps serving. Image content
+parts, which the text-only model cannot read, are dropped from the prompt and counted in
+``usage.agentkv.dropped_image_parts`` (or rejected: ``ServerOptions.image_parts``).
 
 Multi-tenant safety (docs/security.md): ``--api-key`` keys, one tenant each; a tenant plus the
 request's ``cache_salt`` is a namespace that scopes the prefix cache, session ids and session
@@ -60,17 +62,19 @@ log = logging.getLogger("agentkv.server")
 PAYLOAD_PARAM = f"{CUSTOM_PARAMS}.{WIRE_KEY}"
 
 
-#: content-part types a text-only model cannot read: rejected (400), never silently dropped
-MEDIA_PARTS = frozenset(
-    {"image_url", "image", "input_image", "input_audio", "audio", "file", "input_file", "video_url"}
-)
+#: image content-part types: dropped from the text-only model's prompt and counted in
+#: ``usage.agentkv.dropped_image_parts`` (``--image-parts drop``), or a 400 (``reject``)
+IMAGE_PARTS = frozenset({"image_url", "image", "input_image"})
+#: other content-part types a text-only model cannot read: rejected (400), never dropped
+MEDIA_PARTS = frozenset({"input_audio", "audio", "file", "input_file", "video_url"})
 MAX_STOP = 16
 
 
 class ContentPart(BaseModel):
     """One content block (``{"type": "text", "text": ...}``; reasoning and tool-call blocks as
-    LangChain sends them pass). Image, audio, video and file parts are a 400: the embedded
-    engine serves a text-only model and will not pretend to have seen them."""
+    LangChain sends them pass). Audio, video and file parts are a 400: the embedded engine
+    serves a text-only model and will not pretend to have heard or read them. Image parts
+    pass validation; :func:`drop_image_parts` then drops them (counted) or rejects them."""
 
     model_config = ConfigDict(extra="allow", strict=True)
 
@@ -222,6 +226,35 @@ def _error(
     )
 
 
+def drop_image_parts(messages: list[Any], mode: Literal["drop", "reject"]) -> tuple[list[Any], int]:
+    """``messages`` without their image content parts, and how many were dropped.
+
+    The embedded engine's model reads text only: an image part is dropped from the prompt
+    (``mode="drop"``, counted in ``usage.agentkv.dropped_image_parts`` and logged) or the
+    request is a 400 naming the first one (``mode="reject"``). Never silently ignored."""
+    out, dropped = [], 0
+    for i, message in enumerate(messages):
+        content = message.get("content") if isinstance(message, dict) else None
+        if not isinstance(content, list):
+            out.append(message)
+            continue
+        kept = []
+        for j, part in enumerate(content):
+            if isinstance(part, dict) and part.get("type") in IMAGE_PARTS:
+                if mode == "reject":
+                    raise APIError(
+                        400,
+                        f"{part['type']!r} content parts are not supported: this server's "
+                        "model reads text only (agentkv serve --image-parts drop drops them)",
+                        f"messages.{i}.content.{j}",
+                    )
+                dropped += 1
+            else:
+                kept.append(part)
+        out.append({**message, "content": kept} if len(kept) < len(content) else message)
+    return out, dropped
+
+
 def _message(result: ChatResult) -> dict[str, Any]:
     msg: dict[str, Any] = {"role": "assistant", "content": result.content}
     if result.tool_calls:
@@ -229,10 +262,13 @@ def _message(result: ChatResult) -> dict[str, Any]:
     return msg
 
 
-def _usage(result: ChatResult, namespace: str | None = None) -> dict[str, Any]:
+def _usage(
+    result: ChatResult, namespace: str | None = None, dropped_image_parts: int = 0
+) -> dict[str, Any]:
     u = result.usage
     ak = u.model_dump()
     ak["session_id"] = unscope_session_id(namespace, u.session_id)  # the id the client knows
+    ak["dropped_image_parts"] = dropped_image_parts  # image parts the text-only model never saw
     return {
         "prompt_tokens": u.prompt_tokens,
         "completion_tokens": u.completion_tokens,
@@ -405,12 +441,16 @@ async def _chat_completions(engine: Engine, tenancy: Tenancy, raw: Request) -> A
     )
     rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
     tools = None if req.tool_choice == "none" else body.get("tools") or None
+    messages, dropped = drop_image_parts(body["messages"], tenancy.options.image_parts)
+    if dropped:
+        log.info("dropped %d image content parts: the model reads text only", dropped)
+    body = {**body, "messages": messages}
     # validate, render and tag before answering, so bad input is a 400 even when streaming
     prepared = await asyncio.to_thread(_prepare, engine, body, tools, payload, gen, namespace)
     if req.stream:
         include_usage = req.stream_options is None or req.stream_options.include_usage
         return StreamingResponse(
-            _stream(engine, req, prepared, rid, include_usage, raw, cancel),
+            _stream(engine, req, prepared, rid, include_usage, raw, cancel, dropped),
             media_type="text/event-stream",
         )
     result = await _run_watching(engine, prepared, raw, cancel)
@@ -427,7 +467,7 @@ async def _chat_completions(engine: Engine, tenancy: Tenancy, raw: Request) -> A
                 "logprobs": None,
             }
         ],
-        "usage": _usage(result, prepared.namespace),
+        "usage": _usage(result, prepared.namespace, dropped),
     }
 
 
@@ -572,6 +612,7 @@ async def _stream(
     include_usage: bool,
     raw: Request,
     cancel: threading.Event,
+    dropped_image_parts: int = 0,
 ) -> AsyncIterator[str]:
     """SSE chunks in OpenAI's ``chat.completion.chunk`` format, then ``[DONE]``. A client
     that goes away (checked between chunks, and by Starlette) cancels the generation."""
@@ -634,7 +675,8 @@ async def _stream(
                     yield chunk({"tool_calls": calls})
                 yield chunk({}, finish=result.finish_reason)
                 if include_usage:
-                    yield chunk({}, usage=_usage(result, prepared.namespace))
+                    usage = _usage(result, prepared.namespace, dropped_image_parts)
+                    yield chunk({}, usage=usage)
                 break
         yield "data: [DONE]\n\n"
     finally:  # finished, client gone, or cancelled by the server: stop decoding either way

@@ -18,10 +18,13 @@ import hmac
 import os
 import secrets
 from dataclasses import dataclass
+from typing import Literal
 
 API_KEY_ENV = "AGENTKV_API_KEY"
 ADMIN_API_KEY_ENV = "AGENTKV_ADMIN_API_KEY"
 DEFAULT_MAX_REQUEST_BYTES = 1 << 20  # 1 MiB: far above any prompt the model's context holds
+#: what the embedded (text-only) engine does with image content parts
+ImageParts = Literal["drop", "reject"]
 
 
 @dataclass(frozen=True)
@@ -34,11 +37,15 @@ class ServerOptions:
             routes are open when ``api_keys`` is empty, closed otherwise.
         max_request_bytes: request bodies above this many bytes are rejected (HTTP 413)
             before they are parsed or tokenized.
+        image_parts: what a text-only model does with image content parts: ``"drop"`` them
+            from the prompt and count them in ``usage.agentkv.dropped_image_parts``, or
+            ``"reject"`` the request (HTTP 400 naming the part).
     """
 
     api_keys: tuple[str, ...] = ()
     admin_api_key: str | None = None
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    image_parts: ImageParts = "drop"
 
     @classmethod
     def from_env(
@@ -46,6 +53,7 @@ class ServerOptions:
         api_keys: list[str] | None = None,
         admin_api_key: str | None = None,
         max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+        image_parts: ImageParts = "drop",
     ) -> ServerOptions:
         """Options from flags, falling back to ``AGENTKV_API_KEY`` (comma-separated keys) and
         ``AGENTKV_ADMIN_API_KEY``."""
@@ -53,7 +61,7 @@ class ServerOptions:
         if not keys and os.environ.get(API_KEY_ENV):
             keys = [k.strip() for k in os.environ[API_KEY_ENV].split(",") if k.strip()]
         admin = admin_api_key or os.environ.get(ADMIN_API_KEY_ENV) or None
-        return cls(tuple(keys), admin, max_request_bytes)
+        return cls(tuple(keys), admin, max_request_bytes, image_parts)
 
 
 class Tenancy:

@@ -4,6 +4,7 @@ hold. Each is a clean 4xx/5xx naming the problem, and the server keeps serving."
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import json
 import time
@@ -155,7 +156,6 @@ def test_stop_list_too_long_says_so(http):
 @pytest.mark.parametrize(
     "part",
     [
-        {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}},
         {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}},
         {"type": "file", "file": {"file_id": "f"}},
     ],
@@ -164,6 +164,55 @@ def test_media_content_is_a_400_for_a_text_model(http, part):
     content = [{"type": "text", "text": "What is this?"}, part]
     body = {"messages": [{"role": "user", "content": content}], "max_tokens": 1}
     r = http.post("/v1/chat/completions", json=body)
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["param"] == "messages.0.content.1" and "text only" in err["message"], err
+
+
+IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
+
+
+def test_image_parts_are_dropped_and_counted_for_a_text_model(http):
+    """The text-only model never sees an image: the prompt is the text alone (same tokens as
+    without the images) and the response says how many image parts were dropped."""
+    text = {"type": "text", "text": "What is on the screen?"}
+    tool_call = {"id": "c1", "type": "function", "function": {"name": "look", "arguments": "{}"}}
+    msgs = [
+        {"role": "user", "content": [text, IMAGE]},
+        {"role": "assistant", "content": None, "tool_calls": [tool_call]},
+        {"role": "tool", "tool_call_id": "c1", "content": [IMAGE, {"type": "text", "text": "ok"}]},
+    ]
+    without = [
+        {**m, "content": [p for p in m["content"] if p is not IMAGE]}
+        if isinstance(m["content"], list)
+        else m
+        for m in msgs
+    ]
+    got = {}
+    for name, messages in (("with", msgs), ("without", without)):
+        r = http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1})
+        assert r.status_code == 200, r.text
+        got[name] = r.json()["usage"]
+    assert got["with"]["agentkv"]["dropped_image_parts"] == 2
+    assert got["without"]["agentkv"]["dropped_image_parts"] == 0
+    assert got["with"]["prompt_tokens"] == got["without"]["prompt_tokens"]
+
+
+def test_image_parts_are_a_400_when_the_server_rejects_them(engine):
+    httpx = pytest.importorskip("httpx")
+    from agentkv.engine.server import create_app
+    from agentkv.engine.tenancy import ServerOptions
+
+    app = create_app(engine, ServerOptions(image_parts="reject"))
+    transport = httpx.ASGITransport(app=app)
+
+    async def post() -> httpx.Response:
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+            content = [{"type": "text", "text": "What is this?"}, IMAGE]
+            body = {"messages": [{"role": "user", "content": content}], "max_tokens": 1}
+            return await c.post("/v1/chat/completions", json=body)
+
+    r = asyncio.run(post())
     assert r.status_code == 400
     err = r.json()["error"]
     assert err["param"] == "messages.0.content.1" and "text only" in err["message"], err
