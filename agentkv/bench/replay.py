@@ -5,13 +5,15 @@ once under FullCache (the reference) and once per policy, each in its own sessio
 from an empty prefix cache (so prefix hits come from the session's own earlier turns). At
 every assistant message of the trace the engine teacher-forces the reference assistant tokens
 on the context as the policy holds it after its evictions, and continues greedily for
-``greedy_tokens`` tokens from the same state (the reference decodes step by step; each policy
-checks whether greedy decoding would reproduce the reference's continuation in one
-teacher-forced pass, :meth:`Engine.score`'s ``greedy_reference``):
+``greedy_tokens`` tokens from the same state (the reference decodes step by step; then the
+reference and each policy take the argmax after each prefix of that continuation in one
+teacher-forced pass, :meth:`Engine.score`'s ``greedy_check``):
 
 - fidelity vs FullCache: top-1 agreement and mean KL(full || policy) over the reference
   assistant tokens, NLL delta (policy - full, nats/token), greedy exact match of the first
-  ``greedy_tokens`` tokens;
+  ``greedy_tokens`` tokens (the policy's argmax equals FullCache's at every step of
+  FullCache's greedy continuation: greedy decoding's exact match, with both sides computed
+  the same way so that rounding cannot flip a near-tie on one side only);
 - memory and work: peak request tokens, peak live KV tokens and bytes, raw and effective KV
   reads, prefix-hit rate on turns >= 2, wall time; per node when the trace's assistant
   messages carry a ``node`` key.
@@ -171,7 +173,8 @@ def _run_policy(
                     turn=i,
                     node=node,
                     target_tokens=int(res.target_ids.numel()),
-                    greedy_match=res.greedy_ids == ref.greedy_ids,
+                    # same greedy choices along the reference continuation, both teacher-forced
+                    greedy_match=res.greedy_check == ref.greedy_check,
                     prompt_tokens=u.prompt_tokens,
                     prefix_hit_tokens=u.prefix_hit_tokens,
                     peak_request_tokens=u.peak_request_tokens,
@@ -398,8 +401,9 @@ def write_outputs(report: ReplayReport, out: Path) -> dict[str, Path]:
     head = (
         f"# Replay: {len(report.traces)} trajectories, {report.model} on {report.device}, {report.date}\n\n"
         f"Command: `{report.command}`\n\nFidelity is measured against FullCache, teacher-forced on every "
-        f"assistant message (traces truncated to {report.max_tokens} tokens); greedy EM is exact match of "
-        f"the first {report.greedy_tokens} greedy tokens. The 95% intervals resample whole "
+        f"assistant message (traces truncated to {report.max_tokens} tokens); greedy EM: the policy makes "
+        f"FullCache's greedy choice at each of FullCache's first {report.greedy_tokens} greedy tokens "
+        f"(teacher-forced). The 95% intervals resample whole "
         f"trajectories (bootstrap).\n\n"
     )
     paths["summary"].write_text(head + summary_table(report) + "\n")

@@ -128,12 +128,20 @@ class ScoreResult:
             stopping early at an end-of-turn token. Checked against a reference continuation
             (``score(greedy_reference=...)``): the reference itself when greedy decoding
             reproduces it, else the agreeing prefix plus the first token that differs.
+        greedy_check: the argmax after each prefix of the checked continuation (the
+            reference's, or this run's own ``greedy_ids`` when none was given), from one
+            teacher-forced pass: ``[len + 1]`` ids, or ``[len]`` when the continuation is
+            ``greedy_tokens`` long. Two runs agree on greedy decoding along a continuation
+            iff their checks are equal; unlike ``greedy_ids``, which compares step-by-step
+            decoding with a batched pass, the check compares like with like, so rounding
+            cannot flip a near-tie on one side only.
     """
 
     target_ids: torch.Tensor
     logits: torch.Tensor
     usage: KVUsage
     greedy_ids: list[int] = field(default_factory=list)
+    greedy_check: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -374,13 +382,13 @@ class Engine:
         The context is held as the policy leaves it after prefill (evictions applied); the
         target's tokens then attend to it, as decode steps would. With ``greedy_tokens > 0``,
         the model first continues greedily from the same state for that many tokens in a fork
-        that writes nothing to the store (``ScoreResult.greedy_ids``). With
-        ``greedy_reference`` (another run's ``greedy_ids``, e.g. FullCache's), the fork checks
-        instead whether greedy decoding would reproduce that continuation, in one
-        teacher-forced forward pass over it rather than ``greedy_tokens`` decode steps (the
-        same answer: greedy decoding reproduces a sequence iff each of its tokens is the
-        argmax after its prefix). The prompt and target are cached for the session's next
-        turn.
+        that writes nothing to the store (``ScoreResult.greedy_ids``), then takes the argmax
+        after each prefix of that continuation in one teacher-forced pass
+        (``ScoreResult.greedy_check``). With ``greedy_reference`` (another run's
+        ``greedy_ids``, e.g. FullCache's) it skips the decode steps and checks that
+        continuation instead: greedy decoding reproduces a sequence iff each of its tokens
+        is the argmax after its prefix, and two runs with equal checks make the same greedy
+        choices along it. The prompt and target are cached for the session's next turn.
         """
         resolved = self._resolve(messages, payload)
         prompt = self._encode(messages, tools, resolved.annotations, add_generation_prompt=True)
@@ -399,12 +407,16 @@ class Engine:
         with self._lock:
             req, logits, plan_info = self._prefill_and_plan(prompt, resolved.payload)
             try:
-                if not greedy_tokens:
-                    greedy = []
-                elif greedy_reference is not None:
-                    greedy = self._greedy_check(req, logits, greedy_reference, greedy_tokens)
-                else:
-                    greedy = self._greedy_fork(req, logits, greedy_tokens)
+                greedy, check = [], []
+                if greedy_tokens:
+                    greedy = (
+                        self._greedy_fork(req, logits, greedy_tokens)
+                        if greedy_reference is None
+                        else [int(t) for t in greedy_reference][:greedy_tokens]
+                    )
+                    check = self._greedy_check(req, logits, greedy, greedy_tokens)
+                    if greedy_reference is not None:
+                        greedy = self._greedy_along(greedy, check, greedy_tokens)
                 positions = torch.arange(n, n + len(target_ids) - 1)
                 if positions.numel():
                     slots = self.store.extend(req, target_ids[:-1])  # [L * Hkv, m - 1]
@@ -429,7 +441,7 @@ class Engine:
                 self.store.finish_request(req, cache=True)
         usage = usage.model_copy(update={"raw_kv_reads": raw, "effective_kv_reads": eff})
         self._record(usage)
-        return ScoreResult(torch.tensor(target_ids), all_logits.float().cpu(), usage, greedy)
+        return ScoreResult(torch.tensor(target_ids), all_logits.float().cpu(), usage, greedy, check)
 
     def compress(
         self,
@@ -791,29 +803,31 @@ class Engine:
         return out
 
     def _greedy_check(
-        self, req: RequestKV, logits: torch.Tensor, reference: Sequence[int], n_tokens: int
+        self, req: RequestKV, logits: torch.Tensor, continuation: list[int], n_tokens: int
     ) -> list[int]:
-        """What :meth:`_greedy_fork` would return, checked against ``reference`` (at most
-        ``n_tokens`` ids) in one teacher-forced pass in a private view: ``reference`` itself
-        if every argmax agrees (ending at a stop token where it is shorter than
-        ``n_tokens``), else the agreeing prefix plus the first differing argmax."""
-        ref = [int(t) for t in reference][:n_tokens]
-        ids = ref[:-1] if len(ref) == n_tokens else ref  # a short one must end at a stop
+        """Argmax after each prefix of ``continuation`` (at most ``n_tokens`` ids) in one
+        teacher-forced pass in a private view (store untouched): ``[len + 1]`` ids, or
+        ``[len]`` when ``continuation`` is ``n_tokens`` long (nothing follows it)."""
+        ids = continuation[:-1] if len(continuation) == n_tokens else continuation
+        all_logits = logits[None].float()
         if ids:
             pos = req.seq_len
             positions = torch.arange(pos, pos + len(ids))
             cache = StoreCache(LiveView(self.store, req), positions)
             step_logits = self._forward(ids, positions, cache, keep=len(ids))
-            all_logits = torch.cat([logits[None].float(), step_logits], dim=0)
-        else:
-            all_logits = logits[None].float()
-        pred = all_logits.argmax(-1).tolist()  # [len(ids) + 1]: argmax after each prefix
-        for j, tok in enumerate(ref):
-            if pred[j] != tok:
-                return ref[:j] if pred[j] in self._stop_ids else [*ref[:j], pred[j]]
-        if len(ref) < n_tokens and pred[len(ref)] not in self._stop_ids:
-            return [*ref, pred[len(ref)]]
-        return ref
+            all_logits = torch.cat([all_logits, step_logits], dim=0)
+        return all_logits.argmax(-1).tolist()
+
+    def _greedy_along(self, reference: list[int], check: list[int], n_tokens: int) -> list[int]:
+        """What greedy decoding gives, from the argmax ``check`` along ``reference``: the
+        reference itself if every argmax agrees (ending at a stop token where it is shorter
+        than ``n_tokens``), else the agreeing prefix plus the first differing argmax."""
+        for j, tok in enumerate(reference):
+            if check[j] != tok:
+                return reference[:j] if check[j] in self._stop_ids else [*reference[:j], check[j]]
+        if len(reference) < n_tokens and check[len(reference)] not in self._stop_ids:
+            return [*reference, check[len(reference)]]
+        return reference
 
     @staticmethod
     def _truncate_at_stop(text: str, gen: GenerationConfig) -> str:

@@ -142,18 +142,23 @@ def test_greedy_reference_check_agrees_with_greedy_decoding(engine, sid):
     ]
     target = {"role": "assistant", "content": "Your booking code is ZX81QP. Hi!"}
     n = 8
-    ref = engine.score(
+    reference = engine.score(
         messages, target, None, build_payload(messages, FullCache(), f"{sid}-r"), greedy_tokens=n
-    ).greedy_ids
+    )
+    ref = reference.greedy_ids
     assert ref
+    # its own check: the argmax after each prefix of its continuation reproduces it
+    assert reference.greedy_check[: len(ref)] == ref
     for k, policy in enumerate([FullCache(), StreamingLLM(budget=8, sinks=2)]):
         payload = build_payload(messages, policy, f"{sid}-{k}")
         decoded = engine.score(messages, target, None, payload, greedy_tokens=n).greedy_ids
         payload = build_payload(messages, policy, f"{sid}-{k}b")
-        checked = engine.score(
+        result = engine.score(
             messages, target, None, payload, greedy_tokens=n, greedy_reference=ref
-        ).greedy_ids
+        )
+        checked = result.greedy_ids
         assert (checked == ref) == (decoded == ref)
+        assert (result.greedy_check == reference.greedy_check) == (k == 0)
         assert checked == decoded[: len(checked)]
         if k == 0:
             assert checked == ref
