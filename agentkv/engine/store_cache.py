@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache
 
@@ -27,6 +28,12 @@ from agentkv.methods import PrefillObserver
 
 ATTN_NAME = "agentkv"
 CACHE_KWARG = "agentkv_cache"
+
+#: SDPA backends for the engine's masked attention. Not cuDNN: with a boolean mask, torch
+#: 2.11 on an H100 picks cuDNN attention, which builds a graph for every new (queries, keys)
+#: shape (50-1,300 ms each, then 0.15 ms); an engine sees a new shape at almost every request,
+#: so SnapKV / H2O / KVzap requests took 3-7 s instead of 0.3 s (benchmarks.md §6d).
+SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 class LiveView:
@@ -195,7 +202,8 @@ def agentkv_attention(
     if head_mask is not None:
         hm = head_mask[None, :, None, :]
         mask = hm if mask is None else mask & hm
-    out = F.scaled_dot_product_attention(qg, key, value, attn_mask=mask, scale=scaling)
+    with sdpa_kernel(SDPA_BACKENDS):
+        out = F.scaled_dot_product_attention(qg, key, value, attn_mask=mask, scale=scaling)
     return out.reshape(1, hq, n, d).transpose(1, 2).contiguous(), None
 
 
