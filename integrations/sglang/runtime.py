@@ -206,6 +206,16 @@ def plan_one(planner: Planner, req_to_token_pool: Any, allocator: Any, req: Any,
         "plan_note": plan.note if state.tagged else ("untagged; " + plan.note).strip("; "),
         "plan_time_s": time.perf_counter() - t0,
     }
+    logger.info(
+        "agentkv plan session=%s policy=%s prompt %d evicted %d live %d (%.1f ms)%s",
+        state.payload.session_id,
+        state.payload.policy.method,
+        T,
+        n,
+        state.usage["live_kv_tokens"],
+        1e3 * state.usage["plan_time_s"],
+        f" note: {state.usage['plan_note']}" if state.usage["plan_note"] else "",
+    )
     return n
 
 
