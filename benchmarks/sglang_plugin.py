@@ -54,7 +54,9 @@ def post(url: str, body: dict[str, Any], timeout: float = 600) -> dict[str, Any]
 
 def flush(url: str) -> None:
     try:
-        urllib.request.urlopen(urllib.request.Request(url + "/flush_cache", method="POST"), timeout=60)
+        urllib.request.urlopen(
+            urllib.request.Request(url + "/flush_cache", method="POST"), timeout=60
+        )
     except urllib.error.URLError as e:
         print(f"flush_cache on {url}: {e}", file=sys.stderr)
 
@@ -67,13 +69,21 @@ def check(stock: str, plugin: str, n: int, seed: int) -> dict[str, Any]:
     prompts = [[g.randrange(100, 30000) for _ in range(g.randrange(64, 1024))] for _ in range(n)]
     sp = {"max_new_tokens": 32, "temperature": 0}
     full = encode_payload(build_payload([], parse_policy("full"), "check-full"))
-    evict = encode_payload(build_payload([], parse_policy("streamingllm:budget=32,sinks=4"), "check-ev"))
+    evict = encode_payload(
+        build_payload([], parse_policy("streamingllm:budget=32,sinks=4"), "check-ev")
+    )
     rows = []
     for i, ids in enumerate(prompts):
         a = post(stock + "/generate", {"input_ids": ids, "sampling_params": sp})
-        b = post(plugin + "/generate", {"input_ids": ids, "sampling_params": {**sp, "custom_params": {"agentkv": full}}})
+        b = post(
+            plugin + "/generate",
+            {"input_ids": ids, "sampling_params": {**sp, "custom_params": {"agentkv": full}}},
+        )
         c = post(plugin + "/generate", {"input_ids": ids, "sampling_params": sp})
-        d = post(plugin + "/generate", {"input_ids": ids, "sampling_params": {**sp, "custom_params": {"agentkv": evict}}})
+        d = post(
+            plugin + "/generate",
+            {"input_ids": ids, "sampling_params": {**sp, "custom_params": {"agentkv": evict}}},
+        )
         rows.append(
             {
                 "prompt_tokens": len(ids),
@@ -120,7 +130,14 @@ def session_requests(trace, policy, session_id: str, max_tokens: int, tools: boo
 
 def replay(url: str, traces, policy, concurrency: int, max_tokens: int, tools: bool, tag: str):
     lock = threading.Lock()
-    stats = {"requests": 0, "errors": 0, "prompt_tokens": 0, "cached_tokens": 0, "output_tokens": 0, "latency_s": 0.0}
+    stats = {
+        "requests": 0,
+        "errors": 0,
+        "prompt_tokens": 0,
+        "cached_tokens": 0,
+        "output_tokens": 0,
+        "latency_s": 0.0,
+    }
     errors: list[str] = []
 
     def run_session(k: int):
@@ -137,7 +154,9 @@ def replay(url: str, traces, policy, concurrency: int, max_tokens: int, tools: b
                 u = r["usage"]
                 stats["prompt_tokens"] += u.get("prompt_tokens", 0)
                 stats["output_tokens"] += u.get("completion_tokens", 0)
-                stats["cached_tokens"] += (u.get("prompt_tokens_details") or {}).get("cached_tokens", 0) or 0
+                stats["cached_tokens"] += (u.get("prompt_tokens_details") or {}).get(
+                    "cached_tokens", 0
+                ) or 0
                 stats["latency_s"] += dt
 
     t0 = time.perf_counter()
@@ -205,16 +224,47 @@ def main() -> None:
             flush(url)
             since = Path(log).stat().st_size if log and Path(log).is_file() else 0
             policy = parse_policy(spec) if spec else None
-            r = replay(url, traces, policy, a.concurrency, a.max_tokens, a.tools, tag=name.replace(" ", "_"))
+            r = replay(
+                url,
+                traces,
+                policy,
+                a.concurrency,
+                a.max_tokens,
+                a.tools,
+                tag=name.replace(" ", "_"),
+            )
             r.update(log_stats(log, since))
             r["run"] = name
             runs.append(r)
             print(json.dumps(r))
-        res = {"sessions": len(traces), "concurrency": a.concurrency, "max_tokens": a.max_tokens, "runs": runs}
-        cols = ["run", "requests", "errors", "output_tok_per_s", "mean_s_per_output_token", "prefix_hit_rate", "peak_running_req", "peak_kv_tokens", "retractions", "agentkv_evicted"]
+        res = {
+            "sessions": len(traces),
+            "concurrency": a.concurrency,
+            "max_tokens": a.max_tokens,
+            "runs": runs,
+        }
+        cols = [
+            "run",
+            "requests",
+            "errors",
+            "output_tok_per_s",
+            "mean_s_per_output_token",
+            "prefix_hit_rate",
+            "peak_running_req",
+            "peak_kv_tokens",
+            "retractions",
+            "agentkv_evicted",
+        ]
         print("| " + " | ".join(cols) + " |")
         for r in runs:
-            print("| " + " | ".join(f"{r.get(c, ''):.4g}" if isinstance(r.get(c), float) else str(r.get(c, "")) for c in cols) + " |")
+            print(
+                "| "
+                + " | ".join(
+                    f"{r.get(c, ''):.4g}" if isinstance(r.get(c), float) else str(r.get(c, ""))
+                    for c in cols
+                )
+                + " |"
+            )
     (out / f"{a.phase}.json").write_text(json.dumps(res, indent=1))
 
 

@@ -114,7 +114,8 @@ def serve(
         ),
     ] = "embedded",
     dry_run: Annotated[
-        bool, typer.Option("--dry-run", help="with --engine sglang: print the command, do not run it")
+        bool,
+        typer.Option("--dry-run", help="with --engine sglang: print the command, do not run it"),
     ] = False,
 ) -> None:
     if engine_name == "sglang":
@@ -160,7 +161,9 @@ def _serve_sglang(
     from agentkv.engine.sglang_launch import sglang_command
 
     if not model:
-        raise typer.BadParameter("--engine sglang needs --model (a path or hub id)", param_hint="--model")
+        raise typer.BadParameter(
+            "--engine sglang needs --model (a path or hub id)", param_hint="--model"
+        )
     if api_key and len(api_key) > 1:
         raise typer.BadParameter("SGLang takes one --api-key", param_hint="--api-key")
     argv, env = sglang_command(model, host, port, api_key[0] if api_key else None, extra)

@@ -166,9 +166,7 @@ class AgentKVRadixCache(RadixCache):
         if self.disable_finished_insert:
             is_insert = False
         if self.disable:
-            return super().cache_finished_req(
-                req, is_insert, kv_len_to_handle=kv_len_to_handle
-            )
+            return super().cache_finished_req(req, is_insert, kv_len_to_handle=kv_len_to_handle)
         state = request_state(req)
         token_ids = (req.origin_input_ids + req.output_ids)[:kv_len_to_handle]
         row = self.req_to_token_pool.req_to_token[req.req_pool_idx, : len(token_ids)]
@@ -238,7 +236,9 @@ class AgentKVRadixCache(RadixCache):
         them is locked (a request of the session still runs on it: LRU takes it later).
         Returns the slots freed."""
         tops = [
-            c for k, c in self.root_node.children.items() if isinstance(k, tuple) and k[0] == extra_key
+            c
+            for k, c in self.root_node.children.items()
+            if isinstance(k, tuple) and k[0] == extra_key
         ]
         nodes: list[TreeNode] = []
         stack = list(tops)

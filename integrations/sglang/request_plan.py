@@ -23,7 +23,7 @@ import torch
 from agentkv.methods.base import MethodSet, ModelShape, Plan, PlanContext
 from agentkv.tags import Role, TagCode
 from agentkv.token_tagger import TokenTags
-from agentkv.wire import WIRE_KEY, KVPayload, PayloadError, decode_payload
+from agentkv.wire import WIRE_KEY, KVPayload, decode_payload
 
 #: ``custom_params`` key of the tags the HTTP process computed (a JSON string).
 TAGS_KEY = "agentkv_tags"

@@ -135,9 +135,7 @@ def before_extend(scheduler: Any, batch: Any) -> None:
         state = request_state(req)
         if state is None or state.planned:
             continue
-        if HOLEY.dead_slot is not None and bool(
-            (req.prefix_indices == HOLEY.dead_slot).any()
-        ):
+        if HOLEY.dead_slot is not None and bool((req.prefix_indices == HOLEY.dead_slot).any()):
             HOLEY.mark(state)
         if not state.evicts:
             continue

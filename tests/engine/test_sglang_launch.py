@@ -39,8 +39,19 @@ def test_plugin_whitelist_is_extended_not_replaced():
 def test_cli_dry_run_prints_the_command():
     r = CliRunner().invoke(
         app,
-        ["serve", "--engine", "sglang", "--model", "/m", "--port", "30001", "--dry-run", "--",
-         "--mem-fraction-static", "0.8"],
+        [
+            "serve",
+            "--engine",
+            "sglang",
+            "--model",
+            "/m",
+            "--port",
+            "30001",
+            "--dry-run",
+            "--",
+            "--mem-fraction-static",
+            "0.8",
+        ],
     )
     assert r.exit_code == 0, r.output
     assert r.output.startswith("SGLANG_PLUGINS=agentkv ")
@@ -61,14 +72,21 @@ def test_cli_rejects_what_it_cannot_serve():
     assert r.exit_code == 2 and "--api-key" in r.output
 
 
-@pytest.mark.skipif(importlib.util.find_spec("sglang") is not None, reason="would start a server")
+def _sglang_installed() -> bool:
+    spec = importlib.util.find_spec("sglang")
+    return spec is not None and spec.origin is not None
+
+
+@pytest.mark.skipif(_sglang_installed(), reason="would start a server")
 def test_cli_execs_sglangs_launcher():
     """Without SGLang installed the exec'd interpreter says so: the process really became
     ``python -m sglang.launch_server``."""
     agentkv = Path(sys.executable).parent / "agentkv"
     out = subprocess.run(
         [str(agentkv), "serve", "--engine", "sglang", "--model", "/nowhere", "--port", "1"],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert out.returncode != 0
     assert "SGLANG_PLUGINS=agentkv" in out.stderr

@@ -11,6 +11,7 @@ for two of them. Declaring those two op schemas first lets it import; no test us
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 from array import array
 from collections.abc import Sequence
@@ -18,19 +19,20 @@ from dataclasses import dataclass
 
 import pytest
 
-if importlib.util.find_spec("sglang") is None:
+# (this folder is on sys.path as a namespace package named sglang too: no origin)
+_spec = importlib.util.find_spec("sglang")
+if _spec is None or _spec.origin is None:
     collect_ignore_glob = ["test_*.py"]
 else:
     import torch
 
     for _op in ("nms", "qnms"):
-        try:
+        # RuntimeError: torchvision's own C++ ops loaded (a CUDA machine)
+        with contextlib.suppress(RuntimeError):
             torch.library.define(
                 f"torchvision::{_op}",
                 "(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
             )
-        except RuntimeError:  # torchvision's own C++ ops loaded (a CUDA machine)
-            pass
 
 
 #: a small Qwen3-shaped config: ServerArgs reads the model's config.json.
@@ -124,8 +126,8 @@ class Steps:
         from sglang.srt.managers.schedule_batch import ReqKvInfo
         from sglang.srt.mem_cache.allocation import alloc_token_slots
 
-        from agentkv.integrations.sglang.runtime import plan_one
         from agentkv.integrations.sglang.request_plan import request_state
+        from agentkv.integrations.sglang.runtime import plan_one
 
         req.init_next_round_input(self.cache)  # SGLang's match_prefix
         self.cache.inc_lock_ref(req.last_node)  # PrefillAdder locks the matched prefix
@@ -166,7 +168,9 @@ class Steps:
             p = req.kv_committed_len
             self.r2t.write((req.req_pool_idx, slice(p, p + 1)), loc.to(torch.int32))
             for layer in range(self.layers):
-                self.kv.get_key_buffer(layer)[loc] = self.kv_value(torch.tensor([t]), torch.tensor([p]))
+                self.kv.get_key_buffer(layer)[loc] = self.kv_value(
+                    torch.tensor([t]), torch.tensor([p])
+                )
             req.output_ids.append(t)
             req.kv_committed_len += 1
             req.kv.kv_allocated_len += 1
@@ -180,7 +184,9 @@ class Steps:
         return self.r2t.req_to_token[req.req_pool_idx, : req.kv_committed_len].to(torch.int64)
 
 
-def make_steps(size: int = 512, rows: int = 16, ctx: int = 512, layers: int = 2, heads: int = 2, dim: int = 8) -> Steps:
+def make_steps(
+    size: int = 512, rows: int = 16, ctx: int = 512, layers: int = 2, heads: int = 2, dim: int = 8
+) -> Steps:
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 

@@ -51,8 +51,14 @@ def test_sglang_decode_kernel_never_reads_dead():
     torch.manual_seed(0)
     hq, hkv, d, size, dead = 4, 2, 16, 64, 64
     kv = MHATokenToKVPool(
-        size=size, page_size=1, dtype=torch.float32, head_num=hkv, head_dim=d,
-        layer_num=1, device="cpu", enable_memory_saver=False,
+        size=size,
+        page_size=1,
+        dtype=torch.float32,
+        head_num=hkv,
+        head_dim=d,
+        layer_num=1,
+        device="cpu",
+        enable_memory_saver=False,
     )
     k_buf, v_buf = kv.get_key_buffer(0), kv.get_value_buffer(0)
     k_buf.copy_(torch.randn_like(k_buf))
@@ -77,7 +83,12 @@ def test_sglang_decode_kernel_never_reads_dead():
         kv_indptr[1:] = torch.cumsum(seq_lens, 0)
         kv_indices = torch.empty(int(seq_lens.sum()), dtype=torch.int64)
         create_flashinfer_kv_indices_triton[(bs,)](
-            r2t.req_to_token, req_pool_indices, seq_lens, kv_indptr, None, kv_indices,
+            r2t.req_to_token,
+            req_pool_indices,
+            seq_lens,
+            kv_indptr,
+            None,
+            kv_indices,
             r2t.req_to_token.stride(0),
         )
         if compact:
@@ -85,9 +96,19 @@ def test_sglang_decode_kernel_never_reads_dead():
         splits = 4
         o = torch.empty(bs, hq, d)
         decode_attention_fwd(
-            q, k_buf, v_buf, o, kv_indptr, kv_indices,
-            torch.empty(bs, hq, splits, d), torch.empty(bs, hq, splits),
-            torch.full((bs,), splits, dtype=torch.int32), splits, sm_scale, 1.0, 1.0,
+            q,
+            k_buf,
+            v_buf,
+            o,
+            kv_indptr,
+            kv_indices,
+            torch.empty(bs, hq, splits, d),
+            torch.empty(bs, hq, splits),
+            torch.full((bs,), splits, dtype=torch.int32),
+            splits,
+            sm_scale,
+            1.0,
+            1.0,
         )
         return o
 

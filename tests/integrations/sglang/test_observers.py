@@ -20,7 +20,6 @@ from agentkv.policies import IntentKV, SnapKV
 from agentkv.wire import KVPayload, encode_payload
 
 
-
 def tokens(n: int, seed: int) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(10, 30000, (n,), generator=g).tolist()
@@ -32,8 +31,12 @@ def test_observers_see_each_requests_rows_and_live_keys(steps):
 
     pol_a = SnapKV(budget=12, window=6)
     pol_b = IntentKV(budget=10, mode="query", fallback_window=4)
-    a = steps.request(tokens(40, 10), encode_payload(KVPayload(session_id="a", policy=pol_a)), rid="a")
-    b = steps.request(tokens(30, 11), encode_payload(KVPayload(session_id="b", policy=pol_b)), rid="b")
+    a = steps.request(
+        tokens(40, 10), encode_payload(KVPayload(session_id="a", policy=pol_a)), rid="a"
+    )
+    b = steps.request(
+        tokens(30, 11), encode_payload(KVPayload(session_id="b", policy=pol_b)), rid="b"
+    )
     steps.prefill(a, plan=False)
     steps.prefill(b, plan=False)
     dead = steps.alloc.dead_slot
@@ -97,7 +100,9 @@ def test_observers_see_each_requests_rows_and_live_keys(steps):
             ref.observe(layer, q, torch.arange(pre, pre + m), k, live, None)
         got, want = state.observer.result(), ref.result()
         for x, y in zip(
-            got if isinstance(got, tuple) else [got], want if isinstance(want, tuple) else [want], strict=True
+            got if isinstance(got, tuple) else [got],
+            want if isinstance(want, tuple) else [want],
+            strict=True,
         ):
             if isinstance(x, torch.Tensor):
                 torch.testing.assert_close(x, y)
@@ -118,7 +123,10 @@ def test_observers_see_each_requests_rows_and_live_keys(steps):
         n_dead = plan_one(steps.planner, steps.r2t, steps.alloc, r, state)
         assert n_dead > 0 and state.planned and state.observer is None
         now_dead = torch.nonzero(steps.row(r)[: len(state.tags)] == dead).reshape(-1)
-        assert now_dead.numel() <= len(state.tags) - min(len(state.tags), state.payload.policy.budget) + 2
+        assert (
+            now_dead.numel()
+            <= len(state.tags) - min(len(state.tags), state.payload.policy.budget) + 2
+        )
         if want_dead is not None:
             assert torch.equal(now_dead, want_dead)
     assert not OBSERVING

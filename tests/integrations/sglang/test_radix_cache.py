@@ -202,7 +202,9 @@ def test_randomised_1000_requests_with_sessions_and_evictions(seed, steps_factor
     while done < 1000:
         if len(inflight) < 3 and g.random() < 0.6:
             tenant = g.choice(["t0", "t1"])
-            free_sessions = [s for s in sessions if s.startswith(tenant) and all(s != x for _, x in inflight)]
+            free_sessions = [
+                s for s in sessions if s.startswith(tenant) and all(s != x for _, x in inflight)
+            ]
             if free_sessions and g.random() < 0.7:
                 sid = g.choice(free_sessions)
             else:

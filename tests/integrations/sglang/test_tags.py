@@ -16,7 +16,10 @@ from agentkv.policies import IntentKV
 from agentkv.wire import KVPayload, PayloadError, build_payload, encode_payload
 
 REPO = Path(__file__).resolve().parents[3]
-QWEN_DIRS = [REPO.parent / "shared" / "data" / "qwen3-tokenizer", Path("/work/shared/data/qwen3-tokenizer")]
+QWEN_DIRS = [
+    REPO.parent / "shared" / "data" / "qwen3-tokenizer",
+    Path("/work/shared/data/qwen3-tokenizer"),
+]
 
 MESSAGES = [
     {"role": "system", "content": "You are an airline agent. Follow the policy."},
@@ -80,11 +83,18 @@ def test_other_tokens_run_untagged(qwen):
     tag_chat_request((adapted, request), serving, request)
     assert TAGS_KEY not in adapted.sampling_params["custom_params"]
     assert decode_tags("not json", [1]) is None
-    assert decode_tags('{"n":1,"codes":"AA==","actionable":[],"protected_prefix":0,"tail_start":1}', [1, 2]) is None
+    assert (
+        decode_tags(
+            '{"n":1,"codes":"AA==","actionable":[],"protected_prefix":0,"tail_start":1}', [1, 2]
+        )
+        is None
+    )
 
 
 def test_malformed_payload_is_a_400_naming_the_field(qwen):
-    adapted, request, serving = chat(qwen, '{"version": 1, "session_id": "s", "policy": {"method": "intentkv", "budget": -3}}')
+    adapted, request, serving = chat(
+        qwen, '{"version": 1, "session_id": "s", "policy": {"method": "intentkv", "budget": -3}}'
+    )
     with pytest.raises(PayloadError) as e:
         tag_chat_request((adapted, request), serving, request)
     assert isinstance(e.value, ValueError)  # SGLang's handler answers ValueError with HTTP 400
