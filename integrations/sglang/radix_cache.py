@@ -110,7 +110,10 @@ class AgentKVRadixCache(RadixCache):
         if self.methods is None:
             return n
         policy = state.payload.policy
-        method = self.methods.for_policy(policy)
+        try:
+            method = self.methods.for_policy(policy)
+        except ValueError:  # refused by Method.check: the plan step logs it, no reuse cap
+            return n
         limit = n
         if method.observes_prefill:
             act = state.tags.actionable

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,12 +24,31 @@ import torch
 from agentkv.methods.base import MethodSet, ModelShape, Plan, PlanContext
 from agentkv.tags import Role, TagCode
 from agentkv.token_tagger import TokenTags
-from agentkv.wire import WIRE_KEY, KVPayload, decode_payload
+from agentkv.wire import WIRE_KEY, KVPayload, PayloadError, decode_payload
 
 #: ``custom_params`` key of the tags the HTTP process computed (a JSON string).
 TAGS_KEY = "agentkv_tags"
 
+#: policy methods the plugin serves on SGLang: eviction only (no quantized pools yet; KVzap
+#: needs each layer's input hidden state, not hooked yet).
+SGLANG_METHODS = frozenset({"full", "streamingllm", "snapkv", "h2o", "intentkv"})
+
+
+def check_payload(raw: Any) -> KVPayload:
+    """Decode and check a payload for SGLang: :class:`~agentkv.wire.PayloadError` (a
+    ``ValueError``, SGLang's HTTP 400) names the field."""
+    payload = decode_payload(raw)
+    if payload.policy.method not in SGLANG_METHODS:
+        raise PayloadError(
+            f"agentkv payload field 'policy.method': {payload.policy.method!r} is not served by "
+            f"agentkv on SGLang; served: {sorted(SGLANG_METHODS)}",
+            field="policy.method",
+        )
+    return payload
+
 _USER = TagCode.pack(Role.USER)
+
+logger = logging.getLogger("agentkv.sglang")
 
 
 @dataclass
@@ -146,8 +166,8 @@ class AgentKVRequest:
 
 def request_state(req: Any) -> AgentKVRequest | None:
     """The agentkv state of an SGLang ``Req`` (decoded once, cached as ``req.agentkv``); None
-    when the request carries no agentkv payload. A malformed payload raises
-    :class:`~agentkv.wire.PayloadError` (the HTTP hook rejects those with a 400 first)."""
+    when the request carries no agentkv payload, or one this plugin cannot serve (logged: the
+    chat endpoint answers those with a 400 first; ``/generate`` runs them as stock SGLang)."""
     state = getattr(req, "agentkv", None)
     if state is not None or getattr(req, "agentkv_checked", False):
         return state
@@ -155,7 +175,11 @@ def request_state(req: Any) -> AgentKVRequest | None:
     req.agentkv_checked = True
     if not isinstance(params, Mapping) or params.get(WIRE_KEY) is None:
         return None
-    payload = decode_payload(params[WIRE_KEY])
+    try:
+        payload = check_payload(params[WIRE_KEY])
+    except PayloadError as e:  # /generate has no HTTP-side check: never let it reach here
+        logger.warning("agentkv: request %s runs as stock SGLang: %s", getattr(req, "rid", "?"), e)
+        return None
     ids = list(req.origin_input_ids)
     tags = decode_tags(params[TAGS_KEY], ids) if isinstance(params.get(TAGS_KEY), str) else None
     state = AgentKVRequest(

@@ -30,13 +30,14 @@ from agentkv.integrations.sglang.request_plan import (
     TAGS_KEY,
     AgentKVRequest,
     apply_evictions,
+    check_payload,
     encode_tags,
     evicted_positions,
     plan_request,
     request_state,
 )
 from agentkv.methods.base import MethodSet, ModelShape, ObserveRequest
-from agentkv.wire import WIRE_KEY, decode_payload
+from agentkv.wire import WIRE_KEY
 
 logger = logging.getLogger("agentkv.sglang")
 
@@ -89,7 +90,7 @@ def tag_chat_request(result: Any, serving: Any, request: Any, *args: Any, **kwar
     custom = params.get("custom_params") if isinstance(params, dict) else None
     if not custom or custom.get(WIRE_KEY) is None:
         return
-    payload = decode_payload(custom[WIRE_KEY])  # PayloadError (a ValueError): HTTP 400
+    payload = check_payload(custom[WIRE_KEY])  # PayloadError (a ValueError): HTTP 400
     ids = getattr(adapted, "input_ids", None)
     if not isinstance(ids, list) or not ids or not isinstance(ids[0], int):
         return
@@ -139,20 +140,28 @@ def before_extend(scheduler: Any, batch: Any) -> None:
             HOLEY.mark(state)
         if not state.evicts:
             continue
-        p = planner_for(scheduler)
-        method = p.methods.for_policy(state.payload.policy)
-        if state.observer is None and method.observes_prefill:
-            state.observer = method.observer(
-                state.payload.policy,
-                ObserveRequest(
-                    seq_len=len(state.tags),
-                    num_cached=len(req.prefix_indices),
-                    actionable=torch.tensor(state.tags.actionable, dtype=torch.bool),
-                    shape=p.shape,
-                ),
-            )
-        if state.observer is not None:
-            OBSERVING[req.req_pool_idx] = state
+        try:
+            _start_observer(planner_for(scheduler), req, state)
+        except Exception:  # e.g. Method.check refused the policy: run whole, as FullCache
+            logger.exception("agentkv: no plan for request %s; nothing evicted", req.rid)
+            state.observer = None
+            state.planned = True
+
+
+def _start_observer(p: Planner, req: Any, state: AgentKVRequest) -> None:
+    method = p.methods.for_policy(state.payload.policy)
+    if state.observer is None and method.observes_prefill:
+        state.observer = method.observer(
+            state.payload.policy,
+            ObserveRequest(
+                seq_len=len(state.tags),
+                num_cached=len(req.prefix_indices),
+                actionable=torch.tensor(state.tags.actionable, dtype=torch.bool),
+                shape=p.shape,
+            ),
+        )
+    if state.observer is not None:
+        OBSERVING[req.req_pool_idx] = state
 
 
 def after_extend(scheduler: Any, batch: Any) -> None:
@@ -171,7 +180,13 @@ def after_extend(scheduler: Any, batch: Any) -> None:
         torch.cuda.synchronize()
     p = planner_for(scheduler)
     for req, state in todo:
-        plan_one(p, scheduler.req_to_token_pool, scheduler.token_to_kv_pool_allocator, req, state)
+        try:
+            plan_one(p, scheduler.req_to_token_pool, scheduler.token_to_kv_pool_allocator, req, state)
+        except Exception:  # a failed plan leaves the request whole: it runs as FullCache
+            logger.exception("agentkv: plan failed for request %s; nothing evicted", req.rid)
+            OBSERVING.pop(req.req_pool_idx, None)
+            state.observer = None
+            state.planned = True
 
 
 def plan_one(planner: Planner, req_to_token_pool: Any, allocator: Any, req: Any, state: Any) -> int:

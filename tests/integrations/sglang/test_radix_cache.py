@@ -243,3 +243,24 @@ def test_randomised_1000_requests_with_sessions_and_evictions(seed, steps_factor
     st.cache.check_invariants()
     assert st.alloc.available_size() == total
     assert st.alloc.dead_slot not in st.alloc.free_pages.tolist()
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "{not json",
+        '{"version": 2, "session_id": "s"}',
+        '{"version": 1, "session_id": "s", "policy": {"method": "streamingllm", "budget": 0}}',
+        '{"version": 1, "session_id": "s", "policy": {"method": "uniform_quant", "bits": 4}}',
+    ],
+)
+def test_a_payload_the_plugin_cannot_serve_runs_as_stock_sglang(steps, bad):
+    """``/generate`` has no HTTP-side check: the scheduler must not fall over."""
+    from agentkv.integrations.sglang.request_plan import request_state
+
+    req = steps.request(tokens(30, 8), bad)
+    assert request_state(req) is None
+    steps.prefill(req)
+    assert not (steps.row(req) == steps.alloc.dead_slot).any()
+    steps.finish(req)
+    steps.cache.check_invariants()

@@ -12,7 +12,7 @@ import pytest
 
 from agentkv.integrations.sglang.request_plan import TAGS_KEY, decode_tags, request_state
 from agentkv.integrations.sglang.runtime import tag_chat_request
-from agentkv.policies import IntentKV
+from agentkv.policies import IntentKV, parse_policy
 from agentkv.wire import KVPayload, PayloadError, build_payload, encode_payload
 
 REPO = Path(__file__).resolve().parents[3]
@@ -99,3 +99,11 @@ def test_malformed_payload_is_a_400_naming_the_field(qwen):
         tag_chat_request((adapted, request), serving, request)
     assert isinstance(e.value, ValueError)  # SGLang's handler answers ValueError with HTTP 400
     assert e.value.field == "policy.budget"
+
+
+def test_policies_sglang_cannot_serve_are_a_400(qwen):
+    payload = encode_payload(KVPayload(session_id="s", policy=parse_policy("uniform_quant:bits=4")))
+    adapted, request, serving = chat(qwen, payload)
+    with pytest.raises(PayloadError) as e:
+        tag_chat_request((adapted, request), serving, request)
+    assert e.value.field == "policy.method"
