@@ -46,6 +46,7 @@ def check_payload(raw: Any) -> KVPayload:
         )
     return payload
 
+
 _USER = TagCode.pack(Role.USER)
 
 logger = logging.getLogger("agentkv.sglang")

@@ -181,7 +181,9 @@ def after_extend(scheduler: Any, batch: Any) -> None:
     p = planner_for(scheduler)
     for req, state in todo:
         try:
-            plan_one(p, scheduler.req_to_token_pool, scheduler.token_to_kv_pool_allocator, req, state)
+            plan_one(
+                p, scheduler.req_to_token_pool, scheduler.token_to_kv_pool_allocator, req, state
+            )
         except Exception:  # a failed plan leaves the request whole: it runs as FullCache
             logger.exception("agentkv: plan failed for request %s; nothing evicted", req.rid)
             OBSERVING.pop(req.req_pool_idx, None)
