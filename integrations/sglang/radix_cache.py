@@ -296,6 +296,9 @@ class AgentKVRadixCache(RadixCache):
         """Recount every reference and pin from the tree and the given request rows: raises
         ``SlotRefcountError`` (or AssertionError) on any mismatch. For tests."""
         self.allocator.check()
+        cached = self.allocator.physical_sizes()
+        self.allocator._sizes = None
+        assert cached == self.allocator.physical_sizes(), "stale cached evictable/protected sizes"
         tree = torch.zeros_like(self.allocator.tree_refs)
         pins = torch.zeros_like(self.allocator.pins)
         stack = list(self.root_node.children.values())

@@ -100,7 +100,9 @@ def tag_chat_request(result: Any, serving: Any, request: Any, *args: Any, **kwar
         tokenizer = serving.tokenizer_manager.tokenizer
         renderer = ChatRenderer(tokenizer, template=tokenizer.chat_template)
         messages = [m.model_dump(exclude_none=True) for m in request.messages]
-        tools = [t.model_dump(exclude_none=True) for t in request.tools] if request.tools else None
+        tools = None  # as SGLang renders them
+        if request.tools and request.tool_choice != "none":
+            tools = [t.model_dump() for t in request.tools]
         tags = renderer.encode(messages, tools=tools, annotations=payload.messages)
     except Exception as e:  # the request still runs, untagged
         logger.warning("agentkv: could not tag the request (%s: %s)", type(e).__name__, e)

@@ -75,6 +75,8 @@ class RefCountedTokenAllocator(TokenToKVPoolAllocator):
         self.refs = torch.zeros(n, dtype=torch.int32, device=self.device)
         self.tree_refs = torch.zeros(n, dtype=torch.int32, device=self.device)
         self.pins = torch.zeros(n, dtype=torch.int32, device=self.device)
+        self._version = 0  # bumped by every change of counts; keys the cached sizes
+        self._sizes: tuple[int, tuple[int, int]] | None = None
 
     def alloc(self, need_size: int):
         select = super().alloc(need_size)
@@ -82,6 +84,7 @@ class RefCountedTokenAllocator(TokenToKVPoolAllocator):
             if bool((self.refs[select] != 0).any()):
                 raise SlotRefcountError("allocator handed out a slot that is still referenced")
             self.refs[select] = 1
+            self._version += 1
         return select
 
     def free(self, free_index: torch.Tensor) -> None:
@@ -105,6 +108,7 @@ class RefCountedTokenAllocator(TokenToKVPoolAllocator):
         ones = torch.ones_like(s, dtype=torch.int32)
         self.refs.index_add_(0, s, ones)
         self.tree_refs.index_add_(0, s, ones)
+        self._version += 1
 
     def tree_decref(self, slots: torch.Tensor) -> int:
         """A radix-tree node let go of ``slots``; returns how many slots went back to the free
@@ -120,16 +124,21 @@ class RefCountedTokenAllocator(TokenToKVPoolAllocator):
         s = self._live(slots)
         if s.numel():
             self.pins.index_add_(0, s, torch.full_like(s, delta, dtype=torch.int32))
+            self._version += 1
 
     # ---- accounting --------------------------------------------------------------------------
 
     def physical_sizes(self) -> tuple[int, int]:
         """``(evictable, protected)`` in slots: held only by unlocked tree nodes / by a locked
         tree node and no request (DEAD counted as protected, so ``available + evictable +
-        protected == size`` when no request holds a slot, SGLang's idle invariant)."""
+        protected == size`` when no request holds a slot, SGLang's idle invariant). Cached until
+        the counts change (the scheduler asks several times per step)."""
+        if self._sizes is not None and self._sizes[0] == self._version:
+            return self._sizes[1]
         tree_only = (self.refs > 0) & (self.refs == self.tree_refs)
         evictable = int((tree_only & (self.pins == 0)).sum())
         protected = int((tree_only & (self.pins > 0)).sum()) + 1
+        self._sizes = (self._version, (evictable, protected))
         return evictable, protected
 
     def used_slots(self) -> int:
@@ -167,6 +176,7 @@ class RefCountedTokenAllocator(TokenToKVPoolAllocator):
         if s.numel() == 0:
             return s
         minus = torch.full_like(s, -1, dtype=torch.int32)
+        self._version += 1
         self.refs.index_add_(0, s, minus)
         if tree:
             self.tree_refs.index_add_(0, s, minus)

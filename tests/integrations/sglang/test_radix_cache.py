@@ -237,6 +237,9 @@ def test_randomised_1000_requests_with_sessions_and_evictions(seed, steps_factor
     for req, _ in inflight:
         st.finish(req)
     st.cache.check_invariants()
+    # SGLang's idle check: every slot is free, evictable or protected (DEAD)
+    a = st.alloc
+    assert a.available_size() + st.cache.evictable_size() + st.cache.protected_size() == a.size
     assert holey_hits > 50, "sessions should reuse their holey prefixes"
     assert lru["freed"] > 1000, "the pool should be small enough for LRU eviction"
     evict_all(st)
