@@ -203,12 +203,13 @@ def plan_one(planner: Planner, req_to_token_pool: Any, allocator: Any, req: Any,
     r2t = req_to_token_pool.req_to_token
     dead = allocator.dead_slot
     row = r2t[req.req_pool_idx, :T].to(torch.int64)
-    live = (row != dead).cpu()
+    live_dev = row != dead
+    live_pos = torch.nonzero(live_dev).reshape(-1)
+    live = live_dev.cpu()
 
     def read_keys(layer: int):
-        pos = torch.nonzero(live).reshape(-1)
-        k = pool.get_key_buffer(layer)[row[pos.to(row.device)]]
-        return k.float().cpu(), pos, None
+        # on the pool's device and dtype, as the embedded engine's store hands them out
+        return pool.get_key_buffer(layer)[row[live_pos]], live_pos, None
 
     plan = plan_request(state, planner.methods, planner.shape, live, read_keys)
     state.observer = None
