@@ -122,7 +122,8 @@ class Steps:
 
     def prefill(self, req, chunk: int | None = None, plan: bool = True) -> None:
         """Admission, then extend chunk by chunk (``cache_unfinished_req`` between chunks), then
-        the agentkv plan once the prompt is complete."""
+        the agentkv plan once the prompt is complete and SGLang's post-prefill insert
+        (``plan=False``: stop before the plan)."""
         from sglang.srt.managers.schedule_batch import ReqKvInfo
         from sglang.srt.mem_cache.allocation import alloc_token_slots
 
@@ -155,10 +156,15 @@ class Steps:
                 break
             self.cache.cache_unfinished_req(req, chunked=True)
         state = request_state(req)
-        if plan and state is not None and state.evicts:
+        if not plan:
+            return
+        if state is not None and state.evicts:
             plan_one(self.planner, self.r2t, self.alloc, req, state)
         elif state is not None:
             state.planned = True
+        # SGLang inserts every unfinished request's prompt after its prefill
+        # (batch_result_processor: maybe_cache_unfinished_req), after the plan ran
+        self.cache.cache_unfinished_req(req)
 
     def decode(self, req, tokens: Sequence[int]) -> None:
         from sglang.srt.mem_cache.allocation import alloc_token_slots

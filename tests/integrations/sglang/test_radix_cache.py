@@ -151,8 +151,13 @@ def test_eviction_inside_the_matched_prefix_keeps_the_trees_slots(steps):
     ).device_indices.clone()
     r = steps.request(ids + [6], payload("y", StreamingLLM(budget=8, sinks=2)), rid="y")
     free0 = steps.alloc.available_size()
-    steps.prefill(r)
+    steps.prefill(r, plan=False)
     assert len(r.prefix_indices) == 40
+    from agentkv.integrations.sglang.request_plan import request_state
+    from agentkv.integrations.sglang.runtime import plan_one
+
+    plan_one(steps.planner, steps.r2t, steps.alloc, r, request_state(r))
+    steps.cache.cache_unfinished_req(r)  # SGLang's post-prefill insert
     # 41 positions, keep 8: 33 DEAD, all but one inside the tree's prefix: 1 own slot allocated,
     # and it is kept (the most recent), so nothing is freed
     assert (steps.row(r) == steps.alloc.dead_slot).sum() == 33
