@@ -2,7 +2,7 @@
 
     python benchmarks/sglang_plugin.py check  --stock URL --plugin URL --out DIR
     python benchmarks/sglang_plugin.py replay --stock URL --plugin URL --out DIR \\
-        --sessions 64 --concurrency 32 --policies full,streamingllm:budget=512,intentkv:budget=512
+        --sessions 64 --concurrency 32 --policies stock,full,streamingllm:budget=512,intentkv:budget=512
 
 ``check``: greedy ``/generate`` on the same token ids: FullCache through the plugin (payload
 sent) and a request without payload must give stock SGLang's tokens exactly (same dummy
@@ -210,7 +210,12 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--tools", action="store_true", help="send the trajectories' tool schemas")
-    ap.add_argument("--policies", default="full,streamingllm:budget=512,intentkv:budget=512")
+    ap.add_argument(
+        "--policies",
+        default="stock,full,streamingllm:budget=512,intentkv:budget=512",
+        help="runs in order: 'stock' = the stock server without payload, else a policy spec "
+        "sent to the plugin server",
+    )
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
     out = Path(a.out)
@@ -222,9 +227,11 @@ def main() -> None:
     else:
         traces = load_tau_bench(limit=a.sessions, seed=a.seed)
         runs = []
-        for name, url, log, spec in [("stock", a.stock, a.stock_log, None)] + [
-            (f"plugin {p}", a.plugin, a.plugin_log, p) for p in a.policies.split(",")
-        ]:
+        for spec in a.policies.split(","):
+            if spec == "stock":
+                name, url, log, spec = "stock", a.stock, a.stock_log, None
+            else:
+                name, url, log = f"plugin {spec}", a.plugin, a.plugin_log
             flush(url)
             since = Path(log).stat().st_size if log and Path(log).is_file() else 0
             policy = parse_policy(spec) if spec else None

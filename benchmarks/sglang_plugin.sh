@@ -13,8 +13,11 @@
 #   here, at once: bash .sglang-gpu/select_parts.sh 1 1
 #   GPU call 2:  bash .sglang-gpu/stage.sh && bash benchmarks/sglang_plugin.sh start && bash benchmarks/sglang_plugin.sh check
 #                carry: [".carry", ".sglang-gpu", ".carry_sgl"]
-#   GPU call 3 (within 30 s; servers still up):  bash benchmarks/sglang_plugin.sh replay --sessions 64 --concurrency 32
+#   GPU call 3 (within 30 s; servers still up):
+#                bash benchmarks/sglang_plugin.sh replay --sessions 64 --concurrency 32 --policies stock,full
 #                carry: [".carry_sgl"]   (nothing else needed: the site dir and servers stay in /tmp)
+#   GPU call 4 (within 30 s):  ... replay --sessions 64 --concurrency 32 \
+#                  --policies streamingllm:budget=512,intentkv:budget=512      (each call < 10 min)
 #   last:        bash benchmarks/sglang_plugin.sh stop
 #
 # `start` installs the bundle and this checkout into /tmp/site, then starts two servers on
