@@ -15,11 +15,17 @@ the scheduler process.
   is applied to its ``req_to_token`` row (:func:`~.request_plan.apply_evictions`). The
   forward stream is synchronised first (the keys must be written): one sync per batch that
   completes a planned prefill, also under the overlap scheduler.
+
+Every plan logs one line on the ``agentkv.sglang`` logger (``agentkv plan session=... policy=...
+prompt N evicted E live L``); ``AGENTKV_SGLANG_LOG_POSITIONS=1`` adds the evicted positions
+(``agentkv positions session=... evicted [...]``), to compare with the embedded engine.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import time
 from typing import Any
 
@@ -234,6 +240,12 @@ def plan_one(planner: Planner, req_to_token_pool: Any, allocator: Any, req: Any,
         1e3 * state.usage["plan_time_s"],
         f" note: {state.usage['plan_note']}" if state.usage["plan_note"] else "",
     )
+    if os.environ.get("AGENTKV_SGLANG_LOG_POSITIONS") == "1":  # for comparisons with the engine
+        logger.info(
+            "agentkv positions session=%s evicted %s",
+            state.payload.session_id,
+            json.dumps(positions.tolist()),
+        )
     return n
 
 
