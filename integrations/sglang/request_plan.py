@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from agentkv.methods.base import MethodSet, ModelShape, Plan, PlanContext
-from agentkv.tags import Role, TagCode
+from agentkv.tags import NUM_TAG_CODES, Role, TagCode
 from agentkv.token_tagger import TokenTags
 from agentkv.wire import WIRE_KEY, KVPayload, PayloadError, decode_payload
 
@@ -112,6 +112,8 @@ def decode_tags(raw: str, token_ids: Sequence[int]) -> TokenTags | None:
     except (ValueError, KeyError, TypeError):
         return None
     if n != len(token_ids) or len(codes) != n or not (0 <= protected <= n and 0 <= tail <= n):
+        return None
+    if any(c >= NUM_TAG_CODES for c in codes):  # /generate callers can send their own
         return None
     return TokenTags(
         token_ids=list(token_ids),

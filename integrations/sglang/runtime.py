@@ -94,7 +94,10 @@ def tag_chat_request(result: Any, serving: Any, request: Any, *args: Any, **kwar
     adapted, _ = result
     params = getattr(adapted, "sampling_params", None) or {}
     custom = params.get("custom_params") if isinstance(params, dict) else None
-    if not custom or custom.get(WIRE_KEY) is None:
+    if not custom:
+        return
+    custom.pop(TAGS_KEY, None)  # tags are the server's to compute, never a client's
+    if custom.get(WIRE_KEY) is None:
         return
     payload = check_payload(custom[WIRE_KEY])  # PayloadError (a ValueError): HTTP 400
     ids = getattr(adapted, "input_ids", None)

@@ -80,8 +80,16 @@ def test_tags_travel_in_custom_params_and_fit_sglangs_tokens(qwen):
 def test_other_tokens_run_untagged(qwen):
     payload = encode_payload(KVPayload(session_id="s", policy=IntentKV(budget=64)))
     adapted, request, serving = chat(qwen, payload, ids=[1, 2, 3, 4])
+    forged = '{"n":4,"codes":"AAAAAA==","actionable":[[0,4]],"protected_prefix":0,"tail_start":4}'
+    adapted.sampling_params["custom_params"][TAGS_KEY] = forged  # a client's own "tags"
     tag_chat_request((adapted, request), serving, request)
     assert TAGS_KEY not in adapted.sampling_params["custom_params"]
+    assert (
+        decode_tags(
+            '{"n":1,"codes":"/w==","actionable":[],"protected_prefix":0,"tail_start":1}', [1]
+        )
+        is None
+    )
     assert decode_tags("not json", [1]) is None
     assert (
         decode_tags(
