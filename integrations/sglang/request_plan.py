@@ -1,0 +1,262 @@
+"""One SGLang request's agentkv state: payload, per-token tags, plan, and the plan applied to
+SGLang's ``req_to_token`` row.
+
+The wire payload rides in ``custom_params["agentkv"]`` (:mod:`agentkv.wire`); the HTTP process
+tags the prompt with agentkv's token tagger on SGLang's own tokenisation and adds the tags as
+``custom_params["agentkv_tags"]`` (:func:`encode_tags`), so the scheduler process, which sees
+only token ids, gets them with the request. Planning is the embedded engine's: the same
+``Method`` registry, the same :class:`~agentkv.methods.base.PlanContext`.
+
+Shapes: ``T`` prompt tokens; ``L`` layers, ``Hkv`` KV heads, ``D`` head dim.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from agentkv.methods.base import MethodSet, ModelShape, Plan, PlanContext
+from agentkv.tags import NUM_TAG_CODES, Role, TagCode
+from agentkv.token_tagger import TokenTags
+from agentkv.wire import WIRE_KEY, KVPayload, PayloadError, decode_payload
+
+#: ``custom_params`` key of the tags the HTTP process computed (a JSON string).
+TAGS_KEY = "agentkv_tags"
+
+#: policy methods the plugin serves on SGLang: eviction only (no quantized pools yet; KVzap
+#: needs each layer's input hidden state, not hooked yet).
+SGLANG_METHODS = frozenset({"full", "streamingllm", "snapkv", "h2o", "intentkv"})
+
+
+def check_payload(raw: Any) -> KVPayload:
+    """Decode and check a payload for SGLang: :class:`~agentkv.wire.PayloadError` (a
+    ``ValueError``, SGLang's HTTP 400) names the field."""
+    payload = decode_payload(raw)
+    if payload.policy.method not in SGLANG_METHODS:
+        raise PayloadError(
+            f"agentkv payload field 'policy.method': {payload.policy.method!r} is not served by "
+            f"agentkv on SGLang; served: {sorted(SGLANG_METHODS)}",
+            field="policy.method",
+        )
+    return payload
+
+
+_USER = TagCode.pack(Role.USER)
+
+logger = logging.getLogger("agentkv.sglang")
+
+
+@dataclass
+class HoleyRequests:
+    """Per process: how many running requests have DEAD positions in their ``req_to_token``
+    row, and the DEAD slot id. The attention backend compacts its metadata only while
+    ``count > 0``."""
+
+    count: int = 0
+    dead_slot: int | None = None
+
+    def mark(self, state: AgentKVRequest) -> None:
+        if not state.holey:
+            state.holey = True
+            self.count += 1
+
+    def release(self, state: AgentKVRequest) -> None:
+        if state.holey:
+            state.holey = False
+            self.count -= 1
+
+
+HOLEY = HoleyRequests()
+
+
+def encode_tags(tags: TokenTags) -> str:
+    """Compact JSON string of a request's tags for ``custom_params[TAGS_KEY]``: codes as
+    base64 bytes, the actionable set as ``[start, end)`` runs."""
+    runs: list[list[int]] = []
+    for i, a in enumerate(tags.actionable):
+        if a:
+            if runs and runs[-1][1] == i:
+                runs[-1][1] = i + 1
+            else:
+                runs.append([i, i + 1])
+    return json.dumps(
+        {
+            "n": len(tags.token_ids),
+            "codes": base64.b64encode(bytes(tags.codes)).decode(),
+            "actionable": runs,
+            "protected_prefix": tags.protected_prefix,
+            "tail_start": tags.tail_start,
+        },
+        separators=(",", ":"),
+    )
+
+
+def decode_tags(raw: str, token_ids: Sequence[int]) -> TokenTags | None:
+    """Tags for ``token_ids`` from :func:`encode_tags`' string; None when they do not fit
+    (another length, a malformed string)."""
+    try:
+        d = json.loads(raw)
+        codes = list(base64.b64decode(d["codes"]))
+        n = int(d["n"])
+        actionable = [False] * n
+        for s, e in d["actionable"]:
+            for i in range(max(0, int(s)), min(n, int(e))):
+                actionable[i] = True
+        protected, tail = int(d["protected_prefix"]), int(d["tail_start"])
+    except (ValueError, KeyError, TypeError):
+        return None
+    if n != len(token_ids) or len(codes) != n or not (0 <= protected <= n and 0 <= tail <= n):
+        return None
+    if any(c >= NUM_TAG_CODES for c in codes):  # /generate callers can send their own
+        return None
+    return TokenTags(
+        token_ids=list(token_ids),
+        codes=codes,
+        message_index=[-1] * n,
+        protected_prefix=protected,
+        actionable=actionable,
+        tail_start=tail,
+    )
+
+
+def untagged(token_ids: Sequence[int]) -> TokenTags:
+    """Tags when none came with the request (``/generate`` with ids, a template the tagger
+    could not align): every token user text, no actionable span, no protected prefix."""
+    n = len(token_ids)
+    return TokenTags(list(token_ids), [_USER] * n, [-1] * n, 0, [False] * n, n)
+
+
+@dataclass
+class AgentKVRequest:
+    """What the plugin keeps for one SGLang request (attached to ``Req`` as ``req.agentkv``).
+
+    Attributes:
+        payload: the decoded wire payload.
+        tags: per-token tags of the prompt (``untagged`` when none came along).
+        tagged: whether the tags came from the tagger (False: :func:`untagged`).
+        namespace: SGLang's ``extra_key`` of the request (``cache_salt`` + ``extra_key``):
+            the tenant namespace. Sessions live inside it.
+        planned: the plan ran for the current prefill (reset when the request is retracted).
+        holey: the request's row holds DEAD positions now (counted in :data:`HOLEY`).
+        observer: the method's prefill observer while the prompt is being computed.
+        usage: telemetry of the plan (``evicted_tokens``, ``plan_note``, ...).
+    """
+
+    payload: KVPayload
+    tags: TokenTags
+    tagged: bool
+    namespace: str | None
+    planned: bool = False
+    holey: bool = False
+    observer: Any = None
+    usage: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def session_key(self) -> str:
+        """The session's radix namespace root: tenant namespace + session id."""
+        return f"{self.namespace or ''}\x1fagentkv-session\x1f{self.payload.session_id}"
+
+    @property
+    def evicts(self) -> bool:
+        return bool(getattr(type(self.payload.policy), "evicts", False))
+
+
+def request_state(req: Any) -> AgentKVRequest | None:
+    """The agentkv state of an SGLang ``Req`` (decoded once, cached as ``req.agentkv``); None
+    when the request carries no agentkv payload, or one this plugin cannot serve (logged: the
+    chat endpoint answers those with a 400 first; ``/generate`` runs them as stock SGLang)."""
+    state = getattr(req, "agentkv", None)
+    if state is not None or getattr(req, "agentkv_checked", False):
+        return state
+    params = getattr(getattr(req, "sampling_params", None), "custom_params", None) or {}
+    req.agentkv_checked = True
+    if not isinstance(params, Mapping) or params.get(WIRE_KEY) is None:
+        return None
+    try:
+        payload = check_payload(params[WIRE_KEY])
+    except PayloadError as e:  # /generate has no HTTP-side check: never let it reach here
+        logger.warning("agentkv: request %s runs as stock SGLang: %s", getattr(req, "rid", "?"), e)
+        return None
+    ids = list(req.origin_input_ids)
+    tags = decode_tags(params[TAGS_KEY], ids) if isinstance(params.get(TAGS_KEY), str) else None
+    state = AgentKVRequest(
+        payload=payload,
+        tags=tags if tags is not None else untagged(ids),
+        tagged=tags is not None,
+        namespace=getattr(req, "extra_key", None),
+    )
+    req.agentkv = state
+    return state
+
+
+def plan_request(
+    state: AgentKVRequest,
+    methods: MethodSet,
+    shape: ModelShape,
+    live: torch.Tensor,
+    read_keys: Callable[[int], tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]],
+) -> Plan:
+    """Run the request's method over its prompt. ``live``: bool ``[T]``, position not DEAD
+    (holes a session's earlier turns left)."""
+    policy = state.payload.policy
+    method = methods.for_policy(policy)
+    tags = state.tags
+    ctx = PlanContext(
+        policy=policy,
+        session_id=state.payload.session_id,
+        shape=shape,
+        seq_len=len(tags),
+        live=live,
+        forced=torch.tensor(tags.forced(method.protects_system(policy)), dtype=torch.bool),
+        actionable=torch.tensor(tags.actionable, dtype=torch.bool),
+        tag_codes=torch.tensor(tags.codes, dtype=torch.uint8),
+        read_keys=read_keys,
+        observation=state.observer.result() if state.observer is not None else None,
+    )
+    return method.plan(ctx)
+
+
+def evicted_positions(plan: Plan, seq_len: int) -> torch.Tensor:
+    """Positions (int64 ``[k]``, ascending) whose slot goes: evicted in every layer and head.
+
+    SGLang's pool row holds every layer and KV head of a token, so a per-(layer, head)
+    ``keep_mask`` frees a slot only where no (layer, head) keeps the position; positions kept
+    by some heads stay whole (those heads' reads are not masked: the SGLang kernels have no
+    per-head index)."""
+    drop = torch.zeros(seq_len, dtype=torch.bool)
+    if plan.evict is not None and plan.evict.numel():
+        drop[plan.evict.to(torch.int64)] = True
+    if plan.keep_mask is not None:
+        km = plan.keep_mask.to(torch.bool)
+        drop |= ~km.reshape(-1, km.shape[-1])[:, :seq_len].any(dim=0)
+    return torch.nonzero(drop).reshape(-1)
+
+
+def apply_evictions(
+    req_to_token: torch.Tensor,
+    row: int,
+    positions: torch.Tensor,
+    protected_len: int,
+    allocator: Any,
+) -> int:
+    """Redirect ``positions`` of ``req_to_token[row]`` to DEAD and drop the request's
+    reference on the slots it owns (positions ``>= protected_len``; the matched prefix below
+    it belongs to the radix tree, which keeps it for other requests). Returns the number of
+    positions newly made DEAD."""
+    dead = allocator.dead_slot
+    if positions.numel() == 0:
+        return 0
+    pos = positions.to(device=req_to_token.device, dtype=torch.int64)
+    old = req_to_token[row, pos].to(torch.int64)
+    fresh = old != dead
+    pos, old = pos[fresh], old[fresh]
+    req_to_token[row, pos] = dead
+    owned = pos >= protected_len
+    allocator.free(old[owned])
+    return int(pos.numel())

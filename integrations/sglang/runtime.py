@@ -1,0 +1,279 @@
+"""What the plugin does inside SGLang's processes: tag in the HTTP process, observe and plan in
+the scheduler process.
+
+- **HTTP process** (:func:`tag_chat_request`, an AFTER hook on
+  ``OpenAIServingChat._convert_to_internal_request``): validates ``custom_params["agentkv"]``
+  (a malformed payload is SGLang's HTTP 400, the message naming the field), renders the
+  request with agentkv's chat renderer on SGLang's tokenizer and template, and when those
+  tokens are SGLang's prompt tokens adds the per-token tags as
+  ``custom_params["agentkv_tags"]``. When they differ (another template path), the request
+  runs untagged (plan note says so).
+- **Scheduler process** (:func:`run_batch`, an AROUND hook on ``Scheduler.run_batch``): before
+  an extend batch, requests whose method observes prefill get an observer (fed by the agentkv
+  attention backend, :func:`observe_extend`); after it, every request whose prompt is now
+  complete is planned with the same ``Method`` registry as the embedded engine, and the plan
+  is applied to its ``req_to_token`` row (:func:`~.request_plan.apply_evictions`). The
+  forward stream is synchronised first (the keys must be written): one sync per batch that
+  completes a planned prefill, also under the overlap scheduler.
+
+Every plan logs one line on the ``agentkv.sglang`` logger (``agentkv plan session=... policy=...
+prompt N evicted E live L``); ``AGENTKV_SGLANG_LOG_POSITIONS=1`` adds the evicted positions
+(``agentkv positions session=... evicted [...]``), to compare with the embedded engine.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from typing import Any
+
+import torch
+
+from agentkv.integrations.sglang.request_plan import (
+    HOLEY,
+    TAGS_KEY,
+    AgentKVRequest,
+    apply_evictions,
+    check_payload,
+    encode_tags,
+    evicted_positions,
+    plan_request,
+    request_state,
+)
+from agentkv.methods.base import MethodSet, ModelShape, ObserveRequest
+from agentkv.wire import WIRE_KEY
+
+logger = logging.getLogger("agentkv.sglang")
+
+#: req_pool_idx -> state of requests whose prefill an observer watches (scheduler process).
+OBSERVING: dict[int, AgentKVRequest] = {}
+
+
+class Planner:
+    """Per scheduler process: the method instances (per-session state such as IntentKV's
+    QueryMemory lives there) and the model shape."""
+
+    def __init__(self, shape: ModelShape):
+        self.shape = shape
+        self.methods = MethodSet(shape)
+
+
+_PLANNER: Planner | None = None
+
+
+def init_planner(model_config: Any, kv_pool: Any, tp_size: int = 1) -> Planner:
+    """The process's planner (built once): the shape is the KV pool's (this TP rank's heads)."""
+    global _PLANNER
+    if _PLANNER is None:
+        hq = model_config.num_attention_heads // max(1, tp_size)
+        _PLANNER = Planner(ModelShape(kv_pool.layer_num, hq, kv_pool.head_num, kv_pool.head_dim))
+    return _PLANNER
+
+
+def planner_for(scheduler: Any) -> Planner:
+    return init_planner(
+        scheduler.model_config,
+        scheduler.token_to_kv_pool_allocator.get_kvcache(),
+        getattr(scheduler, "tp_size", 1),
+    )
+
+
+def planner_methods(ctx: Any) -> MethodSet:
+    """For the radix-cache factory (``TreeCacheBuildContext``)."""
+    pool = ctx.params.token_to_kv_pool_allocator.get_kvcache()
+    return init_planner(ctx.model_config, pool, ctx.tp_size).methods
+
+
+# ---- HTTP process --------------------------------------------------------------------------
+
+
+def tag_chat_request(result: Any, serving: Any, request: Any, *args: Any, **kwargs: Any) -> None:
+    """AFTER hook: ``result`` is ``(GenerateReqInput, ChatCompletionRequest)``."""
+    adapted, _ = result
+    params = getattr(adapted, "sampling_params", None) or {}
+    custom = params.get("custom_params") if isinstance(params, dict) else None
+    if not custom:
+        return
+    custom.pop(TAGS_KEY, None)  # tags are the server's to compute, never a client's
+    if custom.get(WIRE_KEY) is None:
+        return
+    payload = check_payload(custom[WIRE_KEY])  # PayloadError (a ValueError): HTTP 400
+    ids = getattr(adapted, "input_ids", None)
+    if not isinstance(ids, list) or not ids or not isinstance(ids[0], int):
+        return
+    try:
+        from agentkv.engine.chat_template import ChatRenderer
+
+        tokenizer = serving.tokenizer_manager.tokenizer
+        renderer = ChatRenderer(tokenizer, template=tokenizer.chat_template)
+        messages = [m.model_dump(exclude_none=True) for m in request.messages]
+        tools = None  # as SGLang renders them
+        if request.tools and request.tool_choice != "none":
+            tools = [t.model_dump() for t in request.tools]
+        tags = renderer.encode(messages, tools=tools, annotations=payload.messages)
+    except Exception as e:  # the request still runs, untagged
+        logger.warning("agentkv: could not tag the request (%s: %s)", type(e).__name__, e)
+        return
+    if tags.token_ids != ids:
+        logger.info("agentkv: tagger tokens differ from SGLang's prompt; request runs untagged")
+        return
+    custom[TAGS_KEY] = encode_tags(tags)
+
+
+# ---- scheduler process -----------------------------------------------------------------------
+
+
+def run_batch(original: Any, scheduler: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND hook on ``Scheduler.run_batch``."""
+    extend = batch is not None and batch.forward_mode.is_extend()
+    if extend:
+        before_extend(scheduler, batch)
+    result = original(scheduler, batch, *args, **kwargs)
+    if extend:
+        after_extend(scheduler, batch)
+    return result
+
+
+def _prefill_complete(req: Any) -> bool:
+    return len(req.get_fill_ids()) >= len(req.origin_input_ids)
+
+
+def before_extend(scheduler: Any, batch: Any) -> None:
+    allocator = scheduler.token_to_kv_pool_allocator
+    HOLEY.dead_slot = getattr(allocator, "dead_slot", None)
+    for req in batch.reqs:
+        state = request_state(req)
+        if state is None or state.planned:
+            continue
+        if HOLEY.dead_slot is not None and bool((req.prefix_indices == HOLEY.dead_slot).any()):
+            HOLEY.mark(state)
+        if not state.evicts:
+            continue
+        try:
+            _start_observer(planner_for(scheduler), req, state)
+        except Exception:  # e.g. Method.check refused the policy: run whole, as FullCache
+            logger.exception("agentkv: no plan for request %s; nothing evicted", req.rid)
+            state.observer = None
+            state.planned = True
+
+
+def _start_observer(p: Planner, req: Any, state: AgentKVRequest) -> None:
+    method = p.methods.for_policy(state.payload.policy)
+    if state.observer is None and method.observes_prefill:
+        state.observer = method.observer(
+            state.payload.policy,
+            ObserveRequest(
+                seq_len=len(state.tags),
+                num_cached=len(req.prefix_indices),
+                actionable=torch.tensor(state.tags.actionable, dtype=torch.bool),
+                shape=p.shape,
+            ),
+        )
+    if state.observer is not None:
+        OBSERVING[req.req_pool_idx] = state
+
+
+def after_extend(scheduler: Any, batch: Any) -> None:
+    todo = []
+    for req in batch.reqs:
+        state = request_state(req)
+        if state is None or state.planned or not _prefill_complete(req):
+            continue
+        if not state.evicts:
+            state.planned = True
+            continue
+        todo.append((req, state))
+    if not todo:
+        return
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    p = planner_for(scheduler)
+    for req, state in todo:
+        try:
+            plan_one(
+                p, scheduler.req_to_token_pool, scheduler.token_to_kv_pool_allocator, req, state
+            )
+        except Exception:  # a failed plan leaves the request whole: it runs as FullCache
+            logger.exception("agentkv: plan failed for request %s; nothing evicted", req.rid)
+            OBSERVING.pop(req.req_pool_idx, None)
+            state.observer = None
+            state.planned = True
+
+
+def plan_one(planner: Planner, req_to_token_pool: Any, allocator: Any, req: Any, state: Any) -> int:
+    """Plan one request whose prompt KV is written and apply the plan to its row. Returns the
+    positions made DEAD."""
+    t0 = time.perf_counter()
+    OBSERVING.pop(req.req_pool_idx, None)
+    T = len(state.tags)
+    pool = allocator.get_kvcache()
+    r2t = req_to_token_pool.req_to_token
+    dead = allocator.dead_slot
+    row = r2t[req.req_pool_idx, :T].to(torch.int64)
+    live_dev = row != dead
+    live_pos = torch.nonzero(live_dev).reshape(-1)
+    live = live_dev.cpu()
+
+    def read_keys(layer: int):
+        # on the pool's device and dtype, as the embedded engine's store hands them out
+        return pool.get_key_buffer(layer)[row[live_pos]], live_pos, None
+
+    plan = plan_request(state, planner.methods, planner.shape, live, read_keys)
+    state.observer = None
+    positions = evicted_positions(plan, T)
+    n = apply_evictions(r2t, req.req_pool_idx, positions, req.cache_protected_len, allocator)
+    if n or not bool(live.all()):
+        HOLEY.mark(state)
+    state.planned = True
+    state.usage = {
+        "evicted_tokens": n,
+        "live_kv_tokens": int(live.sum()) - n,
+        "plan_note": plan.note if state.tagged else ("untagged; " + plan.note).strip("; "),
+        "plan_time_s": time.perf_counter() - t0,
+    }
+    logger.info(
+        "agentkv plan session=%s policy=%s prompt %d evicted %d live %d (%.1f ms)%s",
+        state.payload.session_id,
+        state.payload.policy.method,
+        T,
+        n,
+        state.usage["live_kv_tokens"],
+        1e3 * state.usage["plan_time_s"],
+        f" note: {state.usage['plan_note']}" if state.usage["plan_note"] else "",
+    )
+    if os.environ.get("AGENTKV_SGLANG_LOG_POSITIONS") == "1":  # for comparisons with the engine
+        logger.info(
+            "agentkv positions session=%s evicted %s",
+            state.payload.session_id,
+            json.dumps(positions.tolist()),
+        )
+    return n
+
+
+def observe_extend(backend: Any, q: torch.Tensor, layer: Any, forward_batch: Any) -> None:
+    """Feed the prefill observers of the batch's observed requests one layer's post-RoPE
+    queries (``q [n_tokens, Hq·D]``) and the live keys they attend to (from the KV pool, which
+    the backend wrote first)."""
+    if not OBSERVING:
+        return
+    pool_idx = forward_batch.req_pool_indices.tolist()
+    starts = forward_batch.extend_start_loc.tolist()
+    lens = forward_batch.extend_seq_lens.tolist()
+    prefix = forward_batch.extend_prefix_lens.tolist()
+    hq, d = layer.tp_q_head_num, layer.qk_head_dim
+    dead = HOLEY.dead_slot
+    k_buf = backend.token_to_kv_pool.get_key_buffer(layer.layer_id)
+    for i, idx in enumerate(pool_idx):
+        state = OBSERVING.get(idx)
+        if state is None or state.observer is None:
+            continue
+        s, n = starts[i], lens[i]
+        qi = q[s : s + n].reshape(n, hq, d).transpose(0, 1).float()
+        q_pos = forward_batch.positions[s : s + n].to(torch.int64)
+        slots = backend.req_to_token[idx, : prefix[i] + n].to(torch.int64)
+        live = slots != dead
+        k_pos = torch.nonzero(live).reshape(-1)
+        k = k_buf[slots[live]].transpose(0, 1).float()
+        state.observer.observe(layer.layer_id, qi, q_pos, k, k_pos, None)

@@ -1,0 +1,135 @@
+"""Prefill observers fed from an SGLang extend batch (``observe_extend``): each request's
+query rows, positions and live keys (holes dropped, cached prefix included) reach its observer
+exactly as the method would see them fed directly; then the plan lands on the row."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from agentkv.integrations.sglang.request_plan import (
+    HOLEY,
+    evicted_positions,
+    plan_request,
+    request_state,
+)
+from agentkv.integrations.sglang.runtime import OBSERVING, before_extend, observe_extend, plan_one
+from agentkv.methods.base import ObserveRequest
+from agentkv.policies import IntentKV, SnapKV
+from agentkv.wire import KVPayload, encode_payload
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(10, 30000, (n,), generator=g).tolist()
+
+
+def test_observers_see_each_requests_rows_and_live_keys(steps):
+    from sglang.srt.layers.radix_attention import RadixAttention
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+
+    pol_a = SnapKV(budget=12, window=6)
+    pol_b = IntentKV(budget=10, mode="query", fallback_window=4)
+    a = steps.request(
+        tokens(40, 10), encode_payload(KVPayload(session_id="a", policy=pol_a)), rid="a"
+    )
+    b = steps.request(
+        tokens(30, 11), encode_payload(KVPayload(session_id="b", policy=pol_b)), rid="b"
+    )
+    steps.prefill(a, plan=False)
+    steps.prefill(b, plan=False)
+    dead = steps.alloc.dead_slot
+    HOLEY.dead_slot = dead
+    # b's first 10 positions play a cached prefix with two holes an earlier turn left
+    steps.r2t.req_to_token[b.req_pool_idx, 2] = dead
+    steps.r2t.req_to_token[b.req_pool_idx, 5] = dead
+    prefix = [0, 10]
+    lens = [40, 20]
+    sched = SimpleNamespace(
+        token_to_kv_pool_allocator=steps.alloc,
+        model_config=SimpleNamespace(num_attention_heads=steps.planner.shape.num_q_heads),
+        tp_size=1,
+    )
+    import agentkv.integrations.sglang.runtime as runtime
+
+    runtime._PLANNER = steps.planner
+    for r in (a, b):
+        r.prefix_indices = steps.row(r)[: prefix[0] if r is a else prefix[1]]
+        request_state(r).planned = False
+    before_extend(sched, SimpleNamespace(reqs=[a, b]))
+    assert set(OBSERVING) == {a.req_pool_idx, b.req_pool_idx}
+
+    shape = steps.planner.shape
+    hq, d = shape.num_q_heads, shape.head_dim
+    n = sum(lens)
+    positions = torch.cat([torch.arange(p, p + m) for p, m in zip(prefix, lens, strict=True)])
+    fb = ForwardBatch(
+        forward_mode=ForwardMode.EXTEND,
+        batch_size=2,
+        input_ids=torch.zeros(n, dtype=torch.int64),
+        req_pool_indices=torch.tensor([a.req_pool_idx, b.req_pool_idx]),
+        seq_lens=torch.tensor([40, 30]),
+        out_cache_loc=torch.zeros(n, dtype=torch.int64),
+        seq_lens_sum=70,
+        positions=positions,
+        extend_start_loc=torch.tensor([0, 40]),
+        extend_seq_lens=torch.tensor(lens),
+        extend_prefix_lens=torch.tensor(prefix),
+    )
+    backend = SimpleNamespace(token_to_kv_pool=steps.kv, req_to_token=steps.r2t.req_to_token)
+    torch.manual_seed(0)
+    qs = [torch.randn(n, hq * d) for _ in range(shape.num_layers)]
+    for layer in range(shape.num_layers):
+        attn = RadixAttention(hq, d, d**-0.5, shape.num_kv_heads, layer)
+        observe_extend(backend, qs[layer], attn, fb)
+
+    # the same observers fed directly
+    for r, start, pre, m in ((a, 0, 0, 40), (b, 40, 10, 20)):
+        state = request_state(r)
+        method = steps.planner.methods.for_policy(state.payload.policy)
+        ref = method.observer(
+            state.payload.policy,
+            ObserveRequest(len(state.tags), pre, torch.tensor(state.tags.actionable), shape),
+        )
+        row = steps.row(r)[: pre + m]
+        live = torch.nonzero(row != dead).reshape(-1)
+        for layer in range(shape.num_layers):
+            q = qs[layer][start : start + m].reshape(m, hq, d).transpose(0, 1)
+            k = steps.kv.get_key_buffer(layer)[row[live]].transpose(0, 1)
+            ref.observe(layer, q, torch.arange(pre, pre + m), k, live, None)
+        got, want = state.observer.result(), ref.result()
+        for x, y in zip(
+            got if isinstance(got, tuple) else [got],
+            want if isinstance(want, tuple) else [want],
+            strict=True,
+        ):
+            if isinstance(x, torch.Tensor):
+                torch.testing.assert_close(x, y)
+            else:
+                for f in ("sums", "counts", "seen"):
+                    torch.testing.assert_close(getattr(x, f), getattr(y, f))
+        live_mask = (steps.row(r)[: len(state.tags)] != dead).cpu()
+        want_dead = None
+        if r is a:  # SnapKV is stateless: plan it once more from the same observation
+            row_now = steps.row(r)
+
+            def read_keys(layer, row=row_now, lm=live_mask):
+                pos = torch.nonzero(lm).reshape(-1)
+                return steps.kv.get_key_buffer(layer)[row[pos]], pos, None
+
+            plan = plan_request(state, steps.planner.methods, shape, live_mask, read_keys)
+            want_dead = evicted_positions(plan, len(state.tags))
+        n_dead = plan_one(steps.planner, steps.r2t, steps.alloc, r, state)
+        assert n_dead > 0 and state.planned and state.observer is None
+        now_dead = torch.nonzero(steps.row(r)[: len(state.tags)] == dead).reshape(-1)
+        assert (
+            now_dead.numel()
+            <= len(state.tags) - min(len(state.tags), state.payload.policy.budget) + 2
+        )
+        if want_dead is not None:
+            assert torch.equal(now_dead, want_dead)
+    assert not OBSERVING
+    for r in (a, b):
+        steps.finish(r)
+    steps.cache.check_invariants()

@@ -1,0 +1,117 @@
+"""The HTTP-side hook on SGLang's real request types: payload validated (HTTP 400 path), the
+prompt tagged with agentkv's tagger on the Qwen3 tokenizer, the tags carried in
+``custom_params`` and read back by the scheduler side for the same token ids."""
+
+from __future__ import annotations
+
+from array import array
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from agentkv.integrations.sglang.request_plan import TAGS_KEY, decode_tags, request_state
+from agentkv.integrations.sglang.runtime import tag_chat_request
+from agentkv.policies import IntentKV, parse_policy
+from agentkv.wire import KVPayload, PayloadError, build_payload, encode_payload
+
+REPO = Path(__file__).resolve().parents[3]
+QWEN_DIRS = [
+    REPO.parent / "shared" / "data" / "qwen3-tokenizer",
+    Path("/work/shared/data/qwen3-tokenizer"),
+]
+
+MESSAGES = [
+    {"role": "system", "content": "You are an airline agent. Follow the policy."},
+    {"role": "user", "content": "Change my flight to Boston, reservation ABC123."},
+    {"role": "assistant", "content": "Let me look that up."},
+    {"role": "user", "content": "It is for tomorrow morning please."},
+]
+
+
+@pytest.fixture(scope="module")
+def qwen():
+    from transformers import AutoTokenizer
+
+    for d in QWEN_DIRS:
+        if d.is_dir():
+            return AutoTokenizer.from_pretrained(str(d))
+    pytest.skip("Qwen3 tokenizer (shared/data/qwen3-tokenizer) not found")
+
+
+def chat(qwen, payload: str, ids=None):
+    from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest
+    from sglang.srt.managers.io_struct import GenerateReqInput
+
+    request = ChatCompletionRequest(
+        model="m", messages=MESSAGES, custom_params={"agentkv": payload}
+    )
+    if ids is None:
+        ids = qwen.apply_chat_template(MESSAGES, tokenize=True, add_generation_prompt=True)
+        ids = list(ids["input_ids"]) if isinstance(ids, dict) or hasattr(ids, "keys") else list(ids)
+    adapted = GenerateReqInput(
+        input_ids=ids, sampling_params={"custom_params": dict(request.custom_params)}
+    )
+    serving = SimpleNamespace(tokenizer_manager=SimpleNamespace(tokenizer=qwen))
+    return adapted, request, serving
+
+
+def test_tags_travel_in_custom_params_and_fit_sglangs_tokens(qwen):
+    payload = encode_payload(build_payload(MESSAGES, IntentKV(budget=64), "s1"))
+    adapted, request, serving = chat(qwen, payload)
+    tag_chat_request((adapted, request), serving, request)
+    raw = adapted.sampling_params["custom_params"][TAGS_KEY]
+    tags = decode_tags(raw, adapted.input_ids)
+    assert tags is not None and len(tags) == len(adapted.input_ids)
+    act = [i for i, a in enumerate(tags.actionable) if a]
+    text = qwen.decode([adapted.input_ids[i] for i in act])
+    assert "tomorrow morning" in text and "Boston" not in text  # the latest user message
+    assert tags.protected_prefix > 0 and tags.tail_start < len(tags)
+    # the scheduler side reads them back from SGLang's Req
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    req = Req("r", "", array("q", adapted.input_ids), SamplingParams(**adapted.sampling_params))
+    state = request_state(req)
+    assert state.tagged and state.tags.actionable == tags.actionable
+    assert state.payload.session_id == "s1"
+
+
+def test_other_tokens_run_untagged(qwen):
+    payload = encode_payload(KVPayload(session_id="s", policy=IntentKV(budget=64)))
+    adapted, request, serving = chat(qwen, payload, ids=[1, 2, 3, 4])
+    forged = '{"n":4,"codes":"AAAAAA==","actionable":[[0,4]],"protected_prefix":0,"tail_start":4}'
+    adapted.sampling_params["custom_params"][TAGS_KEY] = forged  # a client's own "tags"
+    tag_chat_request((adapted, request), serving, request)
+    assert TAGS_KEY not in adapted.sampling_params["custom_params"]
+    assert (
+        decode_tags(
+            '{"n":1,"codes":"/w==","actionable":[],"protected_prefix":0,"tail_start":1}', [1]
+        )
+        is None
+    )
+    assert decode_tags("not json", [1]) is None
+    assert (
+        decode_tags(
+            '{"n":1,"codes":"AA==","actionable":[],"protected_prefix":0,"tail_start":1}', [1, 2]
+        )
+        is None
+    )
+
+
+def test_malformed_payload_is_a_400_naming_the_field(qwen):
+    adapted, request, serving = chat(
+        qwen, '{"version": 1, "session_id": "s", "policy": {"method": "intentkv", "budget": -3}}'
+    )
+    with pytest.raises(PayloadError) as e:
+        tag_chat_request((adapted, request), serving, request)
+    assert isinstance(e.value, ValueError)  # SGLang's handler answers ValueError with HTTP 400
+    assert e.value.field == "policy.budget"
+
+
+def test_policies_sglang_cannot_serve_are_a_400(qwen):
+    payload = encode_payload(KVPayload(session_id="s", policy=parse_policy("uniform_quant:bits=4")))
+    adapted, request, serving = chat(qwen, payload)
+    with pytest.raises(PayloadError) as e:
+        tag_chat_request((adapted, request), serving, request)
+    assert e.value.field == "policy.method"
