@@ -6,8 +6,8 @@ it: evicting position ``p`` in column (layer, KV head) ``c`` is ``slot_map[c, p]
 both the attention metadata and the kernels drop DEAD entries by id (no K value can stand in
 for a mask, since ``q . k`` takes either sign).
 
-This is SGLang's own padded slot 0 (``TokenToKVPoolAllocator`` hands out ``1..size``), so the
-SGLang extension maps DEAD onto it one to one.
+The SGLang extension cannot use SGLang's slot 0 for it (padded batch entries write there), so
+it reserves another slot of SGLang's pool as its DEAD (``docs/sglang.md``).
 """
 
 from __future__ import annotations
