@@ -8,6 +8,24 @@ from pathlib import Path
 import pytest
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _one_torch_thread():
+    """One intra-op thread for the whole run (``AGENTKV_TEST_THREADS`` overrides).
+
+    The model is tiny and the store runs many tiny tensor ops: on a loaded 2-core machine (CI,
+    or several test runs at once) OpenMP threads that spin-wait for each other made decoding
+    ~6x slower than one thread."""
+    try:
+        import torch
+    except ImportError:  # the client side's tests run without torch
+        yield
+        return
+    old = torch.get_num_threads()
+    torch.set_num_threads(int(os.environ.get("AGENTKV_TEST_THREADS", "1")))
+    yield
+    torch.set_num_threads(old)
+
+
 @pytest.fixture(scope="session")
 def engine():
     """The real engine on the default model, CPU, small pool; shared by every test that asks.

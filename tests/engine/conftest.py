@@ -3,7 +3,6 @@ from ``tests/conftest.py``), the plain-transformers reference model and HTTP cli
 
 from __future__ import annotations
 
-import os
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -11,19 +10,6 @@ from typing import Any
 import pytest
 
 torch = pytest.importorskip("torch")
-
-
-@pytest.fixture(scope="package", autouse=True)
-def _torch_threads() -> Iterator[None]:
-    """One intra-op thread while these tests run (``AGENTKV_TEST_THREADS`` overrides).
-
-    The model is tiny; on a loaded 2-core machine (CI, or several test runs at once) OpenMP
-    threads that spin-wait for each other made decoding ~6x slower than one thread.
-    """
-    old = torch.get_num_threads()
-    torch.set_num_threads(int(os.environ.get("AGENTKV_TEST_THREADS", "1")))
-    yield
-    torch.set_num_threads(old)
 
 
 @pytest.fixture(scope="package")

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -67,18 +66,8 @@ def test_task_answers_are_in_what_the_script_reads(task: ResearchTask, tools) ->
 
 
 # ---------------------------------------------------------------- end to end on the model
-@pytest.fixture(scope="module")
-def one_thread() -> Iterator[None]:
-    """One intra-op thread (the model is tiny; spinning OpenMP threads slow a loaded box)."""
-    torch = pytest.importorskip("torch")
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
 @pytest.mark.slow
-def test_agent_runs_per_node_policies_on_the_engine(server, corpus, one_thread, tmp_path) -> None:
+def test_agent_runs_per_node_policies_on_the_engine(server, corpus, tmp_path) -> None:
     from browsing_demo import node_rows, run_demo, write_report
 
     budget = 64

@@ -46,16 +46,11 @@ torch = pytest.importorskip("torch")
 
 @pytest.fixture(scope="module")
 def engine_url(engine: Any) -> Iterator[str]:
-    """The shared real engine served on 127.0.0.1 (one intra-op thread: a loaded machine)."""
+    """The shared real engine served on 127.0.0.1."""
     from agentkv.engine.server import BackgroundServer
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with BackgroundServer(engine) as srv:
-            yield srv.base_url
-    finally:
-        torch.set_num_threads(threads)
+    with BackgroundServer(engine) as srv:
+        yield srv.base_url
 
 
 def chat(url: str, **kw: Any) -> ChatOpenAI:

@@ -27,15 +27,6 @@ torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """One intra-op thread (tiny model; OpenMP spin-waits on a loaded 2-core machine)."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
 @pytest.fixture(scope="module")
 def presses() -> types.SimpleNamespace:
     spec = importlib.util.find_spec("kvpress")
