@@ -12,7 +12,13 @@ MLP), with CUDA events (median of ``--repeats`` runs after a warm-up):
 * ``score_ms``: the surrogate over those ``N`` layer inputs, every layer (what KVzap adds to a
   prefill); ``score_pct`` = score / prefill;
 * ``decode_ms``: one decode step at context ``N`` (transformers ``DynamicCache``);
-  ``score_step_ms``: the surrogate over one position, every layer; ``step_pct``.
+  ``score_step_ms``: the surrogate over one position, every layer, one call per layer;
+  ``step_pct``;
+* ``deferred_step_ms``: what KVzap's observer does per decode step (keeps each layer's input,
+  then every ``--decode-interval`` steps scores the kept rows of all layers in one batched
+  call), amortised per step; ``deferred_pct``;
+* ``score_pad8_ms`` (linear only): the prefill scoring with the ``Hkv`` output rows padded to 8
+  (a probe of the GEMM's shape penalty).
 
 The default model is SmolLM2-135M-Instruct (trained on 8k positions; 32k only times the
 arithmetic). A model without a shipped surrogate gets random weights of the right shapes
@@ -43,6 +49,24 @@ def cuda_ms(fn, repeats: int) -> float:
         torch.cuda.synchronize()
         times.append(a.elapsed_time(b))
     return statistics.median(times)
+
+
+def deferred_steps(sur, one: dict, n: int, steps: int) -> None:
+    """``steps`` decode steps through KVzap's observer (layer inputs kept), then the read that
+    scores them all (what a pruning pass does)."""
+    from agentkv.methods import ModelShape
+    from agentkv.methods.base import ObserveRequest
+    from agentkv.methods.kvzap import KVzapScores
+
+    m = sur.meta
+    shape = ModelShape(m.num_layers, m.num_q_heads, m.num_kv_heads, m.head_dim)
+    dev = one[0].device
+    obs = KVzapScores(sur, ObserveRequest(n + steps, n, torch.zeros(1, dtype=torch.bool), shape))
+    for t in range(steps):
+        pos = torch.full((1,), n + t, device=dev)
+        for i in range(m.num_layers):
+            obs.observe_hidden(i, one[i], pos)
+    obs._flush()
 
 
 def surrogates(model, random_weights: bool):
@@ -76,6 +100,7 @@ def main() -> None:
     ap.add_argument("--contexts", default="8192,32768")
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--random-surrogate", action="store_true")
+    ap.add_argument("--decode-interval", type=int, default=16)
     ap.add_argument("--out", type=Path, default=Path("docs/benchmarks/kvzap_overhead.json"))
     args = ap.parse_args()
     assert torch.cuda.is_available(), "run on a CUDA machine"
@@ -123,12 +148,26 @@ def main() -> None:
                 one = {i: hs[i][-1:] for i in range(L)}
                 score_step = cuda_ms(lambda sur=sur, one=one: [sur.score(i, one[i]) for i in range(L)],
                                      args.repeats)  # fmt: skip
+                deferred = cuda_ms(lambda sur=sur, one=one, n=n: deferred_steps(sur, one, n, args.decode_interval),
+                                   max(args.repeats // 2, 3)) / args.decode_interval  # fmt: skip
+                pad8 = None
+                if kind == "linear":
+                    w, b = sur._weights(hs[0].device, hs[0].dtype)[:2]
+                    hkv = w.shape[1]
+                    wp = torch.cat([w, w.new_zeros(L, 8 - hkv, w.shape[2])], 1)
+                    bp = torch.cat([b, b.new_zeros(L, 8 - hkv)], 1)
+                    pad8 = cuda_ms(lambda hs=hs, wp=wp, bp=bp, hkv=hkv: [
+                        torch.nn.functional.linear(hs[i], wp[i], bp[i])[:, :hkv].float()
+                        for i in range(L)], args.repeats)  # fmt: skip
                 rows.append({
                     "context": n, "surrogate": kind, "params": sur.num_params,
                     "prefill_ms": round(prefill, 3), "score_ms": round(score, 3),
                     "score_pct": round(100 * score / prefill, 3),
                     "decode_ms": round(decode, 3), "score_step_ms": round(score_step, 4),
                     "step_pct": round(100 * score_step / decode, 3),
+                    "deferred_step_ms": round(deferred, 4),
+                    "deferred_pct": round(100 * deferred / decode, 3),
+                    "score_pad8_ms": None if pad8 is None else round(pad8, 3),
                 })  # fmt: skip
                 print(rows[-1], flush=True)
         del hs, cache
@@ -143,12 +182,13 @@ def main() -> None:
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=2) + "\n")
-    print("| context | surrogate | prefill ms | score ms | % of prefill | decode step ms "
-          "| score/step ms | % of step |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|")
+    print("| context | surrogate | prefill ms | score ms | % of prefill | padded-8 ms | decode step ms "
+          "| score/step ms | % of step | deferred/step ms | % of step |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['context']} | {r['surrogate']} | {r['prefill_ms']} | {r['score_ms']} | "
-              f"{r['score_pct']} | {r['decode_ms']} | {r['score_step_ms']} | {r['step_pct']} |")  # fmt: skip
+              f"{r['score_pct']} | {r['score_pad8_ms']} | {r['decode_ms']} | {r['score_step_ms']} | "
+              f"{r['step_pct']} | {r['deferred_step_ms']} | {r['deferred_pct']} |")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -283,6 +283,7 @@ def train_kvzap(
         int, typer.Option(help="positions sampled per context (training pairs)")
     ] = 96,
     epochs: Annotated[int, typer.Option(help="MLP epochs")] = 30,
+    batch_size: Annotated[int, typer.Option(help="MLP minibatch (pairs)")] = 256,
     seed: Annotated[int, typer.Option(help="sampling and initialisation seed")] = 0,
 ) -> None:
     """Train KVzap surrogates (linear and MLP) for a model on KVzip+ targets it computes.
@@ -302,6 +303,7 @@ def train_kvzap(
                 prompt_tokens=prompt_tokens,
                 tokens_per_text=tokens_per_text,
                 epochs=epochs,
+                batch_size=batch_size,
                 seed=seed,
             )
         )

@@ -38,6 +38,10 @@ from agentkv.session import is_request_local
 
 #: sessions whose score buffers are kept for their next turn.
 SESSION_CAPACITY = 64
+#: layer inputs of at most this many rows (decode steps, short teacher-forced spans) are not
+#: scored when they arrive but kept and scored for every layer at once when scores are read
+#: (one batched surrogate call per pruning pass instead of one per layer and step).
+DEFER_MAX_ROWS = 64
 
 
 class KVzapScores(PrefillObserver):
@@ -57,6 +61,8 @@ class KVzapScores(PrefillObserver):
         self.scores: torch.Tensor | None = None
         self.known: torch.Tensor | None = None
         self.pruned_until = 0
+        #: deferred ``(layer, hidden [n, D_h], positions [n])`` of small passes.
+        self._pending: list[tuple[int, torch.Tensor, torch.Tensor]] = []
 
     def _ensure(self, end: int, device: torch.device) -> None:
         if self.scores is None:
@@ -81,16 +87,56 @@ class KVzapScores(PrefillObserver):
                 f"KVzap surrogate expects hidden size {self.surrogate.meta.hidden_size}, "
                 f"the model has {hidden.shape[-1]}"
             )
+        if hidden.shape[0] <= DEFER_MAX_ROWS:
+            self._pending.append((layer, hidden, positions))
+            return
+        self._flush()
+        self._store(layer, hidden, positions, self.surrogate.score(layer, hidden).T)
+
+    def _store(self, layer: int | slice, hidden, positions, scores: torch.Tensor) -> None:
+        """Write ``scores`` (``[Hkv, n]`` for one layer, ``[L, Hkv, n]`` for ``slice(None)``)."""
         end = int(positions[-1]) + 1
         self._ensure(end, hidden.device)
         assert self.scores is not None and self.known is not None
         pos = positions.to(hidden.device)
-        self.scores[layer][:, pos] = self.surrogate.score(layer, hidden).T
-        if layer == 0:
+        if isinstance(layer, int):
+            self.scores[layer][:, pos] = scores
+        else:
+            self.scores[:, :, pos] = scores
+        if layer == 0 or isinstance(layer, slice):
             self.known[pos] = True
+
+    @torch.inference_mode()  # the buffers were made in the engine's inference mode
+    def _flush(self) -> None:
+        """Score the deferred layer inputs: every layer at once when each layer saw the same
+        passes (the same ``positions`` objects, as one forward gives every layer), else one
+        layer at a time."""
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, []
+        L = self.shape.num_layers
+        rows: list[list[torch.Tensor]] = [[] for _ in range(L)]
+        pos: list[list[torch.Tensor]] = [[] for _ in range(L)]
+        for layer, hidden, positions in pending:
+            rows[layer].append(hidden)
+            pos[layer].append(positions)
+        same = all(
+            len(pos[i]) == len(pos[0]) and all(a is b for a, b in zip(pos[i], pos[0], strict=True))
+            for i in range(L)
+        )
+        if same and pos[0]:
+            n = sum(h.shape[0] for h in rows[0])
+            hidden = torch.cat([h for layer_rows in rows for h in layer_rows]).view(L, n, -1)
+            positions = torch.cat([p.reshape(-1) for p in pos[0]])
+            self._store(slice(None), hidden, positions,
+                        self.surrogate.score_all(hidden).transpose(1, 2))  # fmt: skip
+            return
+        for layer, hidden, positions in pending:
+            self._store(layer, hidden, positions, self.surrogate.score(layer, hidden).T)
 
     def window_scores(self, start: int, end: int) -> torch.Tensor:
         """float32 CPU ``[L, Hkv, end - start]``; unknown positions read ``+inf`` (kept)."""
+        self._flush()
         s = self.shape
         if self.scores is None or self.known is None:
             return torch.full((s.num_layers, s.num_kv_heads, end - start), float("inf"))
@@ -103,6 +149,8 @@ class KVzapScores(PrefillObserver):
     def adopt(self, prev: KVzapScores, upto: int) -> None:
         """Take the scores of positions ``< upto`` this request did not compute from ``prev``
         (the session's previous buffer: same tokens, reused from the prefix cache)."""
+        prev._flush()
+        self._flush()
         if prev.scores is None or prev.known is None or upto <= 0:
             return
         upto = min(upto, prev.capacity)
@@ -115,6 +163,7 @@ class KVzapScores(PrefillObserver):
 
     def scored_prefix(self) -> int:
         """Length of the leading run of scored positions."""
+        self._flush()
         if self.known is None:
             return 0
         unknown = torch.nonzero(~self.known).reshape(-1)

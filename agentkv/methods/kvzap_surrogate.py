@@ -134,6 +134,16 @@ class Surrogate:
             out = F.linear(F.gelu(out), w2[layer], b2[layer])
         return out.float()
 
+    def score_all(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Every layer at once: ``hidden [L, n, D_h]`` (layer ``l``'s inputs in row ``l``) ->
+        float32 ``[L, n, Hkv]``; one batched matmul per surrogate layer instead of ``L``."""
+        w1, b1, w2, b2 = self._weights(hidden.device, hidden.dtype)
+        assert w1 is not None and b1 is not None
+        out = torch.baddbmm(b1[:, None, :], hidden, w1.transpose(1, 2))
+        if w2 is not None and b2 is not None:
+            out = torch.baddbmm(b2[:, None, :], F.gelu(out), w2.transpose(1, 2))
+        return out.float()
+
     def save(self, path: str | os.PathLike[str]) -> None:
         from safetensors.torch import save_file
 

@@ -124,17 +124,20 @@ def _standardise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return mu, sd
 
 
-def fit_linear(x: torch.Tensor, y: torch.Tensor, ridge: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Ridge regression; ``x [n, D]`` float32, ``y [n, H]`` -> ``(W [H, D], b [H])`` in the
-    raw input space (standardisation folded in)."""
+def fit_linear(
+    x: torch.Tensor, y: torch.Tensor, ridge: float, device: str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ridge regression (float64 on ``device``); ``x [n, D]`` float32, ``y [n, H]`` ->
+    ``(W [H, D], b [H])`` on the CPU, in the raw input space (standardisation folded in)."""
+    x, y = x.to(device), y.to(device)
     mu, sd = _standardise(x)
     z = ((x - mu) / sd).double()
     ym = y.double().mean(0)
-    a = z.T @ z + ridge * torch.eye(z.shape[1], dtype=torch.float64)
+    a = z.T @ z + ridge * torch.eye(z.shape[1], dtype=torch.float64, device=device)
     w = torch.linalg.solve(a, z.T @ (y.double() - ym))  # [D, H]
     w_raw = (w / sd.double()[:, None]).T  # [H, D]
     b = ym - (mu.double() / sd.double()) @ w
-    return w_raw.float(), b.float()
+    return w_raw.float().cpu(), b.float().cpu()
 
 
 def fit_mlp(
@@ -144,15 +147,19 @@ def fit_mlp(
     y_val: torch.Tensor,
     cfg: TrainConfig,
     hidden: int,
+    device: str = "cpu",
 ) -> tuple[list[torch.Tensor], list[float], list[float]]:
-    """One-hidden-layer GELU MLP; returns ``([w1, b1, w2, b2] raw space, train, val MSE per
-    epoch)``. The weights are those of the epoch with the lowest validation MSE (early
-    stopping: with ~20k pairs per layer the MLP overfits after a few epochs)."""
+    """One-hidden-layer GELU MLP, trained on ``device``; returns ``([w1, b1, w2, b2] raw space
+    on the CPU, train, val MSE per epoch)``. The weights are those of the epoch with the lowest
+    validation MSE (early stopping: with ~20k pairs per layer the MLP overfits after a few
+    epochs)."""
     torch.manual_seed(cfg.seed)
+    x, y, x_val, y_val = (t.to(device) for t in (x, y, x_val, y_val))
     mu, sd = _standardise(x)
     z, zv = (x - mu) / sd, (x_val - mu) / sd
     d, h_out = x.shape[1], y.shape[1]
-    l1, l2 = torch.nn.Linear(d, hidden), torch.nn.Linear(hidden, h_out)
+    l1 = torch.nn.Linear(d, hidden).to(device)
+    l2 = torch.nn.Linear(hidden, h_out).to(device)
     with torch.no_grad():
         l2.bias.copy_(y.mean(0))
     params = [*l1.parameters(), *l2.parameters()]
@@ -162,8 +169,8 @@ def fit_mlp(
     train_curve, val_curve = [], []
     best: tuple[float, list[torch.Tensor]] | None = None
     for _ in range(cfg.epochs):
-        perm = torch.randperm(len(z))
-        total = 0.0
+        perm = torch.randperm(len(z), device=device)
+        total = torch.zeros((), device=device)
         for s in range(0, len(z), cfg.batch_size):
             idx = perm[s : s + cfg.batch_size]
             loss = F.mse_loss(l2(F.gelu(l1(z[idx]))), y[idx])
@@ -171,8 +178,8 @@ def fit_mlp(
             loss.backward()
             opt.step()
             sched.step()
-            total += float(loss.detach()) * len(idx)
-        train_curve.append(total / len(z))
+            total += loss.detach() * len(idx)
+        train_curve.append(float(total) / len(z))
         with torch.no_grad():
             val_curve.append(float(F.mse_loss(l2(F.gelu(l1(zv))), y_val)))
             if best is None or val_curve[-1] < best[0]:
@@ -181,7 +188,7 @@ def fit_mlp(
     w1_std, b1_std, w2, b2 = best[1]
     w1 = w1_std / sd[None, :]
     b1 = b1_std - w1_std @ (mu / sd)
-    return [w1, b1, w2, b2], train_curve, val_curve
+    return [t.cpu() for t in (w1, b1, w2, b2)], train_curve, val_curve
 
 
 def _plots(out: Path, metrics: dict[str, Any]) -> None:
@@ -228,6 +235,7 @@ def train_kvzap(cfg: TrainConfig) -> dict[str, Any]:
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     data = collect(model, tokenizer, cfg)
     t_collect = time.perf_counter() - t0
+    fit_device = str(next(model.parameters()).device)
     del model
     L, D = data.x.shape[1], data.x.shape[2]
     hidden = max(D // 8, 1)
@@ -239,13 +247,13 @@ def train_kvzap(cfg: TrainConfig) -> dict[str, Any]:
     for layer in tqdm(range(L), desc="fit layers", unit="layer"):
         x = data.x[:, layer].float()
         y = data.y[:, layer]
-        w, b = fit_linear(x[tr], y[tr], cfg.ridge)
+        w, b = fit_linear(x[tr], y[tr], cfg.ridge, fit_device)
         pred = x[va] @ w.T + b
         lin_val_mse.append(float(F.mse_loss(pred, y[va])))
         r2["linear"].append(r2_per_head(pred, y[va]).tolist())
         lin_w.append(w)
         lin_b.append(b)
-        p, tc, vc = fit_mlp(x[tr], y[tr], x[va], y[va], cfg, hidden)
+        p, tc, vc = fit_mlp(x[tr], y[tr], x[va], y[va], cfg, hidden, fit_device)
         with torch.no_grad():
             pred = F.linear(F.gelu(F.linear(x[va], p[0], p[1])), p[2], p[3])
         r2["mlp"].append(r2_per_head(pred, y[va]).tolist())

@@ -79,6 +79,44 @@ def test_shipped_surrogates(kind):
     assert e.value.field == "payload.policy.surrogate"
 
 
+@pytest.mark.parametrize("kind", ["linear", "mlp"])
+def test_score_all_equals_per_layer_scores(kind):
+    sur = tiny_surrogate(OTHER, kind)
+    h = torch.randn(OTHER.num_layers, 7, 32)
+    per_layer = torch.stack([sur.score(i, h[i]) for i in range(OTHER.num_layers)])
+    torch.testing.assert_close(sur.score_all(h), per_layer, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["linear", "mlp"])
+def test_deferred_decode_scores_equal_immediate_scores(kind):
+    """Small passes (decode steps) are scored later, every layer at once; a prefill chunk at
+    once; a pass some layers missed falls back to per-layer scoring. All read the same."""
+    from agentkv.methods.base import ObserveRequest
+    from agentkv.methods.kvzap import DEFER_MAX_ROWS, KVzapScores
+
+    sur = tiny_surrogate(OTHER, kind)
+    L = OTHER.num_layers
+    T0 = DEFER_MAX_ROWS + 6
+    obs = KVzapScores(sur, ObserveRequest(T0, 0, torch.zeros(T0, dtype=torch.bool), OTHER))
+    hidden = torch.randn(L, T0 + 9, 32)
+    pos = torch.arange(T0)
+    for layer in range(L):  # prefill: scored as it arrives
+        obs.observe_hidden(layer, hidden[layer, :T0], pos)
+    assert not obs._pending
+    for t in range(T0, T0 + 8):  # decode steps: deferred (one positions object per pass)
+        step = torch.tensor([t])
+        for layer in range(L):
+            obs.observe_hidden(layer, hidden[layer, t : t + 1], step)
+    assert len(obs._pending) == 8 * L
+    last = torch.tensor([T0 + 8])  # a pass seen by layer 0 only: per-layer fallback
+    obs.observe_hidden(0, hidden[0, T0 + 8 :], last)
+    got = obs.window_scores(0, T0 + 9)
+    assert not obs._pending
+    want = torch.stack([sur.score(i, hidden[i]).T for i in range(L)])  # [L, Hkv, T]
+    torch.testing.assert_close(got[:, :, : T0 + 8], want[:, :, : T0 + 8], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got[0, :, T0 + 8], want[0, :, T0 + 8], atol=1e-5, rtol=1e-5)
+
+
 # ----------------------------------------------------------------- on the real engine
 
 
