@@ -277,14 +277,26 @@ def tune_grid(impl: str) -> list[DecodeConfig]:
     """Configs the ``--tune`` sweep tries for ``impl`` (the defaults first)."""
     if impl == "int4":
         grid = [DecodeConfig()]
-        grid += [
-            DecodeConfig(block_n_int4=bn, num_warps=w, int4_v_fold=vf, programs_per_sm_int4=pps)
-            for vf in (True, False)
+        grid += [  # (query head, channel group) pairs stacked as dot rows
+            DecodeConfig(int4_stacked=True, block_n_int4=bn, num_warps=w, programs_per_sm_int4=pps)
             for bn in (32, 64)
             for w in (1, 2, 4)
             for pps in (4, 8, 16)
         ]
-        grid += [  # the previous kernel (PR before issue 10's recipe)
+        grid += [  # one pair of dots per channel group
+            DecodeConfig(
+                int4_stacked=False,
+                block_n_int4=bn,
+                num_warps=w,
+                int4_v_fold=vf,
+                programs_per_sm_int4=pps,
+            )
+            for vf in (True, False)
+            for bn in (32, 64)
+            for w in (2, 4)
+            for pps in (4, 8, 16)
+        ]
+        grid += [  # the kernel before issue 10's recipe
             DecodeConfig(int4_legacy=True, block_n_int4=32, programs_per_sm_int4=pps)
             for pps in (8, 16)
         ]
@@ -304,7 +316,13 @@ def mixed_grid(best4: DecodeConfig, best2: DecodeConfig) -> list[DecodeConfig]:
     with either winner's warps."""
     int4_fields = {
         k: getattr(best4, k)
-        for k in ("block_n_int4", "int4_v_fold", "int4_legacy", "programs_per_sm_int4")
+        for k in (
+            "block_n_int4",
+            "int4_v_fold",
+            "int4_legacy",
+            "int4_stacked",
+            "programs_per_sm_int4",
+        )
     }
     int2_fields = {k: getattr(best2, k) for k in ("prefetch", "programs_per_sm_int2")}
     return [
@@ -416,6 +434,10 @@ def main() -> None:
             for cfg in grid:
                 times = []
                 try:
+                    out = _ours(built[0], impl, False, cfg)()
+                    err = _ref_errors(built[0], impl, False, out)["rel_err_vs_ref"]
+                    if not err < 2e-2:  # a broken variant must not win on time
+                        raise RuntimeError(f"rel_err_vs_ref {err:.2e} on the first tune shape")
                     for sh in built:
                         times.append(_bench(_ours(sh, impl, False, cfg), warmup=10, rep=40))
                 except Exception as e:  # noqa: BLE001
@@ -438,6 +460,7 @@ def main() -> None:
                         "config": asdict(cfg),
                         "time_us": times,
                         "geomean_us": gm,
+                        "rel_err_vs_ref": err,
                     },
                 )
                 print(

@@ -76,6 +76,7 @@ class DecodeConfig:
     min_block_hq: int = 1
     int4_v_fold: bool = True
     int4_legacy: bool = False
+    int4_stacked: bool = True
     merge_block_s: int = 32
     prefetch: bool = True
 
@@ -298,6 +299,114 @@ def _store_partial(po_ptr, row_o, cols, acc, l_i, hmask, D: tl.constexpr):
 
 
 @triton.jit
+def _int4_split_stacked(
+    q_ptr,
+    stride_qb,
+    stride_qh,
+    slot_row,
+    hm_row,
+    k_ptr,
+    v_ptr,
+    ks_ptr,
+    kz_ptr,
+    vs_ptr,
+    vz_ptr,
+    c_ptr,
+    po_ptr,
+    plse_ptr,
+    qk_scale,
+    dead_id,
+    int4_base,
+    Hkv,
+    b,
+    h,
+    s,
+    start,
+    end,
+    S_total,
+    G: tl.constexpr,
+    BLOCK_HQ: tl.constexpr,
+    D: tl.constexpr,
+    BN: tl.constexpr,
+    HAS_HEAD_MASK: tl.constexpr,
+    HAS_KCS: tl.constexpr,
+    IEEE_F32: tl.constexpr,
+    USE_ASM: tl.constexpr,
+):
+    """One INT4 split with (query head, channel group) pairs stacked as the rows of one dot.
+
+    Row ``r = head * NG + group`` of the stacked query holds that head's channels of that
+    32-channel group (zeros elsewhere), so one dot against a row's exact codes gives every
+    group's partial score and the per-token group scales apply afterwards
+    (``q.k = sum_g s_tg (q_g . c_tg) + z_tg sum(q_g)``). For values, the stacked rows
+    carry ``p_t s_tg`` and each output channel takes its own group's row at the end
+    (``sum_t (p_t s_tg) c_tc``), plus ``sum_t p_t z_tg`` from one small dot."""
+    NG: tl.constexpr = D // 32
+    R: tl.constexpr = BLOCK_HQ * NG
+    H2: tl.constexpr = D // 2
+    dt = q_ptr.dtype.element_ty
+    rr = tl.arange(0, R)
+    rh = rr // NG
+    rg = rr % NG
+    j = tl.arange(0, H2)  # byte j: channels 2j (low nibble) and 2j + 1, group j // 16
+    in_g = (rh < G)[:, None] & ((j // 16)[None, :] == rg[:, None])
+    qrow = q_ptr + b * stride_qb + (h * G + rh)[:, None] * stride_qh
+    qe = tl.load(qrow + 2 * j[None, :], mask=in_g, other=0.0).to(tl.float32)
+    qo = tl.load(qrow + 2 * j[None, :] + 1, mask=in_g, other=0.0).to(tl.float32)
+    if HAS_KCS:
+        qe = qe * tl.load(c_ptr + h * D + 2 * j)[None, :]
+        qo = qo * tl.load(c_ptr + h * D + 2 * j + 1)[None, :]
+    qe = qe.to(dt)
+    qo = qo.to(dt)
+    qs = tl.sum(qe.to(tl.float32) + qo.to(tl.float32), 1) * qk_scale  # [R]
+    m_i = tl.full([BLOCK_HQ], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_HQ], tl.float32)
+    acc_e = tl.zeros([R, H2], tl.float32)
+    acc_o = tl.zeros([R, H2], tl.float32)
+    zb = tl.zeros([BLOCK_HQ, NG], tl.float32)
+    arn = tl.arange(0, BN)
+    cng = tl.arange(0, NG)
+    for start_n in range(start, end, BN):
+        slot, live = _live_positions(slot_row, hm_row, start_n + arn, end, dead_id, HAS_HEAD_MASK)
+        row = tl.where(live, slot - int4_base, 0) * Hkv + h
+        lm = live[:, None]
+        co = row[:, None] * H2 + j[None, :]
+        kb = tl.load(k_ptr + co, mask=lm, other=0)
+        vb = tl.load(v_ptr + co, mask=lm, other=0)
+        so = row * NG
+        ssel = so[None, :] + rg[:, None]  # [R, BN]: token's scale of the row's group
+        lsel = live[None, :] & (rr >= 0)[:, None]
+        ks = tl.load(ks_ptr + ssel, mask=lsel, other=0.0).to(tl.float32)
+        kz = tl.load(kz_ptr + ssel, mask=lsel, other=0.0).to(tl.float32)
+        vs = tl.load(vs_ptr + ssel, mask=lsel, other=0.0).to(tl.float32)
+        vz = tl.load(vz_ptr + so[:, None] + cng[None, :], mask=lm, other=0.0)
+        ce, cod = int4_code_pairs(kb, dt, USE_ASM)
+        sst = _mma_acc(qo, tl.trans(cod), _mma(qe, tl.trans(ce), IEEE_F32), IEEE_F32)
+        sst = sst * (ks * qk_scale) + qs[:, None] * kz
+        qk = tl.sum(tl.reshape(sst, [BLOCK_HQ, NG, BN]), 1)
+        qk = tl.where(live[None, :], qk, float("-inf"))
+        p, alpha, m_i, l_i = _online_softmax(qk, m_i, l_i)
+        zb = _mma_acc(p.to(tl.float16), vz, zb * alpha[:, None], IEEE_F32)
+        pst = tl.reshape(tl.broadcast_to(p[:, None, :], [BLOCK_HQ, NG, BN]), [R, BN]) * vs
+        alr = tl.reshape(tl.broadcast_to(alpha[:, None], [BLOCK_HQ, NG]), [R])[:, None]
+        ve, vo = int4_code_pairs(vb, tl.float16, USE_ASM)
+        pst = pst.to(tl.float16)
+        acc_e = _mma_acc(pst, ve, acc_e * alr, IEEE_F32)
+        acc_o = _mma_acc(pst, vo, acc_o * alr, IEEE_F32)
+    own = rg[:, None] == (j // 16)[None, :]
+    oe = tl.sum(tl.reshape(tl.where(own, acc_e, 0.0), [BLOCK_HQ, NG, H2]), 1)
+    oo = tl.sum(tl.reshape(tl.where(own, acc_o, 0.0), [BLOCK_HQ, NG, H2]), 1)
+    z16 = _bcast_groups(zb, BLOCK_HQ, NG, 16)
+    inv = 1.0 / tl.where(l_i > 0.0, l_i, 1.0)
+    out = tl.interleave(oe + z16, oo + z16) * inv[:, None]
+    offs_g = tl.arange(0, BLOCK_HQ)
+    gmask = offs_g < G
+    row_q = (b * (Hkv * G) + h * G + offs_g).to(tl.int64) * S_total + s
+    tl.store(po_ptr + row_q[:, None] * D + tl.arange(0, D)[None, :], out, mask=gmask[:, None])
+    _store_lse(plse_ptr, row_q, m_i, l_i, gmask)
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr,
     stride_qb,
@@ -359,6 +468,7 @@ def _decode_split_kernel(
     PREFETCH: tl.constexpr,
     V_FOLD: tl.constexpr,
     INT4_LEGACY: tl.constexpr,
+    STACKED: tl.constexpr,
 ):
     NG: tl.constexpr = D // 32
     Q: tl.constexpr = D // 4
@@ -402,16 +512,24 @@ def _decode_split_kernel(
     # constexpr guard outside, runtime branch inside: Triton must not fuse the two
     if HAS_INT2:  # noqa: SIM102
         if is2:
+            # the GQA group unpadded (BLOCK_HQ rows); 16-bit operands in fp16 (11-bit
+            # mantissa) whatever the query dtype: q * page scale and p are rounded once
+            offs_g2 = tl.arange(0, BLOCK_HQ)
+            hmask2 = offs_g2 < G
+            q_rows2 = q_ptr + b * stride_qb + (h * G + offs_g2)[:, None] * stride_qh
+            row_o2 = (b * (Hkv * G) + h * G + offs_g2).to(tl.int64) * S_total + s
+            m2i = tl.full([BLOCK_HQ], -1.0e30, tl.float32)
+            l2i = tl.zeros([BLOCK_HQ], tl.float32)
             cq = tl.arange(0, Q)
-            hq = hmask[:, None]
-            qf0 = tl.load(q_rows + cq[None, :], mask=hq, other=0.0).to(tl.float32)
-            qf1 = tl.load(q_rows + cq[None, :] + Q, mask=hq, other=0.0).to(tl.float32)
-            qf2 = tl.load(q_rows + cq[None, :] + 2 * Q, mask=hq, other=0.0).to(tl.float32)
-            qf3 = tl.load(q_rows + cq[None, :] + 3 * Q, mask=hq, other=0.0).to(tl.float32)
-            a0 = tl.zeros([BLOCK_H, Q], tl.float32)
-            a1 = tl.zeros([BLOCK_H, Q], tl.float32)
-            a2 = tl.zeros([BLOCK_H, Q], tl.float32)
-            a3 = tl.zeros([BLOCK_H, Q], tl.float32)
+            hq = hmask2[:, None]
+            qf0 = tl.load(q_rows2 + cq[None, :], mask=hq, other=0.0).to(tl.float32)
+            qf1 = tl.load(q_rows2 + cq[None, :] + Q, mask=hq, other=0.0).to(tl.float32)
+            qf2 = tl.load(q_rows2 + cq[None, :] + 2 * Q, mask=hq, other=0.0).to(tl.float32)
+            qf3 = tl.load(q_rows2 + cq[None, :] + 3 * Q, mask=hq, other=0.0).to(tl.float32)
+            a0 = tl.zeros([BLOCK_HQ, Q], tl.float32)
+            a1 = tl.zeros([BLOCK_HQ, Q], tl.float32)
+            a2 = tl.zeros([BLOCK_HQ, Q], tl.float32)
+            a3 = tl.zeros([BLOCK_HQ, Q], tl.float32)
             ar = tl.arange(0, 32)
             if PREFETCH:
                 slot_c, live = _live_positions(
@@ -539,15 +657,15 @@ def _decode_split_kernel(
                     + qf3 * kz3.to(tl.float32),
                     1,
                 )
-                u0, u1, u2, u3 = int2_code_quads(kb, dt, USE_ASM)
-                qk = _mma((qf0 * ks0.to(tl.float32)).to(dt), tl.trans(u0), IEEE_F32)
-                qk += _mma((qf1 * ks1.to(tl.float32)).to(dt), tl.trans(u1), IEEE_F32)
-                qk += _mma((qf2 * ks2.to(tl.float32)).to(dt), tl.trans(u2), IEEE_F32)
-                qk += _mma((qf3 * ks3.to(tl.float32)).to(dt), tl.trans(u3), IEEE_F32)
+                u0, u1, u2, u3 = int2_code_quads(kb, tl.float16, USE_ASM)
+                qk = _mma((qf0 * ks0.to(tl.float32)).to(tl.float16), tl.trans(u0), IEEE_F32)
+                qk += _mma((qf1 * ks1.to(tl.float32)).to(tl.float16), tl.trans(u1), IEEE_F32)
+                qk += _mma((qf2 * ks2.to(tl.float32)).to(tl.float16), tl.trans(u2), IEEE_F32)
+                qk += _mma((qf3 * ks3.to(tl.float32)).to(tl.float16), tl.trans(u3), IEEE_F32)
                 qk = (qk + qz[:, None]) * qk_scale
                 qk = tl.where(live[None, :], qk, float("-inf"))
-                p, alpha, m_i, l_i = _online_softmax(qk, m_i, l_i)
-                pb = p.to(dt)
+                p, alpha, m2i, l2i = _online_softmax(qk, m2i, l2i)
+                pb = p.to(tl.float16)
                 v0, v1, v2, v3 = dequant_int2_quads(
                     vb,
                     _bcast_rows(vs0, u0),
@@ -588,10 +706,11 @@ def _decode_split_kernel(
                         nkz3,
                     )
                     slot_n, live_n = slot_nn, live_nn
-            _store_partial(po_ptr, row_o, cq, a0, l_i, hmask, D)
-            _store_partial(po_ptr, row_o, cq + Q, a1, l_i, hmask, D)
-            _store_partial(po_ptr, row_o, cq + 2 * Q, a2, l_i, hmask, D)
-            _store_partial(po_ptr, row_o, cq + 3 * Q, a3, l_i, hmask, D)
+            _store_partial(po_ptr, row_o2, cq, a0, l2i, hmask2, D)
+            _store_partial(po_ptr, row_o2, cq + Q, a1, l2i, hmask2, D)
+            _store_partial(po_ptr, row_o2, cq + 2 * Q, a2, l2i, hmask2, D)
+            _store_partial(po_ptr, row_o2, cq + 3 * Q, a3, l2i, hmask2, D)
+            _store_lse(plse_ptr, row_o2, m2i, l2i, hmask2)
     if HAS_INT4:  # noqa: SIM102
         if INT4_LEGACY:  # noqa: SIM102
             if is4:
@@ -699,193 +818,238 @@ def _decode_split_kernel(
                 c2h = 2 * tl.arange(0, D // 2)
                 _store_partial(po_ptr, row_o, c2h, ae, l_i, hmask, D)
                 _store_partial(po_ptr, row_o, c2h + 1, ao, l_i, hmask, D)
+                _store_lse(plse_ptr, row_o, m_i, l_i, hmask)
         else:
             if is4:
-                # Scales folded out of the inner loop: per token t and 32-channel group g,
-                # q.k = s_tg (q_g . c_tg) + z_tg sum(q_g) and, for values,
-                # sum_t p_t v_t = sum_t (p_t s_tg) c_tg + sum_t p_t z_tg: the codes c only need
-                # an exact int -> 16-bit conversion. One group is 16 bytes of a row: low nibbles
-                # the even channels, high nibbles the odd ones. The GQA group is not padded.
-                offs_g = tl.arange(0, BLOCK_HQ)
-                gmask = offs_g < G
-                q4_rows = q_ptr + b * stride_qb + (h * G + offs_g)[:, None] * stride_qh
-                qe0, qo0, qs0 = _q_int4_group(q4_rows, gmask, q4c_ptr, h, 0, D, HAS_KCS, dt)
-                qe1, qo1, qs1 = _q_int4_group(q4_rows, gmask, q4c_ptr, h, 1, D, HAS_KCS, dt)
-                qs0 = qs0 * qk_scale
-                qs1 = qs1 * qk_scale
-                if NG == 4:
-                    qe2, qo2, qs2 = _q_int4_group(q4_rows, gmask, q4c_ptr, h, 2, D, HAS_KCS, dt)
-                    qe3, qo3, qs3 = _q_int4_group(q4_rows, gmask, q4c_ptr, h, 3, D, HAS_KCS, dt)
-                    qs2 = qs2 * qk_scale
-                    qs3 = qs3 * qk_scale
-                m4 = tl.full([BLOCK_HQ], -1.0e30, tl.float32)
-                l4 = tl.zeros([BLOCK_HQ], tl.float32)
-                a00 = tl.zeros([BLOCK_HQ, 8], tl.float32)
-                a01 = tl.zeros([BLOCK_HQ, 8], tl.float32)
-                a02 = tl.zeros([BLOCK_HQ, 8], tl.float32)
-                a03 = tl.zeros([BLOCK_HQ, 8], tl.float32)
-                a10 = tl.zeros([BLOCK_HQ, 8], tl.float32)
-                a11 = tl.zeros([BLOCK_HQ, 8], tl.float32)
-                a12 = tl.zeros([BLOCK_HQ, 8], tl.float32)
-                a13 = tl.zeros([BLOCK_HQ, 8], tl.float32)
-                a20 = tl.zeros([BLOCK_HQ, 8], tl.float32)
-                a21 = tl.zeros([BLOCK_HQ, 8], tl.float32)
-                a22 = tl.zeros([BLOCK_HQ, 8], tl.float32)
-                a23 = tl.zeros([BLOCK_HQ, 8], tl.float32)
-                a30 = tl.zeros([BLOCK_HQ, 8], tl.float32)
-                a31 = tl.zeros([BLOCK_HQ, 8], tl.float32)
-                a32 = tl.zeros([BLOCK_HQ, 8], tl.float32)
-                a33 = tl.zeros([BLOCK_HQ, 8], tl.float32)
-                zb = tl.zeros([BLOCK_HQ, NG], tl.float32)
-                ave = tl.zeros([BLOCK_HQ, D // 2], tl.float32)
-                avo = tl.zeros([BLOCK_HQ, D // 2], tl.float32)
-                arn = tl.arange(0, BN_INT4)
-                j16 = tl.arange(0, 16)
-                cng = tl.arange(0, NG)
-                for start_n in range(start, end, BN_INT4):
-                    slot, live = _live_positions(
-                        slot_row, hm_row, start_n + arn, end, dead_id, HAS_HEAD_MASK
+                if STACKED:
+                    _int4_split_stacked(
+                        q_ptr,
+                        stride_qb,
+                        stride_qh,
+                        slot_row,
+                        hm_row,
+                        q4k_ptr,
+                        q4v_ptr,
+                        q4ks_ptr,
+                        q4kz_ptr,
+                        q4vs_ptr,
+                        q4vz_ptr,
+                        q4c_ptr,
+                        po_ptr,
+                        plse_ptr,
+                        qk_scale,
+                        dead_id,
+                        int4_base,
+                        Hkv,
+                        b,
+                        h,
+                        s,
+                        start,
+                        end,
+                        S_total,
+                        G,
+                        BLOCK_HQ,
+                        D,
+                        BN_INT4,
+                        HAS_HEAD_MASK,
+                        HAS_KCS,
+                        IEEE_F32,
+                        USE_ASM,
                     )
-                    row = tl.where(live, slot - int4_base, 0) * Hkv + h
-                    lm = live[:, None]
-                    co = row[:, None] * (D // 2) + j16[None, :]
-                    so = row * NG
-                    kb0 = tl.load(q4k_ptr + co, mask=lm, other=0)
-                    kb1 = tl.load(q4k_ptr + co + 16, mask=lm, other=0)
-                    ks0 = tl.load(q4ks_ptr + so, mask=live, other=0.0).to(tl.float32)
-                    ks1 = tl.load(q4ks_ptr + so + 1, mask=live, other=0.0).to(tl.float32)
-                    kz0 = tl.load(q4kz_ptr + so, mask=live, other=0.0).to(tl.float32)
-                    kz1 = tl.load(q4kz_ptr + so + 1, mask=live, other=0.0).to(tl.float32)
-                    vz = tl.load(q4vz_ptr + so[:, None] + cng[None, :], mask=lm, other=0.0)
-                    if V_FOLD:
-                        cw = row[:, None] * (D // 8) + tl.arange(0, 4)[None, :]
-                        vw_ptr = q4v_ptr.to(tl.pointer_type(tl.int32))
-                        vb0 = tl.load(vw_ptr + cw, mask=lm, other=0)
-                        vb1 = tl.load(vw_ptr + cw + 4, mask=lm, other=0)
-                        vs0 = tl.load(q4vs_ptr + so, mask=live, other=0.0).to(tl.float32)
-                        vs1 = tl.load(q4vs_ptr + so + 1, mask=live, other=0.0).to(tl.float32)
-                        if NG == 4:
-                            vb2 = tl.load(vw_ptr + cw + 8, mask=lm, other=0)
-                            vb3 = tl.load(vw_ptr + cw + 12, mask=lm, other=0)
-                            vs2 = tl.load(q4vs_ptr + so + 2, mask=live, other=0.0).to(tl.float32)
-                            vs3 = tl.load(q4vs_ptr + so + 3, mask=live, other=0.0).to(tl.float32)
-                    else:
-                        vrow = tl.load(
-                            q4v_ptr + row[:, None] * (D // 2) + tl.arange(0, D // 2)[None, :],
-                            mask=lm,
-                            other=0,
-                        )
-                        vst = tl.load(q4vs_ptr + so[:, None] + cng[None, :], mask=lm, other=0.0)
-                    if NG == 4:
-                        kb2 = tl.load(q4k_ptr + co + 32, mask=lm, other=0)
-                        kb3 = tl.load(q4k_ptr + co + 48, mask=lm, other=0)
-                        ks2 = tl.load(q4ks_ptr + so + 2, mask=live, other=0.0).to(tl.float32)
-                        ks3 = tl.load(q4ks_ptr + so + 3, mask=live, other=0.0).to(tl.float32)
-                        kz2 = tl.load(q4kz_ptr + so + 2, mask=live, other=0.0).to(tl.float32)
-                        kz3 = tl.load(q4kz_ptr + so + 3, mask=live, other=0.0).to(tl.float32)
-                    # keys: one pair of exact-code dots per group, scale and zero applied after
-                    qk = (
-                        _int4_group_dots(kb0, qe0, qo0, dt, IEEE_F32, USE_ASM)
-                        * (ks0 * qk_scale)[None, :]
-                        + qs0[:, None] * kz0[None, :]
-                    )
-                    qk += (
-                        _int4_group_dots(kb1, qe1, qo1, dt, IEEE_F32, USE_ASM)
-                        * (ks1 * qk_scale)[None, :]
-                        + qs1[:, None] * kz1[None, :]
-                    )
-                    if NG == 4:
-                        qk += (
-                            _int4_group_dots(kb2, qe2, qo2, dt, IEEE_F32, USE_ASM)
-                            * (ks2 * qk_scale)[None, :]
-                            + qs2[:, None] * kz2[None, :]
-                        )
-                        qk += (
-                            _int4_group_dots(kb3, qe3, qo3, dt, IEEE_F32, USE_ASM)
-                            * (ks3 * qk_scale)[None, :]
-                            + qs3[:, None] * kz3[None, :]
-                        )
-                    qk = tl.where(live[None, :], qk, float("-inf"))
-                    p, alpha, m4, l4 = _online_softmax(qk, m4, l4)
-                    # values: sum_t p_t z_tg as one small dot, plus either (p * s_g) against the
-                    # exact codes per group (V_FOLD) or p against fp16 dequantized rows
-                    al = alpha[:, None]
-                    zb = _mma_acc(p.to(tl.float16), vz, zb * al, IEEE_F32)
-                    if V_FOLD:
-                        a00, a01, a02, a03 = _int4_group_pv(
-                            vb0,
-                            p,
-                            vs0,
-                            a00 * al,
-                            a01 * al,
-                            a02 * al,
-                            a03 * al,
-                            IEEE_F32,
-                            USE_ASM,
-                        )
-                        a10, a11, a12, a13 = _int4_group_pv(
-                            vb1,
-                            p,
-                            vs1,
-                            a10 * al,
-                            a11 * al,
-                            a12 * al,
-                            a13 * al,
-                            IEEE_F32,
-                            USE_ASM,
-                        )
-                        if NG == 4:
-                            a20, a21, a22, a23 = _int4_group_pv(
-                                vb2,
-                                p,
-                                vs2,
-                                a20 * al,
-                                a21 * al,
-                                a22 * al,
-                                a23 * al,
-                                IEEE_F32,
-                                USE_ASM,
-                            )
-                            a30, a31, a32, a33 = _int4_group_pv(
-                                vb3,
-                                p,
-                                vs3,
-                                a30 * al,
-                                a31 * al,
-                                a32 * al,
-                                a33 * al,
-                                IEEE_F32,
-                                USE_ASM,
-                            )
-                    else:
-                        ve, vo = dequant_int4_pairs(
-                            vrow,
-                            _bcast_groups(vst, BN_INT4, NG, 16),
-                            tl.zeros([BN_INT4, D // 2], tl.float16),
-                            USE_ASM,
-                        )
-                        pv = p.to(tl.float16)
-                        ave = _mma_acc(pv, ve, ave * al, IEEE_F32)
-                        avo = _mma_acc(pv, vo, avo * al, IEEE_F32)
-                row_q = (b * (Hkv * G) + h * G + offs_g).to(tl.int64) * S_total + s
-                inv = 1.0 / tl.where(l4 > 0.0, l4, 1.0)
-                if V_FOLD:
-                    _store_int4_group(po_ptr, row_q, 0, a00, a01, a02, a03, zb, inv, gmask, D, NG)
-                    _store_int4_group(po_ptr, row_q, 1, a10, a11, a12, a13, zb, inv, gmask, D, NG)
-                    if NG == 4:
-                        _store_int4_group(
-                            po_ptr, row_q, 2, a20, a21, a22, a23, zb, inv, gmask, D, NG
-                        )
-                        _store_int4_group(
-                            po_ptr, row_q, 3, a30, a31, a32, a33, zb, inv, gmask, D, NG
-                        )
                 else:
-                    zr = _bcast_groups(zb, BLOCK_HQ, NG, 32)
-                    out = (tl.interleave(ave, avo) + zr) * inv[:, None]
-                    tl.store(
-                        po_ptr + row_q[:, None] * D + offs_d[None, :], out, mask=gmask[:, None]
-                    )
-                _store_lse(plse_ptr, row_q, m4, l4, gmask)
+                    # Scales folded out of the inner loop: per token t and 32-channel group g,
+                    # q.k = s_tg (q_g . c_tg) + z_tg sum(q_g) and, for values,
+                    # sum_t p_t v_t = sum_t (p_t s_tg) c_tg + sum_t p_t z_tg: the codes c only need
+                    # an exact int -> 16-bit conversion. One group is 16 bytes of a row: low nibbles
+                    # the even channels, high nibbles the odd ones. The GQA group is not padded.
+                    offs_g = tl.arange(0, BLOCK_HQ)
+                    gmask = offs_g < G
+                    q4_rows = q_ptr + b * stride_qb + (h * G + offs_g)[:, None] * stride_qh
+                    qe0, qo0, qs0 = _q_int4_group(q4_rows, gmask, q4c_ptr, h, 0, D, HAS_KCS, dt)
+                    qe1, qo1, qs1 = _q_int4_group(q4_rows, gmask, q4c_ptr, h, 1, D, HAS_KCS, dt)
+                    qs0 = qs0 * qk_scale
+                    qs1 = qs1 * qk_scale
+                    if NG == 4:
+                        qe2, qo2, qs2 = _q_int4_group(q4_rows, gmask, q4c_ptr, h, 2, D, HAS_KCS, dt)
+                        qe3, qo3, qs3 = _q_int4_group(q4_rows, gmask, q4c_ptr, h, 3, D, HAS_KCS, dt)
+                        qs2 = qs2 * qk_scale
+                        qs3 = qs3 * qk_scale
+                    m4 = tl.full([BLOCK_HQ], -1.0e30, tl.float32)
+                    l4 = tl.zeros([BLOCK_HQ], tl.float32)
+                    a00 = tl.zeros([BLOCK_HQ, 8], tl.float32)
+                    a01 = tl.zeros([BLOCK_HQ, 8], tl.float32)
+                    a02 = tl.zeros([BLOCK_HQ, 8], tl.float32)
+                    a03 = tl.zeros([BLOCK_HQ, 8], tl.float32)
+                    a10 = tl.zeros([BLOCK_HQ, 8], tl.float32)
+                    a11 = tl.zeros([BLOCK_HQ, 8], tl.float32)
+                    a12 = tl.zeros([BLOCK_HQ, 8], tl.float32)
+                    a13 = tl.zeros([BLOCK_HQ, 8], tl.float32)
+                    a20 = tl.zeros([BLOCK_HQ, 8], tl.float32)
+                    a21 = tl.zeros([BLOCK_HQ, 8], tl.float32)
+                    a22 = tl.zeros([BLOCK_HQ, 8], tl.float32)
+                    a23 = tl.zeros([BLOCK_HQ, 8], tl.float32)
+                    a30 = tl.zeros([BLOCK_HQ, 8], tl.float32)
+                    a31 = tl.zeros([BLOCK_HQ, 8], tl.float32)
+                    a32 = tl.zeros([BLOCK_HQ, 8], tl.float32)
+                    a33 = tl.zeros([BLOCK_HQ, 8], tl.float32)
+                    zb = tl.zeros([BLOCK_HQ, NG], tl.float32)
+                    ave = tl.zeros([BLOCK_HQ, D // 2], tl.float32)
+                    avo = tl.zeros([BLOCK_HQ, D // 2], tl.float32)
+                    arn = tl.arange(0, BN_INT4)
+                    j16 = tl.arange(0, 16)
+                    cng = tl.arange(0, NG)
+                    for start_n in range(start, end, BN_INT4):
+                        slot, live = _live_positions(
+                            slot_row, hm_row, start_n + arn, end, dead_id, HAS_HEAD_MASK
+                        )
+                        row = tl.where(live, slot - int4_base, 0) * Hkv + h
+                        lm = live[:, None]
+                        co = row[:, None] * (D // 2) + j16[None, :]
+                        so = row * NG
+                        kb0 = tl.load(q4k_ptr + co, mask=lm, other=0)
+                        kb1 = tl.load(q4k_ptr + co + 16, mask=lm, other=0)
+                        ks0 = tl.load(q4ks_ptr + so, mask=live, other=0.0).to(tl.float32)
+                        ks1 = tl.load(q4ks_ptr + so + 1, mask=live, other=0.0).to(tl.float32)
+                        kz0 = tl.load(q4kz_ptr + so, mask=live, other=0.0).to(tl.float32)
+                        kz1 = tl.load(q4kz_ptr + so + 1, mask=live, other=0.0).to(tl.float32)
+                        vz = tl.load(q4vz_ptr + so[:, None] + cng[None, :], mask=lm, other=0.0)
+                        if V_FOLD:
+                            cw = row[:, None] * (D // 8) + tl.arange(0, 4)[None, :]
+                            vw_ptr = q4v_ptr.to(tl.pointer_type(tl.int32))
+                            vb0 = tl.load(vw_ptr + cw, mask=lm, other=0)
+                            vb1 = tl.load(vw_ptr + cw + 4, mask=lm, other=0)
+                            vs0 = tl.load(q4vs_ptr + so, mask=live, other=0.0).to(tl.float32)
+                            vs1 = tl.load(q4vs_ptr + so + 1, mask=live, other=0.0).to(tl.float32)
+                            if NG == 4:
+                                vb2 = tl.load(vw_ptr + cw + 8, mask=lm, other=0)
+                                vb3 = tl.load(vw_ptr + cw + 12, mask=lm, other=0)
+                                vs2 = tl.load(q4vs_ptr + so + 2, mask=live, other=0.0).to(
+                                    tl.float32
+                                )
+                                vs3 = tl.load(q4vs_ptr + so + 3, mask=live, other=0.0).to(
+                                    tl.float32
+                                )
+                        else:
+                            vrow = tl.load(
+                                q4v_ptr + row[:, None] * (D // 2) + tl.arange(0, D // 2)[None, :],
+                                mask=lm,
+                                other=0,
+                            )
+                            vst = tl.load(q4vs_ptr + so[:, None] + cng[None, :], mask=lm, other=0.0)
+                        if NG == 4:
+                            kb2 = tl.load(q4k_ptr + co + 32, mask=lm, other=0)
+                            kb3 = tl.load(q4k_ptr + co + 48, mask=lm, other=0)
+                            ks2 = tl.load(q4ks_ptr + so + 2, mask=live, other=0.0).to(tl.float32)
+                            ks3 = tl.load(q4ks_ptr + so + 3, mask=live, other=0.0).to(tl.float32)
+                            kz2 = tl.load(q4kz_ptr + so + 2, mask=live, other=0.0).to(tl.float32)
+                            kz3 = tl.load(q4kz_ptr + so + 3, mask=live, other=0.0).to(tl.float32)
+                        # keys: one pair of exact-code dots per group, scale and zero applied after
+                        qk = (
+                            _int4_group_dots(kb0, qe0, qo0, dt, IEEE_F32, USE_ASM)
+                            * (ks0 * qk_scale)[None, :]
+                            + qs0[:, None] * kz0[None, :]
+                        )
+                        qk += (
+                            _int4_group_dots(kb1, qe1, qo1, dt, IEEE_F32, USE_ASM)
+                            * (ks1 * qk_scale)[None, :]
+                            + qs1[:, None] * kz1[None, :]
+                        )
+                        if NG == 4:
+                            qk += (
+                                _int4_group_dots(kb2, qe2, qo2, dt, IEEE_F32, USE_ASM)
+                                * (ks2 * qk_scale)[None, :]
+                                + qs2[:, None] * kz2[None, :]
+                            )
+                            qk += (
+                                _int4_group_dots(kb3, qe3, qo3, dt, IEEE_F32, USE_ASM)
+                                * (ks3 * qk_scale)[None, :]
+                                + qs3[:, None] * kz3[None, :]
+                            )
+                        qk = tl.where(live[None, :], qk, float("-inf"))
+                        p, alpha, m4, l4 = _online_softmax(qk, m4, l4)
+                        # values: sum_t p_t z_tg as one small dot, plus either (p * s_g) against the
+                        # exact codes per group (V_FOLD) or p against fp16 dequantized rows
+                        al = alpha[:, None]
+                        zb = _mma_acc(p.to(tl.float16), vz, zb * al, IEEE_F32)
+                        if V_FOLD:
+                            a00, a01, a02, a03 = _int4_group_pv(
+                                vb0,
+                                p,
+                                vs0,
+                                a00 * al,
+                                a01 * al,
+                                a02 * al,
+                                a03 * al,
+                                IEEE_F32,
+                                USE_ASM,
+                            )
+                            a10, a11, a12, a13 = _int4_group_pv(
+                                vb1,
+                                p,
+                                vs1,
+                                a10 * al,
+                                a11 * al,
+                                a12 * al,
+                                a13 * al,
+                                IEEE_F32,
+                                USE_ASM,
+                            )
+                            if NG == 4:
+                                a20, a21, a22, a23 = _int4_group_pv(
+                                    vb2,
+                                    p,
+                                    vs2,
+                                    a20 * al,
+                                    a21 * al,
+                                    a22 * al,
+                                    a23 * al,
+                                    IEEE_F32,
+                                    USE_ASM,
+                                )
+                                a30, a31, a32, a33 = _int4_group_pv(
+                                    vb3,
+                                    p,
+                                    vs3,
+                                    a30 * al,
+                                    a31 * al,
+                                    a32 * al,
+                                    a33 * al,
+                                    IEEE_F32,
+                                    USE_ASM,
+                                )
+                        else:
+                            ve, vo = dequant_int4_pairs(
+                                vrow,
+                                _bcast_groups(vst, BN_INT4, NG, 16),
+                                tl.zeros([BN_INT4, D // 2], tl.float16),
+                                USE_ASM,
+                            )
+                            pv = p.to(tl.float16)
+                            ave = _mma_acc(pv, ve, ave * al, IEEE_F32)
+                            avo = _mma_acc(pv, vo, avo * al, IEEE_F32)
+                    row_q = (b * (Hkv * G) + h * G + offs_g).to(tl.int64) * S_total + s
+                    inv = 1.0 / tl.where(l4 > 0.0, l4, 1.0)
+                    if V_FOLD:
+                        _store_int4_group(
+                            po_ptr, row_q, 0, a00, a01, a02, a03, zb, inv, gmask, D, NG
+                        )
+                        _store_int4_group(
+                            po_ptr, row_q, 1, a10, a11, a12, a13, zb, inv, gmask, D, NG
+                        )
+                        if NG == 4:
+                            _store_int4_group(
+                                po_ptr, row_q, 2, a20, a21, a22, a23, zb, inv, gmask, D, NG
+                            )
+                            _store_int4_group(
+                                po_ptr, row_q, 3, a30, a31, a32, a33, zb, inv, gmask, D, NG
+                            )
+                    else:
+                        zr = _bcast_groups(zb, BLOCK_HQ, NG, 32)
+                        out = (tl.interleave(ave, avo) + zr) * inv[:, None]
+                        tl.store(
+                            po_ptr + row_q[:, None] * D + offs_d[None, :], out, mask=gmask[:, None]
+                        )
+                    _store_lse(plse_ptr, row_q, m4, l4, gmask)
     if HAS_FULL:  # noqa: SIM102
         if s >= S2 + S4:
             q = tl.load(q_rows + offs_d[None, :], mask=hmask[:, None], other=0.0)
@@ -901,11 +1065,10 @@ def _decode_split_kernel(
                 v = tl.load(fv_ptr + fo, mask=live[:, None], other=0.0).to(dt)
                 acc = acc * alpha[:, None] + _mma(p.to(dt), v, IEEE_F32)
             _store_partial(po_ptr, row_o, offs_d, acc, l_i, hmask, D)
+            _store_lse(plse_ptr, row_o, m_i, l_i, hmask)
 
-    if INT4_LEGACY:
-        _store_lse(plse_ptr, row_o, m_i, l_i, hmask)
-    else:
-        if not is4:  # the folded INT4 path stores its own rows
+    if not HAS_FULL:  # noqa: SIM102
+        if s >= S2 + S4:  # no segment at all (every bound 0): an empty split
             _store_lse(plse_ptr, row_o, m_i, l_i, hmask)
 
 
@@ -1182,6 +1345,7 @@ def decode_attention(
         PREFETCH=cfg.prefetch,
         V_FOLD=cfg.int4_v_fold,
         INT4_LEGACY=cfg.int4_legacy,
+        STACKED=cfg.int4_stacked,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

@@ -295,10 +295,12 @@ def test_triton_path_needs_head_dim_64_or_128(d: int) -> None:
 
 INT4_CONFIGS = [
     # the INT4 path's variants (benchmarks/decode_attention.py --tune picks among them)
-    ("folded_bn64", DecodeConfig()),
-    ("folded_bn32_pad16", DecodeConfig(block_n_int4=32, min_block_hq=16)),
-    ("folded_bn128", DecodeConfig(block_n_int4=128, num_warps=4)),
-    ("dequant_v", DecodeConfig(int4_v_fold=False)),
+    ("default", DecodeConfig()),
+    ("folded_bn64", DecodeConfig(int4_stacked=False)),
+    ("stacked_bn32_w4", DecodeConfig(int4_stacked=True, block_n_int4=32, num_warps=4)),
+    ("folded_bn32_pad16", DecodeConfig(int4_stacked=False, block_n_int4=32, min_block_hq=16)),
+    ("folded_bn128", DecodeConfig(int4_stacked=False, block_n_int4=128, num_warps=4)),
+    ("dequant_v", DecodeConfig(int4_stacked=False, int4_v_fold=False)),
     ("legacy", DecodeConfig(int4_legacy=True, block_n_int4=32)),
 ]
 
@@ -326,5 +328,10 @@ def test_int4_key_channel_scale_folded_into_query() -> None:
     g = torch.Generator().manual_seed(3)
     kc = torch.exp2(torch.randint(-2, 3, (2, 128), generator=g).float()).to(mb.q.device)
     mb.pools.int4.k_channel = kc  # keys read as stored codes * scale * k_channel
-    for cfg in (DecodeConfig(), DecodeConfig(int4_v_fold=False), DecodeConfig(int4_legacy=True)):
+    for cfg in (
+        DecodeConfig(int4_stacked=True),
+        DecodeConfig(int4_stacked=False),
+        DecodeConfig(int4_stacked=False, int4_v_fold=False),
+        DecodeConfig(int4_legacy=True),
+    ):
         _run(mb, torch.float16, split_len=64, config=cfg)
