@@ -59,6 +59,15 @@ def unpack_int4_f32(b):
 
 
 @triton.jit
+def unpack_int4_words_f32(w, R: tl.constexpr, W: tl.constexpr):
+    """[R, W] int32 words of INT4 bytes -> [R, 8 W] float32 codes in natural channel order
+    (byte k of a word holds channels 2k, 2k + 1, so nibble i of word w is channel 8w + i)."""
+    sh = 4 * tl.arange(0, 8)
+    u = (w[:, :, None] >> sh[None, None, :]) & 15
+    return tl.reshape(codes_to_f32(u), [R, 8 * W])
+
+
+@triton.jit
 def unpack_int2_f32(b):
     """[R, D // 4] uint8 -> four [R, D // 4] float32 code blocks: channels
     ``[i * D / 4, (i + 1) * D / 4)`` for i = 0..3."""
