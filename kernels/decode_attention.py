@@ -10,17 +10,24 @@ Input contract (one layer, one new query token per request):
   group of 32 positions holds rows of one INT2 page (any row order) or DEAD.
 * Attention is order-free over keys (RoPE is already in K), so this reordering is free.
 
-Kernel: grid (split, kv_head, request). A split covers ``split_len`` positions of one
-segment, so it reads one pool; all ``Hq / Hkv`` query heads of the GQA group share the
-program (padded to 16 rows for ``tl.dot``) and read each K/V row once. DEAD positions,
-positions past the segment end and head-masked positions are predicated off their loads
-(no bytes are read) and set to -inf before the softmax. Quantized rows are unpacked and
-dequantized in registers with packed bf16x2 / f16x2 PTX (:mod:`packing`), two elements per
-instruction; INT4 tiles are split into even / odd channels and INT2 tiles (planar layout)
-into four contiguous channel blocks, so no shuffle is needed before the dots. INT2 keys
-fold the page's per-channel scale into the query (``(q * s) . code + q . zero``). Raw loads
-of the quantized pools are double-buffered by hand (slots two blocks ahead, bytes one
-ahead). Online softmax in base 2; a second kernel merges the splits by log-sum-exp.
+Kernel: grid (split, kv_head, request). A split covers a split length of positions of one
+segment (each segment has its own, from :class:`DecodeConfig`), so it reads one pool; all
+``Hq / Hkv`` query heads of the GQA group share the program and read each K/V row once.
+DEAD positions, positions past the segment end and head-masked positions are predicated
+off their loads (no bytes are read) and set to -inf before the softmax.
+
+INT4 (issue 10): the per-token, per-32-channel-group scale ``s`` and zero ``z`` are folded
+out of the inner loop, ``q.k = sum_g s_tg (q_g . c_tg) + z_tg sum(q_g)`` and
+``sum_t p_t v_t = sum_t (p_t s_tg) c_t + sum_t p_t z_tg``, so the codes ``c`` only get an
+exact int -> 16-bit conversion (magic number: ``nibble | 0x6400`` as fp16 is ``1024 + n``,
+the 1024 removed *before* the dot) and the GQA group is not padded to 16 rows. By default
+the (query head, channel group) pairs are stacked as the rows of one dot
+(``int4_stacked``); the per-group variant, a variant with fp16-dequantized values and the
+previous kernel (``int4_legacy``) remain selectable. INT2: keys fold the page's
+per-channel scale into the query (``(q * s) . code + q . zero``), values are dequantized in
+registers with packed f16x2 PTX; its MMA operands are fp16 whatever the query dtype, and
+its GQA group is unpadded too. Full precision: unchanged (16 padded rows, 64-token blocks).
+Online softmax in base 2; a second kernel merges the splits by log-sum-exp.
 Supported head_dim: 64 and 128 (other sizes: ``backend="torch"``).
 """
 
@@ -59,11 +66,21 @@ class SegmentMaxLens:
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    """Tuning knobs (``benchmarks/decode_attention.py --tune``). block_n_*: positions per
-    inner iteration (INT2 is one 32-token page); programs_per_sm*: target grid size per SM
-    when choosing the split length of the full / INT4 / INT2 segments; min_block_hq: least
-    query rows per program on the quantized paths (the GQA group is otherwise unpadded);
-    prefetch: hand double-buffering of the INT2 loads."""
+    """Tuning knobs (``benchmarks/decode_attention.py --tune`` sweeps them on the GPU).
+
+    block_n_full / block_n_int4: positions per inner iteration (INT2 is one 32-token page).
+    num_warps, num_stages: per program (one launch: shared by every segment).
+    programs_per_sm / _int4 / _int2: target programs per SM when choosing the split length
+    of the full / INT4 / INT2 segments (more programs: more splits, shorter ones).
+    min_split_len: shortest split. min_block_hq: least query rows per program on the
+    quantized paths (the GQA group is otherwise not padded to 16; the dot pads in hardware).
+    int4_stacked: INT4 split as one dot over stacked (query head, channel group) rows
+    (default); else one pair of dots per channel group, with int4_v_fold choosing between
+    scale-folded values (exact codes into the dot, ``p * s`` per group) and values
+    dequantized to fp16 in registers. int4_legacy: the INT4 path before issue 10 (values
+    dequantized to the query dtype, 16 padded rows, hand prefetch). prefetch: hand
+    double-buffering of the INT2 (and legacy INT4) loads. merge_block_s: splits per step
+    of the merge kernel."""
 
     block_n_full: int = 64
     block_n_int4: int = 64
