@@ -26,7 +26,20 @@ from pathlib import Path
 
 import torch
 
-from agentkv.kernels import KVPools, dequant_gather, write_int2_pages, write_int4
+try:  # installed package, or a checkout (kernels/ is mapped to agentkv.kernels)
+    from agentkv.kernels import KVPools, dequant_gather, write_int2_pages, write_int4
+except ImportError:  # pragma: no cover - checkout without install
+    import importlib.util
+    import sys
+
+    _root = Path(__file__).resolve().parents[1] / "kernels"
+    _spec = importlib.util.spec_from_file_location(
+        "agentkv.kernels", _root / "__init__.py", submodule_search_locations=[str(_root)]
+    )
+    _mod = importlib.util.module_from_spec(_spec)
+    sys.modules["agentkv.kernels"] = _mod
+    _spec.loader.exec_module(_mod)
+    from agentkv.kernels import KVPools, dequant_gather, write_int2_pages, write_int4
 
 HKV, D = 8, 128
 

@@ -74,8 +74,10 @@ class DecodeConfig:
     of the full / INT4 / INT2 segments (more programs: more splits, shorter ones).
     min_split_len: shortest split. min_block_hq: least query rows per program on the
     quantized paths (the GQA group is otherwise not padded to 16; the dot pads in hardware).
-    int4_stacked: INT4 split as one dot over stacked (query head, channel group) rows
-    (default); else one pair of dots per channel group, with int4_v_fold choosing between
+    int4_stacked: INT4 split as one dot over stacked (query head, channel group) rows; else
+    one pair of dots per channel group (None: stacked when the stacked rows fit one 16-row
+    MMA tile, i.e. GQA group x D/32 <= 16, where it compiles to the fewest instructions
+    on sm_90; the per-group variant with fp16 values otherwise), with int4_v_fold choosing between
     scale-folded values (exact codes into the dot, ``p * s`` per group) and values
     dequantized to fp16 in registers. int4_legacy: the INT4 path before issue 10 (values
     dequantized to the query dtype, 16 padded rows, hand prefetch). prefetch: hand
@@ -93,7 +95,7 @@ class DecodeConfig:
     min_block_hq: int = 1
     int4_v_fold: bool = True
     int4_legacy: bool = False
-    int4_stacked: bool = True
+    int4_stacked: bool | None = None
     merge_block_s: int = 32
     prefetch: bool = True
 
@@ -1311,6 +1313,12 @@ def decode_attention(
     part_lse = torch.empty(b, hq, s_total, dtype=torch.float32, device=q.device)
     out = torch.empty(b, hq, d, dtype=q.dtype, device=q.device)
     g = hq // hkv
+    block_hq = max(cfg.min_block_hq, triton.next_power_of_2(g))
+    stacked = cfg.int4_stacked
+    v_fold = cfg.int4_v_fold
+    if stacked is None:  # stacked rows fit one 16-row MMA tile; else fp16-dequantized values
+        stacked = block_hq * (d // 32) <= 16
+        v_fold = v_fold and stacked
     _decode_split_kernel[(s_total, hkv, b)](
         q,
         q.stride(0),
@@ -1348,7 +1356,7 @@ def decode_attention(
         s_total,
         G=g,
         BLOCK_H=max(16, triton.next_power_of_2(g)),
-        BLOCK_HQ=max(cfg.min_block_hq, triton.next_power_of_2(g)),
+        BLOCK_HQ=block_hq,
         D=d,
         BN_FULL=cfg.block_n_full,
         BN_INT4=cfg.block_n_int4,
@@ -1360,9 +1368,9 @@ def decode_attention(
         IEEE_F32=triton_interpreting(),
         USE_ASM=not triton_interpreting(),
         PREFETCH=cfg.prefetch,
-        V_FOLD=cfg.int4_v_fold,
+        V_FOLD=v_fold,
         INT4_LEGACY=cfg.int4_legacy,
-        STACKED=cfg.int4_stacked,
+        STACKED=stacked,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
