@@ -277,6 +277,10 @@ def tune_grid(impl: str) -> list[DecodeConfig]:
     """Configs the ``--tune`` sweep tries for ``impl`` (the defaults first)."""
     if impl == "int4":
         grid = [DecodeConfig()]
+        grid += [  # the kernel before issue 10's recipe
+            DecodeConfig(int4_legacy=True, block_n_int4=32, programs_per_sm_int4=pps)
+            for pps in (8, 16)
+        ]
         grid += [  # (query head, channel group) pairs stacked as dot rows
             DecodeConfig(int4_stacked=True, block_n_int4=bn, num_warps=w, programs_per_sm_int4=pps)
             for bn in (32, 64)
@@ -291,14 +295,10 @@ def tune_grid(impl: str) -> list[DecodeConfig]:
                 int4_v_fold=vf,
                 programs_per_sm_int4=pps,
             )
-            for vf in (True, False)
+            for vf in (False, True)
             for bn in (32, 64)
             for w in (2, 4)
             for pps in (4, 8, 16)
-        ]
-        grid += [  # the kernel before issue 10's recipe
-            DecodeConfig(int4_legacy=True, block_n_int4=32, programs_per_sm_int4=pps)
-            for pps in (8, 16)
         ]
         return grid
     if impl == "int2":
@@ -363,6 +363,13 @@ def main() -> None:
         "--tune-shapes", default="8,32768;1,32768;32,4096", help="B,N;B,N;... of the sweep"
     )
     ap.add_argument("--tune-impls", default="int4,int2,mixed")
+    ap.add_argument(
+        "--tune-budget-s",
+        type=float,
+        default=300.0,
+        help="wall-clock budget of the sweep (compiles included): INT4 stops at 60%%, "
+        "INT2 at 90%%, each keeping its best config so far",
+    )
     ap.add_argument("--sglang-splits", default="8,16,32")
     ap.add_argument("--no-sglang", action="store_true")
     ap.add_argument("--no-ref", action="store_true", help="skip the reference error checks")
@@ -431,7 +438,12 @@ def main() -> None:
         for impl in [i for i in ("int4", "int2", "mixed") if i in impls]:
             grid = tune_grid(impl) if impl != "mixed" else mixed_grid(cfgs["int4"], cfgs["int2"])
             best = None
+            stop_at = t0 + args.tune_budget_s * {"int4": 0.6, "int2": 0.9, "mixed": 1.0}[impl]
             for cfg in grid:
+                if best is not None and time.time() > stop_at:
+                    print(f"tune {impl}: budget spent, {len(grid)} configs not all tried")
+                    rec.add("errors", {"phase": "tune", "impl": impl, "error": "budget spent"})
+                    break
                 times = []
                 try:
                     out = _ours(built[0], impl, False, cfg)()
