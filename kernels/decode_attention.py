@@ -385,13 +385,18 @@ def _int4_split_stacked(
     zb = tl.zeros([BLOCK_HQ, NG], tl.float32)
     arn = tl.arange(0, BN)
     cng = tl.arange(0, NG)
+    jw = tl.arange(0, D // 8)
     for start_n in range(start, end, BN):
         slot, live = _live_positions(slot_row, hm_row, start_n + arn, end, dead_id, HAS_HEAD_MASK)
         row = tl.where(live, slot - int4_base, 0) * Hkv + h
         lm = live[:, None]
         co = row[:, None] * H2 + j[None, :]
         kb = tl.load(k_ptr + co, mask=lm, other=0)
-        vb = tl.load(v_ptr + co, mask=lm, other=0)
+        vw = tl.load(
+            v_ptr.to(tl.pointer_type(tl.int32)) + row[:, None] * (D // 8) + jw[None, :],
+            mask=lm,
+            other=0,
+        )
         so = row * NG
         ssel = so[None, :] + rg[:, None]  # [R, BN]: token's scale of the row's group
         lsel = live[None, :] & (rr >= 0)[:, None]
@@ -408,7 +413,9 @@ def _int4_split_stacked(
         zb = _mma_acc(p.to(tl.float16), vz, zb * alpha[:, None], IEEE_F32)
         pst = tl.reshape(tl.broadcast_to(p[:, None, :], [BLOCK_HQ, NG, BN]), [R, BN]) * vs
         alr = tl.reshape(tl.broadcast_to(alpha[:, None], [BLOCK_HQ, NG]), [R])[:, None]
-        ve, vo = int4_code_pairs(vb, tl.float16, USE_ASM)
+        l0, l1, l2, l3, h0, h1, h2, h3 = int4_word_codes_f16(vw, USE_ASM)
+        ve = tl.reshape(tl.join(tl.join(l0, l2), tl.join(l1, l3)), [BN, H2])
+        vo = tl.reshape(tl.join(tl.join(h0, h2), tl.join(h1, h3)), [BN, H2])
         pst = pst.to(tl.float16)
         acc_e = _mma_acc(pst, ve, acc_e * alr, IEEE_F32)
         acc_o = _mma_acc(pst, vo, acc_o * alr, IEEE_F32)
