@@ -3,6 +3,18 @@
 Run on a GPU machine (not a test; never gates CI)::
 
     python benchmarks/decode_attention.py --out docs/benchmarks/decode_attention.json
+    python benchmarks/decode_attention.py --quick --tune --out $OUT/quick.json   # < 5 min
+    python benchmarks/decode_attention.py --configs-from $OUT/quick.json        # full grid
+
+``--quick`` times only B=8 N=32k, B=1 N=32k and B=32 N=4k (0% and 50% random DEAD).
+``--tune`` first sweeps the quantized paths' knobs (:class:`DecodeConfig`: INT4 variant,
+block_n, warps, programs per SM; INT2 warps, prefetch, programs per SM) at the quick
+shapes, keeps per impl the config with the lowest geometric-mean time, and then measures
+with it; ``--configs-from`` reuses the configs a previous run chose. Every measured output
+is also checked against the torch reference on the *same* quantized pools
+(``rel_err_vs_ref``: relative L2 error vs a float32 reference on the first requests;
+``bf16_floor``: the error of merely rounding that reference to bf16, the floor any bf16
+output has).
 
 For each shape (B requests, N context tokens; Hq=32, Hkv=8, D=128, one new query token)
 it times, with ``triton.testing.do_bench`` (median, L2 flushed before every run):
@@ -44,6 +56,7 @@ try:  # installed package, or a checkout (kernels/ is mapped to agentkv.kernels)
         KVPools,
         SegmentMaxLens,
         decode_attention,
+        decode_attention_ref,
         write_int2_pages,
         write_int4,
     )
@@ -63,6 +76,7 @@ except ImportError:  # pragma: no cover - checkout without install
         KVPools,
         SegmentMaxLens,
         decode_attention,
+        decode_attention_ref,
         write_int2_pages,
         write_int4,
     )
@@ -72,9 +86,10 @@ IMPLS = ("bf16", "int4", "int2", "mixed")
 
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+QUICK_SHAPES = ((8, 32768), (1, 32768), (32, 4096))
 
 
-def _bench(fn) -> float:
+def _bench(fn, warmup: int = 25, rep: int = 100) -> float:
     """Median time of ``fn`` in microseconds (CPU dry runs: one wall-clock call)."""
     if DEVICE.type != "cuda":
         t = time.perf_counter()
@@ -82,7 +97,7 @@ def _bench(fn) -> float:
         return (time.perf_counter() - t) * 1e6
     import triton
 
-    return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")) * 1e3
+    return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")) * 1e3
 
 
 class Shape:
@@ -120,7 +135,7 @@ class Shape:
         # clustered eviction (whole spans, e.g. old tool results): half of the 512-token runs
         runs = n // 512
         pick = torch.rand(b, runs, device=dev, generator=g).argsort(1) < runs // 2
-        self.dead_runs = pick.repeat_interleave(512, dim=1)
+        self.dead_runs = pick.repeat_interleave(512, dim=1) if runs else self.dead_random
         self.dead = self.dead_random
         self.seq = torch.full((b,), n, device=dev, dtype=torch.int32)
         if dev.type == "cuda":
@@ -240,12 +255,80 @@ def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
     return float((a.float() - ref.float()).norm() / ref.float().norm())
 
 
-TUNE_GRID = [
-    DecodeConfig(num_warps=w, prefetch=pf, programs_per_sm=pps)
-    for w in (2, 4, 8)
-    for pf in (True, False)
-    for pps in (8, 16, 32)
-] + [DecodeConfig(num_warps=8, block_n_int4=64, prefetch=False), DecodeConfig(block_n_full=32)]
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1e}"
+
+
+def _ref_errors(s: Shape, impl: str, dead: bool, out: torch.Tensor, rows: int = 2) -> dict:
+    """Error of ``out`` against the torch reference on the same (quantized) pools, over the
+    first ``rows`` requests (float32 reference; the bf16 floor is the reference rounded)."""
+    kw = s.inputs(impl, dead)
+    r = min(rows, s.b)
+    ref = decode_attention_ref(
+        s.q[:r].float(), s.pools, kw["slot_map"][:r], kw["seq_lens"][:r]
+    )  # float32 [r, Hq, D]
+    return {
+        "rel_err_vs_ref": _rel(out[:r], ref),
+        "bf16_floor": _rel(ref.to(torch.bfloat16), ref),
+    }
+
+
+def tune_grid(impl: str) -> list[DecodeConfig]:
+    """Configs the ``--tune`` sweep tries for ``impl`` (the defaults first)."""
+    if impl == "int4":
+        grid = [DecodeConfig()]
+        grid += [  # the kernel before issue 10's recipe
+            DecodeConfig(int4_legacy=True, block_n_int4=32, programs_per_sm_int4=pps)
+            for pps in (8, 16)
+        ]
+        grid += [  # (query head, channel group) pairs stacked as dot rows
+            DecodeConfig(int4_stacked=True, block_n_int4=bn, num_warps=w, programs_per_sm_int4=pps)
+            for bn in (32, 64)
+            for w in (1, 2, 4)
+            for pps in (4, 8, 16)
+        ]
+        grid += [  # one pair of dots per channel group
+            DecodeConfig(
+                int4_stacked=False,
+                block_n_int4=bn,
+                num_warps=w,
+                int4_v_fold=vf,
+                programs_per_sm_int4=pps,
+            )
+            for vf in (False, True)
+            for bn in (32, 64)
+            for w in (2, 4)
+            for pps in (4, 8, 16)
+        ]
+        return grid
+    if impl == "int2":
+        return [
+            DecodeConfig(num_warps=w, prefetch=pf, programs_per_sm_int2=pps)
+            for w in (2, 4)
+            for pf in (True, False)
+            for pps in (8, 16, 32)
+        ]
+    return [DecodeConfig()]
+
+
+def mixed_grid(best4: DecodeConfig, best2: DecodeConfig) -> list[DecodeConfig]:
+    """Mixed INT2 + INT4 launches share num_warps: the INT4 and INT2 winners' knobs merged,
+    with either winner's warps."""
+    int4_fields = {
+        k: getattr(best4, k)
+        for k in (
+            "block_n_int4",
+            "int4_v_fold",
+            "int4_legacy",
+            "int4_stacked",
+            "programs_per_sm_int4",
+        )
+    }
+    int2_fields = {k: getattr(best2, k) for k in ("prefetch", "programs_per_sm_int2")}
+    return [
+        DecodeConfig(num_warps=w, **int4_fields, **int2_fields)
+        for w in sorted({best4.num_warps, best2.num_warps})
+    ]
 
 
 class Recorder:
@@ -266,13 +349,37 @@ def main() -> None:
     ap.add_argument("--out", default="docs/benchmarks/decode_attention.json")
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--lengths", default="4096,32768,131072")
-    ap.add_argument("--tune", action="store_true", help="sweep DecodeConfig at B=8, N=32k first")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="only B=8 N=32k, B=1 N=32k, B=32 N=4k; 0%% and 50%% random DEAD",
+    )
+    ap.add_argument(
+        "--tune", action="store_true", help="sweep the quantized paths' DecodeConfig first"
+    )
     ap.add_argument("--configs", default="", help="JSON {impl: DecodeConfig kwargs} to use")
-    ap.add_argument("--tune-shape", default="8,32768", help="B,N of the tuning sweep")
-    ap.add_argument("--tune-impls", default=",".join(IMPLS))
+    ap.add_argument("--configs-from", default="", help="reuse 'configs' of a previous JSON")
+    ap.add_argument(
+        "--tune-shapes", default="8,32768;1,32768;32,4096", help="B,N;B,N;... of the sweep"
+    )
+    ap.add_argument("--tune-impls", default="int4,int2,mixed")
+    ap.add_argument(
+        "--tune-budget-s",
+        type=float,
+        default=300.0,
+        help="wall-clock budget of the sweep (compiles included): INT4 stops at 60%%, "
+        "INT2 at 90%%, each keeping its best config so far",
+    )
     ap.add_argument("--sglang-splits", default="8,16,32")
     ap.add_argument("--no-sglang", action="store_true")
+    ap.add_argument("--no-ref", action="store_true", help="skip the reference error checks")
     args = ap.parse_args()
+    if args.quick:
+        shapes = list(QUICK_SHAPES)
+    else:
+        shapes = [
+            (int(b), int(n)) for b in args.batches.split(",") for n in args.lengths.split(",")
+        ]
 
     dev = torch.cuda.get_device_name() if DEVICE.type == "cuda" else "cpu (dry run)"
     try:
@@ -314,21 +421,37 @@ def main() -> None:
         flush=True,
     )
     cfgs = {impl: DecodeConfig() for impl in IMPLS}
+    if args.configs_from:
+        for impl, kw in json.loads(Path(args.configs_from).read_text())["configs"].items():
+            cfgs[impl] = DecodeConfig(**kw)
     if args.configs:
         for impl, kw in json.loads(args.configs).items():
             cfgs[impl] = DecodeConfig(**kw)
 
     if args.tune:
         t0 = time.time()
-        tb, tn = (int(x) for x in args.tune_shape.split(","))
-        s = Shape(tb, tn)
-        for impl in args.tune_impls.split(","):
+        tune_shapes = [tuple(int(x) for x in sh.split(",")) for sh in args.tune_shapes.split(";")]
+        built = [Shape(b, n) for b, n in tune_shapes]
+        for sh in built:
+            sh.drop_sdpa_kv()
+        impls = args.tune_impls.split(",")
+        for impl in [i for i in ("int4", "int2", "mixed") if i in impls]:
+            grid = tune_grid(impl) if impl != "mixed" else mixed_grid(cfgs["int4"], cfgs["int2"])
             best = None
-            for cfg in TUNE_GRID:
-                if impl == "bf16" and not cfg.prefetch:
-                    continue  # the bf16 path has no manual prefetch
+            stop_at = t0 + args.tune_budget_s * {"int4": 0.6, "int2": 0.9, "mixed": 1.0}[impl]
+            for cfg in grid:
+                if best is not None and time.time() > stop_at:
+                    print(f"tune {impl}: budget spent, {len(grid)} configs not all tried")
+                    rec.add("errors", {"phase": "tune", "impl": impl, "error": "budget spent"})
+                    break
+                times = []
                 try:
-                    us = _bench(_ours(s, impl, False, cfg))
+                    out = _ours(built[0], impl, False, cfg)()
+                    err = _ref_errors(built[0], impl, False, out)["rel_err_vs_ref"]
+                    if not err < 2e-2:  # a broken variant must not win on time
+                        raise RuntimeError(f"rel_err_vs_ref {err:.2e} on the first tune shape")
+                    for sh in built:
+                        times.append(_bench(_ours(sh, impl, False, cfg), warmup=10, rep=40))
                 except Exception as e:  # noqa: BLE001
                     rec.add(
                         "errors",
@@ -336,118 +459,145 @@ def main() -> None:
                             "phase": "tune",
                             "impl": impl,
                             "config": asdict(cfg),
-                            "error": f"{type(e).__name__}: {e}",
+                            "error": f"{type(e).__name__}: {e}"[:600],
                         },
                     )
                     continue
+                gm = math.exp(sum(math.log(t) for t in times) / len(times))
                 rec.add(
-                    "tuning", {"impl": impl, "B": tb, "N": tn, "config": asdict(cfg), "time_us": us}
+                    "tuning",
+                    {
+                        "impl": impl,
+                        "shapes": tune_shapes,
+                        "config": asdict(cfg),
+                        "time_us": times,
+                        "geomean_us": gm,
+                        "rel_err_vs_ref": err,
+                    },
                 )
-                print(f"tune {impl:6s} {us:9.1f} us {asdict(cfg)}", flush=True)
-                if best is None or us < best[0]:
-                    best = (us, cfg)
+                print(
+                    f"tune {impl:6s} gm {gm:8.1f} us "
+                    + " ".join(f"{t:8.1f}" for t in times)
+                    + f" {asdict(cfg)}",
+                    flush=True,
+                )
+                if best is None or gm < best[0]:
+                    best = (gm, cfg)
             if best is not None:
                 cfgs[impl] = best[1]
-        del s
-        torch.cuda.empty_cache()
+                print(f"tune {impl}: best {best[0]:.1f} us {asdict(best[1])}", flush=True)
+        del built
+        if DEVICE.type == "cuda":
+            torch.cuda.empty_cache()
         print(f"tuning took {time.time() - t0:.0f} s", flush=True)
     rec.doc["configs"] = {k: asdict(v) for k, v in cfgs.items()}
 
-    for b in [int(x) for x in args.batches.split(",")]:
-        for n in [int(x) for x in args.lengths.split(",")]:
-            try:
-                s = Shape(b, n)
-            except Exception as e:  # noqa: BLE001
-                rec.add("errors", {"B": b, "N": n, "phase": "alloc", "error": repr(e)})
-                torch.cuda.empty_cache()
-                continue
-            rows = []
+    dead_cases = (
+        ((False, None), (True, "random"))
+        if args.quick
+        else (
+            (False, None),
+            (True, "random"),
+            (True, "runs"),
+        )
+    )
+    for b, n in shapes:
+        try:
+            s = Shape(b, n)
+        except Exception as e:  # noqa: BLE001
+            rec.add("errors", {"B": b, "N": n, "phase": "alloc", "error": repr(e)})
+            torch.cuda.empty_cache()
+            continue
+        rows = []
 
-            def emit(impl, dead, us, nbytes, sdpa_us, extra=None, b=b, n=n, rows=rows):
-                row = {
-                    "impl": impl,
-                    "B": b,
-                    "N": n,
-                    "dead_fraction": dead,
-                    "time_us": us,
-                    "bytes": nbytes,
-                    "bandwidth_TBps": nbytes / (us * 1e-6) / 1e12,
-                    "speedup_vs_sdpa": sdpa_us / us if sdpa_us else None,
-                }
-                row.update(extra or {})
-                rec.add("results", row)
-                rows.append(row)
+        def emit(impl, dead, us, nbytes, sdpa_us, extra=None, b=b, n=n, rows=rows):
+            row = {
+                "impl": impl,
+                "B": b,
+                "N": n,
+                "dead_fraction": dead,
+                "time_us": us,
+                "bytes": nbytes,
+                "bandwidth_TBps": nbytes / (us * 1e-6) / 1e12,
+                "speedup_vs_sdpa": sdpa_us / us if sdpa_us else None,
+            }
+            row.update(extra or {})
+            rec.add("results", row)
+            rows.append(row)
 
-            try:
-                ref = _sdpa(s)()[:, :, 0]
-                sdpa_us = _bench(_sdpa(s))
-                emit("sdpa_bf16", 0.0, sdpa_us, s.bytes_read("sdpa", False), sdpa_us)
-            except Exception as e:  # noqa: BLE001
-                sdpa_us, ref = None, None
-                rec.add("errors", {"B": b, "N": n, "impl": "sdpa_bf16", "error": repr(e)})
-            s.drop_sdpa_kv()
-            if sgl_err is None and not args.no_sglang:
-                best = None
-                for sp in [int(x) for x in args.sglang_splits.split(",")]:
-                    try:
-                        us = _bench(_sglang(s, sp))
-                    except Exception as e:  # noqa: BLE001
-                        rec.add(
-                            "errors",
-                            {"B": b, "N": n, "impl": "sglang_bf16", "splits": sp, "error": repr(e)},
-                        )
-                        continue
-                    if best is None or us < best[0]:
-                        best = (us, sp)
-                if best is not None:
-                    out = _sglang(s, best[1])()
-                    emit(
-                        "sglang_bf16",
-                        0.0,
-                        best[0],
-                        s.bytes_read("sglang", False),
-                        sdpa_us,
+        try:
+            ref = _sdpa(s)()[:, :, 0]
+            sdpa_us = _bench(_sdpa(s))
+            emit("sdpa_bf16", 0.0, sdpa_us, s.bytes_read("sdpa", False), sdpa_us)
+        except Exception as e:  # noqa: BLE001
+            sdpa_us, ref = None, None
+            rec.add("errors", {"B": b, "N": n, "impl": "sdpa_bf16", "error": repr(e)})
+        s.drop_sdpa_kv()
+        if sgl_err is None and not args.no_sglang:
+            best = None
+            for sp in [int(x) for x in args.sglang_splits.split(",")]:
+                try:
+                    us = _bench(_sglang(s, sp))
+                except Exception as e:  # noqa: BLE001
+                    rec.add(
+                        "errors",
+                        {"B": b, "N": n, "impl": "sglang_bf16", "splits": sp, "error": repr(e)},
+                    )
+                    continue
+                if best is None or us < best[0]:
+                    best = (us, sp)
+            if best is not None:
+                out = _sglang(s, best[1])()
+                emit(
+                    "sglang_bf16",
+                    0.0,
+                    best[0],
+                    s.bytes_read("sglang", False),
+                    sdpa_us,
+                    {
+                        "num_kv_splits": best[1],
+                        "rel_err_vs_sdpa": _rel(out, ref) if ref is not None else None,
+                        **({} if args.no_ref else _ref_errors(s, "bf16", False, out)),
+                    },
+                )
+        for impl in IMPLS:
+            for dead, pattern in dead_cases:
+                s.use_dead_pattern(pattern or "random")
+                try:
+                    fn = _ours(s, impl, dead, cfgs[impl])
+                    out = fn()
+                    us = _bench(fn)
+                    extra = {"dead_pattern": pattern}
+                    if not dead and ref is not None:
+                        extra["rel_err_vs_sdpa"] = _rel(out, ref)
+                    if not args.no_ref:
+                        extra.update(_ref_errors(s, impl, dead, out))
+                    emit(impl, 0.5 if dead else 0.0, us, s.bytes_read(impl, dead), sdpa_us, extra)
+                except Exception as e:  # noqa: BLE001
+                    rec.add(
+                        "errors",
                         {
-                            "num_kv_splits": best[1],
-                            "rel_err_vs_sdpa": _rel(out, ref) if ref is not None else None,
+                            "B": b,
+                            "N": n,
+                            "impl": impl,
+                            "dead": dead,
+                            "error": repr(e),
+                            "tb": traceback.format_exc()[-800:],
                         },
                     )
-            for impl in IMPLS:
-                for dead, pattern in ((False, None), (True, "random"), (True, "runs")):
-                    s.use_dead_pattern(pattern or "random")
-                    try:
-                        fn = _ours(s, impl, dead, cfgs[impl])
-                        out = fn()
-                        us = _bench(fn)
-                        extra = {"dead_pattern": pattern}
-                        if not dead and ref is not None:
-                            extra["rel_err_vs_sdpa"] = _rel(out, ref)
-                        emit(
-                            impl, 0.5 if dead else 0.0, us, s.bytes_read(impl, dead), sdpa_us, extra
-                        )
-                    except Exception as e:  # noqa: BLE001
-                        rec.add(
-                            "errors",
-                            {
-                                "B": b,
-                                "N": n,
-                                "impl": impl,
-                                "dead": dead,
-                                "error": repr(e),
-                                "tb": traceback.format_exc()[-800:],
-                            },
-                        )
-                        torch.cuda.empty_cache()
-            for r in rows:
-                print(
-                    f"B={b:3d} N={n:7d} {r['impl']:12s} dead={r['dead_fraction']:.1f} "
-                    f"{(r.get('dead_pattern') or ''):6s} "
-                    f"{r['time_us']:9.1f} us {r['bandwidth_TBps']:5.2f} TB/s "
-                    f"x{(r['speedup_vs_sdpa'] or 0):5.2f} err={r.get('rel_err_vs_sdpa')}",
-                    flush=True,
-                )
-            del s
-            torch.cuda.empty_cache()
+                    torch.cuda.empty_cache()
+        for r in rows:
+            print(
+                f"B={b:3d} N={n:7d} {r['impl']:12s} dead={r['dead_fraction']:.1f} "
+                f"{(r.get('dead_pattern') or ''):6s} "
+                f"{r['time_us']:9.1f} us {r['bandwidth_TBps']:5.2f} TB/s "
+                f"x{(r['speedup_vs_sdpa'] or 0):5.2f} "
+                f"err_sdpa={_fmt(r.get('rel_err_vs_sdpa'))} "
+                f"err_ref={_fmt(r.get('rel_err_vs_ref'))} (bf16 floor {_fmt(r.get('bf16_floor'))})",
+                flush=True,
+            )
+        del s
+        torch.cuda.empty_cache()
     print(f"wrote {args.out}")
 
 

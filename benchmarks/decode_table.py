@@ -73,14 +73,63 @@ def render(doc: dict) -> str:
             r0 = rows.get((b, n, impl, 0.0, ""))
             rr = rows.get((b, n, impl, 0.5, "random"))
             ru = rows.get((b, n, impl, 0.5, "runs"))
-            if not (r0 and rr and ru):
+            if not (r0 and (rr or ru)):
                 continue
+
+            def cell(r, r0=r0):
+                if r is None:
+                    return "— | —"
+                return (
+                    f"{r['time_us']:.1f} ({r['speedup_vs_sdpa']:.2f}×) | "
+                    f"{r['bytes'] / r0['bytes']:.2f}×"
+                )
+
             out.append(
-                f"| {b} | {n // 1024}k | {impl} | {r0['time_us']:.1f} | "
-                f"{rr['time_us']:.1f} ({rr['speedup_vs_sdpa']:.2f}×) | "
-                f"{rr['bytes'] / r0['bytes']:.2f}× | "
-                f"{ru['time_us']:.1f} ({ru['speedup_vs_sdpa']:.2f}×) | {ru['bytes'] / r0['bytes']:.2f}× |"
+                f"| {b} | {n // 1024}k | {impl} | {r0['time_us']:.1f} | {cell(rr)} | {cell(ru)} |"
             )
+    err_rows = [r for r in doc["results"] if r.get("rel_err_vs_ref") is not None]
+    if err_rows:
+        out += [
+            "",
+            "### Error vs the torch reference on the same quantized pools",
+            "",
+            "Relative L2 error of the kernel's bf16 output against a float32 "
+            "`decode_attention_ref` over the first requests; *floor*: the error of rounding "
+            "that reference to bf16 (no bf16 output can do better).",
+            "",
+            "| B | N | impl | DEAD | rel. error | bf16 floor |",
+            "| --- | --- | --- | --- | --- | --- |",
+        ]
+        for r in sorted(err_rows, key=_key):
+            out.append(
+                f"| {r['B']} | {r['N'] // 1024}k | {r['impl']} | "
+                f"{r['dead_fraction']:.0%} {r.get('dead_pattern') or ''} | "
+                f"{r['rel_err_vs_ref']:.1e} | {r['bf16_floor']:.1e} |"
+            )
+    if doc.get("configs"):
+        out += ["", "Configs used (`DecodeConfig`, after `--tune` when given):", ""]
+        for impl, cfg in doc["configs"].items():
+            out.append(f"- {impl}: `{json.dumps(cfg)}`")
+    if doc.get("tuning"):
+        out += [
+            "",
+            "### Tuning sweep (geometric mean over the tune shapes, best 5 per impl)",
+            "",
+            "| impl | geomean µs | per shape µs | config (non-default fields) |",
+            "| --- | --- | --- | --- |",
+        ]
+        default = doc["tuning"][0]["config"] if doc["tuning"] else {}
+        for impl in ("int4", "int2", "mixed"):
+            t = sorted(
+                (r for r in doc["tuning"] if r["impl"] == impl), key=lambda r: r["geomean_us"]
+            )
+            for r in t[:5]:
+                diff = {k: v for k, v in r["config"].items() if default.get(k) != v}
+                out.append(
+                    f"| {impl} | {r['geomean_us']:.1f} | "
+                    + " / ".join(f"{x:.1f}" for x in r["time_us"])
+                    + f" | `{json.dumps(diff)}` |"
+                )
     if doc.get("errors"):
         out += ["", "Errors recorded: " + json.dumps(doc["errors"])]
     return "\n".join(out) + "\n"

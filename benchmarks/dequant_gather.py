@@ -26,7 +26,20 @@ from pathlib import Path
 
 import torch
 
-from agentkv.kernels import KVPools, dequant_gather, write_int2_pages, write_int4
+try:  # installed package, or a checkout (kernels/ is mapped to agentkv.kernels)
+    from agentkv.kernels import KVPools, dequant_gather, write_int2_pages, write_int4
+except ImportError:  # pragma: no cover - checkout without install
+    import importlib.util
+    import sys
+
+    _root = Path(__file__).resolve().parents[1] / "kernels"
+    _spec = importlib.util.spec_from_file_location(
+        "agentkv.kernels", _root / "__init__.py", submodule_search_locations=[str(_root)]
+    )
+    _mod = importlib.util.module_from_spec(_spec)
+    sys.modules["agentkv.kernels"] = _mod
+    _spec.loader.exec_module(_mod)
+    from agentkv.kernels import KVPools, dequant_gather, write_int2_pages, write_int4
 
 HKV, D = 8, 128
 
@@ -115,42 +128,54 @@ def main() -> None:
                     rd, wr = bytes_moved(impl, n, live, n2)
                     ref_k, ref_v = dequant_gather(pools, sm.long(), per_head=True, backend="torch")
                     best = None
-                    for bt in (int(x) for x in args.block_t.split(",")):
-                        for w in (int(x) for x in args.warps.split(",")):
+                    knobs = [
+                        (bt, w, words)
+                        for bt in (int(x) for x in args.block_t.split(","))
+                        for w in (int(x) for x in args.warps.split(","))
+                        for words in ((True, False) if impl in ("int4", "mixed") else (True,))
+                    ]
+                    for bt, w, words in knobs:
 
-                            def fn(sm=sm, bt=bt, w=w, pools=pools):
-                                return dequant_gather(
-                                    pools, sm, per_head=True, block_t=bt, num_warps=w
-                                )
-
-                            k, v = fn()
-                            err = max(
-                                float((k.float() - ref_k).abs().max()),
-                                float((v.float() - ref_v).abs().max()),
-                            )
-                            us = _bench_us(fn)
-                            row = dict(
-                                tokens=n,
-                                layout=layout,
-                                impl=impl,
-                                dead=dead_frac,
+                        def fn(sm=sm, bt=bt, w=w, pools=pools, words=words):
+                            return dequant_gather(
+                                pools,
+                                sm,
+                                per_head=True,
                                 block_t=bt,
                                 num_warps=w,
-                                us=round(us, 2),
-                                read_bytes=rd,
-                                written_bytes=wr,
-                                effective_tbps=round((rd + wr) / us / 1e6, 3),
-                                copy_tbps=round(copy_tbps, 3),
-                                max_abs_err_vs_torch=err,
+                                int4_words=words,
                             )
-                            rows.append(row)
-                            if best is None or us < best["us"]:
-                                best = row
+
+                        k, v = fn()
+                        err = max(
+                            float((k.float() - ref_k).abs().max()),
+                            float((v.float() - ref_v).abs().max()),
+                        )
+                        us = _bench_us(fn)
+                        row = dict(
+                            tokens=n,
+                            layout=layout,
+                            impl=impl,
+                            dead=dead_frac,
+                            block_t=bt,
+                            num_warps=w,
+                            int4_words=words,
+                            us=round(us, 2),
+                            read_bytes=rd,
+                            written_bytes=wr,
+                            effective_tbps=round((rd + wr) / us / 1e6, 3),
+                            copy_tbps=round(copy_tbps, 3),
+                            max_abs_err_vs_torch=err,
+                        )
+                        rows.append(row)
+                        if best is None or us < best["us"]:
+                            best = row
                     print(
                         f"N={n:>6} {layout:10} {impl:5} dead={dead_frac:.1f} best "
                         f"{best['us']:8.1f} us  {best['effective_tbps']:.2f} TB/s "
                         f"(copy {copy_tbps:.2f})  block_t={best['block_t']} "
-                        f"warps={best['num_warps']}  err={best['max_abs_err_vs_torch']:.2e}",
+                        f"warps={best['num_warps']} words={best['int4_words']}  "
+                        f"err={best['max_abs_err_vs_torch']:.2e}",
                         flush=True,
                     )
             del pools, slots

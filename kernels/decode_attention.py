@@ -10,17 +10,24 @@ Input contract (one layer, one new query token per request):
   group of 32 positions holds rows of one INT2 page (any row order) or DEAD.
 * Attention is order-free over keys (RoPE is already in K), so this reordering is free.
 
-Kernel: grid (split, kv_head, request). A split covers ``split_len`` positions of one
-segment, so it reads one pool; all ``Hq / Hkv`` query heads of the GQA group share the
-program (padded to 16 rows for ``tl.dot``) and read each K/V row once. DEAD positions,
-positions past the segment end and head-masked positions are predicated off their loads
-(no bytes are read) and set to -inf before the softmax. Quantized rows are unpacked and
-dequantized in registers with packed bf16x2 / f16x2 PTX (:mod:`packing`), two elements per
-instruction; INT4 tiles are split into even / odd channels and INT2 tiles (planar layout)
-into four contiguous channel blocks, so no shuffle is needed before the dots. INT2 keys
-fold the page's per-channel scale into the query (``(q * s) . code + q . zero``). Raw loads
-of the quantized pools are double-buffered by hand (slots two blocks ahead, bytes one
-ahead). Online softmax in base 2; a second kernel merges the splits by log-sum-exp.
+Kernel: grid (split, kv_head, request). A split covers a split length of positions of one
+segment (each segment has its own, from :class:`DecodeConfig`), so it reads one pool; all
+``Hq / Hkv`` query heads of the GQA group share the program and read each K/V row once.
+DEAD positions, positions past the segment end and head-masked positions are predicated
+off their loads (no bytes are read) and set to -inf before the softmax.
+
+INT4 (issue 10): the per-token, per-32-channel-group scale ``s`` and zero ``z`` are folded
+out of the inner loop, ``q.k = sum_g s_tg (q_g . c_tg) + z_tg sum(q_g)`` and
+``sum_t p_t v_t = sum_t (p_t s_tg) c_t + sum_t p_t z_tg``, so the codes ``c`` only get an
+exact int -> 16-bit conversion (magic number: ``nibble | 0x6400`` as fp16 is ``1024 + n``,
+the 1024 removed *before* the dot) and the GQA group is not padded to 16 rows. By default
+the (query head, channel group) pairs are stacked as the rows of one dot
+(``int4_stacked``); the per-group variant, a variant with fp16-dequantized values and the
+previous kernel (``int4_legacy``) remain selectable. INT2: keys fold the page's
+per-channel scale into the query (``(q * s) . code + q . zero``), values are dequantized in
+registers with packed f16x2 PTX; its MMA operands are fp16 whatever the query dtype, and
+its GQA group is unpadded too. Full precision: unchanged (16 padded rows, 64-token blocks).
+Online softmax in base 2; a second kernel merges the splits by log-sum-exp.
 Supported head_dim: 64 and 128 (other sizes: ``backend="torch"``).
 """
 
@@ -35,7 +42,13 @@ import triton.language as tl
 
 from .backend import Backend, resolve_backend, triton_interpreting
 from .decode_attention_reference import decode_attention_ref
-from .packing import dequant_int2_quads, dequant_int4_pairs, int2_code_quads
+from .packing import (
+    dequant_int2_quads,
+    dequant_int4_pairs,
+    int2_code_quads,
+    int4_code_pairs,
+    int4_word_codes_f16,
+)
 from .pools import DEAD, INT2_PAGE, KVPools
 
 _LOG2E = 1.4426950408889634
@@ -53,15 +66,36 @@ class SegmentMaxLens:
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    """Tuning knobs. block_n_*: positions per inner iteration (INT2 is one 32-token page);
-    programs_per_sm: target grid size per SM when choosing ``split_len``."""
+    """Tuning knobs (``benchmarks/decode_attention.py --tune`` sweeps them on the GPU).
+
+    block_n_full / block_n_int4: positions per inner iteration (INT2 is one 32-token page).
+    num_warps, num_stages: per program (one launch: shared by every segment).
+    programs_per_sm / _int4 / _int2: target programs per SM when choosing the split length
+    of the full / INT4 / INT2 segments (more programs: more splits, shorter ones).
+    min_split_len: shortest split. min_block_hq: least query rows per program on the
+    quantized paths (the GQA group is otherwise not padded to 16; the dot pads in hardware).
+    int4_stacked: INT4 split as one dot over stacked (query head, channel group) rows; else
+    one pair of dots per channel group (None: stacked when the stacked rows fit one 16-row
+    MMA tile, i.e. GQA group x D/32 <= 16, where it compiles to the fewest instructions
+    on sm_90; the per-group variant with fp16 values otherwise), with int4_v_fold choosing between
+    scale-folded values (exact codes into the dot, ``p * s`` per group) and values
+    dequantized to fp16 in registers. int4_legacy: the INT4 path before issue 10 (values
+    dequantized to the query dtype, 16 padded rows, hand prefetch). prefetch: hand
+    double-buffering of the INT2 (and legacy INT4) loads. merge_block_s: splits per step
+    of the merge kernel."""
 
     block_n_full: int = 64
-    block_n_int4: int = 32
+    block_n_int4: int = 64
     num_warps: int = 2
     num_stages: int = 2
     programs_per_sm: int = 16
+    programs_per_sm_int4: int = 8
+    programs_per_sm_int2: int = 16
     min_split_len: int = 256
+    min_block_hq: int = 1
+    int4_v_fold: bool = True
+    int4_legacy: bool = False
+    int4_stacked: bool | None = None
     merge_block_s: int = 32
     prefetch: bool = True
 
@@ -73,6 +107,83 @@ def _mma(a, b, IEEE_F32: tl.constexpr):
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
     else:
         return tl.dot(a, b)
+
+
+@triton.jit
+def _mma_acc(a, b, acc, IEEE_F32: tl.constexpr):
+    """acc + a @ b (fp32 accumulator)."""
+    if IEEE_F32:
+        return acc + tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc=acc)
+
+
+@triton.jit
+def _q_int4_group(
+    q_rows, gmask, c_ptr, h, g: tl.constexpr, D: tl.constexpr, HAS_KCS: tl.constexpr, CD
+):
+    """Query rows' even / odd channels of 32-channel group ``g`` ([BH, 16] each, in CD, the
+    per-channel key scale folded in) and their float32 sum [BH]."""
+    c = 32 * g + 2 * tl.arange(0, 16)
+    m = gmask[:, None]
+    qe = tl.load(q_rows + c[None, :], mask=m, other=0.0).to(tl.float32)
+    qo = tl.load(q_rows + c[None, :] + 1, mask=m, other=0.0).to(tl.float32)
+    if HAS_KCS:
+        qe = qe * tl.load(c_ptr + h * D + c)[None, :]
+        qo = qo * tl.load(c_ptr + h * D + c + 1)[None, :]
+    qe = qe.to(CD)
+    qo = qo.to(CD)
+    return qe, qo, tl.sum(qe.to(tl.float32) + qo.to(tl.float32), 1)
+
+
+@triton.jit
+def _int4_group_dots(kb, qe, qo, CD, IEEE_F32: tl.constexpr, USE_ASM: tl.constexpr):
+    """[BH, BN] = q_g . codes of one group (kb: [BN, 16] code bytes), exact codes."""
+    ce, co = int4_code_pairs(kb, CD, USE_ASM)
+    return _mma_acc(qo, tl.trans(co), _mma(qe, tl.trans(ce), IEEE_F32), IEEE_F32)
+
+
+@triton.jit
+def _int4_group_pv(vw, p, vs, a0, a1, a2, a3, IEEE_F32: tl.constexpr, USE_ASM: tl.constexpr):
+    """Accumulate (p * s_g) @ codes of one value group. vw: [BN, 4] int32 words (the
+    group's 16 code bytes of each row); a0..a3: [BH, 8] accumulators of the group's
+    channels ``8w + 4 (m % 2) + 2i + m // 2`` (tile m, column 2w + i)."""
+    bn: tl.constexpr = vw.shape[0]
+    l0, l1, l2, l3, h0, h1, h2, h3 = int4_word_codes_f16(vw, USE_ASM)
+    pg = (p * vs[None, :]).to(tl.float16)
+    a0 = _mma_acc(pg, tl.reshape(tl.join(l0, l1), [bn, 8]), a0, IEEE_F32)
+    a1 = _mma_acc(pg, tl.reshape(tl.join(l2, l3), [bn, 8]), a1, IEEE_F32)
+    a2 = _mma_acc(pg, tl.reshape(tl.join(h0, h1), [bn, 8]), a2, IEEE_F32)
+    a3 = _mma_acc(pg, tl.reshape(tl.join(h2, h3), [bn, 8]), a3, IEEE_F32)
+    return a0, a1, a2, a3
+
+
+@triton.jit
+def _store_int4_group(
+    po_ptr,
+    row_q,
+    g: tl.constexpr,
+    a0,
+    a1,
+    a2,
+    a3,
+    zb,
+    inv,
+    gmask,
+    D: tl.constexpr,
+    NG: tl.constexpr,
+):
+    """Partial output of channel group g: (codes part + zero part) / l (tiles of
+    :func:`_int4_group_pv`)."""
+    zg = tl.sum(tl.where(tl.arange(0, NG)[None, :] == g, zb, 0.0), 1)[:, None]
+    r = tl.arange(0, 8)
+    base = 32 * g + 8 * (r // 2) + 2 * (r % 2)
+    m = gmask[:, None]
+    rows = po_ptr + row_q[:, None] * D
+    tl.store(rows + base[None, :], (a0 + zg) * inv[:, None], mask=m)
+    tl.store(rows + base[None, :] + 4, (a1 + zg) * inv[:, None], mask=m)
+    tl.store(rows + base[None, :] + 1, (a2 + zg) * inv[:, None], mask=m)
+    tl.store(rows + base[None, :] + 5, (a3 + zg) * inv[:, None], mask=m)
 
 
 @triton.jit
@@ -192,10 +303,133 @@ def _bcast_rows(x, like):
 
 
 @triton.jit
+def _store_lse(plse_ptr, row_o, m_i, l_i, hmask):
+    """Log2-sum-exp of a split's rows (-inf where nothing was live)."""
+    has = l_i > 0.0
+    lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+    tl.store(plse_ptr + row_o, lse, mask=hmask)
+
+
+@triton.jit
 def _store_partial(po_ptr, row_o, cols, acc, l_i, hmask, D: tl.constexpr):
     """Normalised partial output acc / l_i [BH, C] into columns ``cols`` of the split row."""
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     tl.store(po_ptr + row_o[:, None] * D + cols[None, :], out, mask=hmask[:, None])
+
+
+@triton.jit
+def _int4_split_stacked(
+    q_ptr,
+    stride_qb,
+    stride_qh,
+    slot_row,
+    hm_row,
+    k_ptr,
+    v_ptr,
+    ks_ptr,
+    kz_ptr,
+    vs_ptr,
+    vz_ptr,
+    c_ptr,
+    po_ptr,
+    plse_ptr,
+    qk_scale,
+    dead_id,
+    int4_base,
+    Hkv,
+    b,
+    h,
+    s,
+    start,
+    end,
+    S_total,
+    G: tl.constexpr,
+    BLOCK_HQ: tl.constexpr,
+    D: tl.constexpr,
+    BN: tl.constexpr,
+    HAS_HEAD_MASK: tl.constexpr,
+    HAS_KCS: tl.constexpr,
+    IEEE_F32: tl.constexpr,
+    USE_ASM: tl.constexpr,
+):
+    """One INT4 split with (query head, channel group) pairs stacked as the rows of one dot.
+
+    Row ``r = head * NG + group`` of the stacked query holds that head's channels of that
+    32-channel group (zeros elsewhere), so one dot against a row's exact codes gives every
+    group's partial score and the per-token group scales apply afterwards
+    (``q.k = sum_g s_tg (q_g . c_tg) + z_tg sum(q_g)``). For values, the stacked rows
+    carry ``p_t s_tg`` and each output channel takes its own group's row at the end
+    (``sum_t (p_t s_tg) c_tc``), plus ``sum_t p_t z_tg`` from one small dot."""
+    NG: tl.constexpr = D // 32
+    R: tl.constexpr = BLOCK_HQ * NG
+    H2: tl.constexpr = D // 2
+    dt = q_ptr.dtype.element_ty
+    rr = tl.arange(0, R)
+    rh = rr // NG
+    rg = rr % NG
+    j = tl.arange(0, H2)  # byte j: channels 2j (low nibble) and 2j + 1, group j // 16
+    in_g = (rh < G)[:, None] & ((j // 16)[None, :] == rg[:, None])
+    qrow = q_ptr + b * stride_qb + (h * G + rh)[:, None] * stride_qh
+    qe = tl.load(qrow + 2 * j[None, :], mask=in_g, other=0.0).to(tl.float32)
+    qo = tl.load(qrow + 2 * j[None, :] + 1, mask=in_g, other=0.0).to(tl.float32)
+    if HAS_KCS:
+        qe = qe * tl.load(c_ptr + h * D + 2 * j)[None, :]
+        qo = qo * tl.load(c_ptr + h * D + 2 * j + 1)[None, :]
+    qe = qe.to(dt)
+    qo = qo.to(dt)
+    qs = tl.sum(qe.to(tl.float32) + qo.to(tl.float32), 1) * qk_scale  # [R]
+    m_i = tl.full([BLOCK_HQ], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_HQ], tl.float32)
+    acc_e = tl.zeros([R, H2], tl.float32)
+    acc_o = tl.zeros([R, H2], tl.float32)
+    zb = tl.zeros([BLOCK_HQ, NG], tl.float32)
+    arn = tl.arange(0, BN)
+    cng = tl.arange(0, NG)
+    jw = tl.arange(0, D // 8)
+    for start_n in range(start, end, BN):
+        slot, live = _live_positions(slot_row, hm_row, start_n + arn, end, dead_id, HAS_HEAD_MASK)
+        row = tl.where(live, slot - int4_base, 0) * Hkv + h
+        lm = live[:, None]
+        co = row[:, None] * H2 + j[None, :]
+        kb = tl.load(k_ptr + co, mask=lm, other=0)
+        vw = tl.load(
+            v_ptr.to(tl.pointer_type(tl.int32)) + row[:, None] * (D // 8) + jw[None, :],
+            mask=lm,
+            other=0,
+        )
+        so = row * NG
+        ssel = so[None, :] + rg[:, None]  # [R, BN]: token's scale of the row's group
+        lsel = live[None, :] & (rr >= 0)[:, None]
+        ks = tl.load(ks_ptr + ssel, mask=lsel, other=0.0).to(tl.float32)
+        kz = tl.load(kz_ptr + ssel, mask=lsel, other=0.0).to(tl.float32)
+        vs = tl.load(vs_ptr + ssel, mask=lsel, other=0.0).to(tl.float32)
+        vz = tl.load(vz_ptr + so[:, None] + cng[None, :], mask=lm, other=0.0)
+        ce, cod = int4_code_pairs(kb, dt, USE_ASM)
+        sst = _mma_acc(qo, tl.trans(cod), _mma(qe, tl.trans(ce), IEEE_F32), IEEE_F32)
+        sst = sst * (ks * qk_scale) + qs[:, None] * kz
+        qk = tl.sum(tl.reshape(sst, [BLOCK_HQ, NG, BN]), 1)
+        qk = tl.where(live[None, :], qk, float("-inf"))
+        p, alpha, m_i, l_i = _online_softmax(qk, m_i, l_i)
+        zb = _mma_acc(p.to(tl.float16), vz, zb * alpha[:, None], IEEE_F32)
+        pst = tl.reshape(tl.broadcast_to(p[:, None, :], [BLOCK_HQ, NG, BN]), [R, BN]) * vs
+        alr = tl.reshape(tl.broadcast_to(alpha[:, None], [BLOCK_HQ, NG]), [R])[:, None]
+        l0, l1, l2, l3, h0, h1, h2, h3 = int4_word_codes_f16(vw, USE_ASM)
+        ve = tl.reshape(tl.join(tl.join(l0, l2), tl.join(l1, l3)), [BN, H2])
+        vo = tl.reshape(tl.join(tl.join(h0, h2), tl.join(h1, h3)), [BN, H2])
+        pst = pst.to(tl.float16)
+        acc_e = _mma_acc(pst, ve, acc_e * alr, IEEE_F32)
+        acc_o = _mma_acc(pst, vo, acc_o * alr, IEEE_F32)
+    own = rg[:, None] == (j // 16)[None, :]
+    oe = tl.sum(tl.reshape(tl.where(own, acc_e, 0.0), [BLOCK_HQ, NG, H2]), 1)
+    oo = tl.sum(tl.reshape(tl.where(own, acc_o, 0.0), [BLOCK_HQ, NG, H2]), 1)
+    z16 = _bcast_groups(zb, BLOCK_HQ, NG, 16)
+    inv = 1.0 / tl.where(l_i > 0.0, l_i, 1.0)
+    out = tl.interleave(oe + z16, oo + z16) * inv[:, None]
+    offs_g = tl.arange(0, BLOCK_HQ)
+    gmask = offs_g < G
+    row_q = (b * (Hkv * G) + h * G + offs_g).to(tl.int64) * S_total + s
+    tl.store(po_ptr + row_q[:, None] * D + tl.arange(0, D)[None, :], out, mask=gmask[:, None])
+    _store_lse(plse_ptr, row_q, m_i, l_i, gmask)
 
 
 @triton.jit
@@ -238,12 +472,15 @@ def _decode_split_kernel(
     int4_base,
     int2_base,
     Hkv,
-    split_len,
+    split_len2,
+    split_len4,
+    split_lenf,
     S2,
     S4,
     S_total,
     G: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    BLOCK_HQ: tl.constexpr,
     D: tl.constexpr,
     BN_FULL: tl.constexpr,
     BN_INT4: tl.constexpr,
@@ -255,6 +492,9 @@ def _decode_split_kernel(
     IEEE_F32: tl.constexpr,
     USE_ASM: tl.constexpr,
     PREFETCH: tl.constexpr,
+    V_FOLD: tl.constexpr,
+    INT4_LEGACY: tl.constexpr,
+    STACKED: tl.constexpr,
 ):
     NG: tl.constexpr = D // 32
     Q: tl.constexpr = D // 4
@@ -275,6 +515,7 @@ def _decode_split_kernel(
     seg_start = tl.where(is2, 0, tl.where(is4, n2, n2 + n4))
     seg_end = tl.where(is2, n2, tl.where(is4, n2 + n4, seq_len))
     local = tl.where(is2, s, tl.where(is4, s - S2, s - S2 - S4))
+    split_len = tl.where(is2, split_len2, tl.where(is4, split_len4, split_lenf))
     start = seg_start + local * split_len
     end = tl.minimum(start + split_len, seg_end)
 
@@ -297,16 +538,24 @@ def _decode_split_kernel(
     # constexpr guard outside, runtime branch inside: Triton must not fuse the two
     if HAS_INT2:  # noqa: SIM102
         if is2:
+            # the GQA group unpadded (BLOCK_HQ rows); 16-bit operands in fp16 (11-bit
+            # mantissa) whatever the query dtype: q * page scale and p are rounded once
+            offs_g2 = tl.arange(0, BLOCK_HQ)
+            hmask2 = offs_g2 < G
+            q_rows2 = q_ptr + b * stride_qb + (h * G + offs_g2)[:, None] * stride_qh
+            row_o2 = (b * (Hkv * G) + h * G + offs_g2).to(tl.int64) * S_total + s
+            m2i = tl.full([BLOCK_HQ], -1.0e30, tl.float32)
+            l2i = tl.zeros([BLOCK_HQ], tl.float32)
             cq = tl.arange(0, Q)
-            hq = hmask[:, None]
-            qf0 = tl.load(q_rows + cq[None, :], mask=hq, other=0.0).to(tl.float32)
-            qf1 = tl.load(q_rows + cq[None, :] + Q, mask=hq, other=0.0).to(tl.float32)
-            qf2 = tl.load(q_rows + cq[None, :] + 2 * Q, mask=hq, other=0.0).to(tl.float32)
-            qf3 = tl.load(q_rows + cq[None, :] + 3 * Q, mask=hq, other=0.0).to(tl.float32)
-            a0 = tl.zeros([BLOCK_H, Q], tl.float32)
-            a1 = tl.zeros([BLOCK_H, Q], tl.float32)
-            a2 = tl.zeros([BLOCK_H, Q], tl.float32)
-            a3 = tl.zeros([BLOCK_H, Q], tl.float32)
+            hq = hmask2[:, None]
+            qf0 = tl.load(q_rows2 + cq[None, :], mask=hq, other=0.0).to(tl.float32)
+            qf1 = tl.load(q_rows2 + cq[None, :] + Q, mask=hq, other=0.0).to(tl.float32)
+            qf2 = tl.load(q_rows2 + cq[None, :] + 2 * Q, mask=hq, other=0.0).to(tl.float32)
+            qf3 = tl.load(q_rows2 + cq[None, :] + 3 * Q, mask=hq, other=0.0).to(tl.float32)
+            a0 = tl.zeros([BLOCK_HQ, Q], tl.float32)
+            a1 = tl.zeros([BLOCK_HQ, Q], tl.float32)
+            a2 = tl.zeros([BLOCK_HQ, Q], tl.float32)
+            a3 = tl.zeros([BLOCK_HQ, Q], tl.float32)
             ar = tl.arange(0, 32)
             if PREFETCH:
                 slot_c, live = _live_positions(
@@ -434,15 +683,15 @@ def _decode_split_kernel(
                     + qf3 * kz3.to(tl.float32),
                     1,
                 )
-                u0, u1, u2, u3 = int2_code_quads(kb, dt, USE_ASM)
-                qk = _mma((qf0 * ks0.to(tl.float32)).to(dt), tl.trans(u0), IEEE_F32)
-                qk += _mma((qf1 * ks1.to(tl.float32)).to(dt), tl.trans(u1), IEEE_F32)
-                qk += _mma((qf2 * ks2.to(tl.float32)).to(dt), tl.trans(u2), IEEE_F32)
-                qk += _mma((qf3 * ks3.to(tl.float32)).to(dt), tl.trans(u3), IEEE_F32)
+                u0, u1, u2, u3 = int2_code_quads(kb, tl.float16, USE_ASM)
+                qk = _mma((qf0 * ks0.to(tl.float32)).to(tl.float16), tl.trans(u0), IEEE_F32)
+                qk += _mma((qf1 * ks1.to(tl.float32)).to(tl.float16), tl.trans(u1), IEEE_F32)
+                qk += _mma((qf2 * ks2.to(tl.float32)).to(tl.float16), tl.trans(u2), IEEE_F32)
+                qk += _mma((qf3 * ks3.to(tl.float32)).to(tl.float16), tl.trans(u3), IEEE_F32)
                 qk = (qk + qz[:, None]) * qk_scale
                 qk = tl.where(live[None, :], qk, float("-inf"))
-                p, alpha, m_i, l_i = _online_softmax(qk, m_i, l_i)
-                pb = p.to(dt)
+                p, alpha, m2i, l2i = _online_softmax(qk, m2i, l2i)
+                pb = p.to(tl.float16)
                 v0, v1, v2, v3 = dequant_int2_quads(
                     vb,
                     _bcast_rows(vs0, u0),
@@ -483,74 +732,29 @@ def _decode_split_kernel(
                         nkz3,
                     )
                     slot_n, live_n = slot_nn, live_nn
-            _store_partial(po_ptr, row_o, cq, a0, l_i, hmask, D)
-            _store_partial(po_ptr, row_o, cq + Q, a1, l_i, hmask, D)
-            _store_partial(po_ptr, row_o, cq + 2 * Q, a2, l_i, hmask, D)
-            _store_partial(po_ptr, row_o, cq + 3 * Q, a3, l_i, hmask, D)
+            _store_partial(po_ptr, row_o2, cq, a0, l2i, hmask2, D)
+            _store_partial(po_ptr, row_o2, cq + Q, a1, l2i, hmask2, D)
+            _store_partial(po_ptr, row_o2, cq + 2 * Q, a2, l2i, hmask2, D)
+            _store_partial(po_ptr, row_o2, cq + 3 * Q, a3, l2i, hmask2, D)
+            _store_lse(plse_ptr, row_o2, m2i, l2i, hmask2)
     if HAS_INT4:  # noqa: SIM102
-        if is4:
-            c2 = 2 * tl.arange(0, D // 2)
-            hm2 = hmask[:, None]
-            qe = tl.load(q_rows + c2[None, :], mask=hm2, other=0.0)
-            qo = tl.load(q_rows + c2[None, :] + 1, mask=hm2, other=0.0)
-            if HAS_KCS:  # keys stored divided by a per-channel power of two: fold it into q
-                ce = tl.load(q4c_ptr + h * D + c2)
-                cod = tl.load(q4c_ptr + h * D + c2 + 1)
-                qe = (qe.to(tl.float32) * ce[None, :]).to(dt)
-                qo = (qo.to(tl.float32) * cod[None, :]).to(dt)
-            ae = tl.zeros([BLOCK_H, D // 2], tl.float32)
-            ao = tl.zeros([BLOCK_H, D // 2], tl.float32)
-            ar = tl.arange(0, BN_INT4)
-            if PREFETCH:
-                slot_c, live_c = _live_positions(
-                    slot_row, hm_row, start + ar, end, dead_id, HAS_HEAD_MASK
-                )
-                kb, vb, ks, kz, vs, vz = _int4_block(
-                    slot_c,
-                    live_c,
-                    int4_base,
-                    Hkv,
-                    h,
-                    q4k_ptr,
-                    q4v_ptr,
-                    q4ks_ptr,
-                    q4kz_ptr,
-                    q4vs_ptr,
-                    q4vz_ptr,
-                    D,
-                    NG,
-                )
-                slot_n, live_n = _live_positions(
-                    slot_row, hm_row, start + BN_INT4 + ar, end, dead_id, HAS_HEAD_MASK
-                )
-            for start_n in range(start, end, BN_INT4):
+        if INT4_LEGACY:  # noqa: SIM102
+            if is4:
+                c2 = 2 * tl.arange(0, D // 2)
+                hm2 = hmask[:, None]
+                qe = tl.load(q_rows + c2[None, :], mask=hm2, other=0.0)
+                qo = tl.load(q_rows + c2[None, :] + 1, mask=hm2, other=0.0)
+                if HAS_KCS:  # keys stored divided by a per-channel power of two: fold it into q
+                    ce = tl.load(q4c_ptr + h * D + c2)
+                    cod = tl.load(q4c_ptr + h * D + c2 + 1)
+                    qe = (qe.to(tl.float32) * ce[None, :]).to(dt)
+                    qo = (qo.to(tl.float32) * cod[None, :]).to(dt)
+                ae = tl.zeros([BLOCK_H, D // 2], tl.float32)
+                ao = tl.zeros([BLOCK_H, D // 2], tl.float32)
+                ar = tl.arange(0, BN_INT4)
                 if PREFETCH:
-                    slot_nn, live_nn = _live_positions(
-                        slot_row,
-                        hm_row,
-                        start_n + 2 * BN_INT4 + ar,
-                        end,
-                        dead_id,
-                        HAS_HEAD_MASK,
-                    )
-                    nkb, nvb, nks, nkz, nvs, nvz = _int4_block(
-                        slot_n,
-                        live_n,
-                        int4_base,
-                        Hkv,
-                        h,
-                        q4k_ptr,
-                        q4v_ptr,
-                        q4ks_ptr,
-                        q4kz_ptr,
-                        q4vs_ptr,
-                        q4vz_ptr,
-                        D,
-                        NG,
-                    )
-                else:
                     slot_c, live_c = _live_positions(
-                        slot_row, hm_row, start_n + ar, end, dead_id, HAS_HEAD_MASK
+                        slot_row, hm_row, start + ar, end, dead_id, HAS_HEAD_MASK
                     )
                     kb, vb, ks, kz, vs, vz = _int4_block(
                         slot_c,
@@ -567,32 +771,311 @@ def _decode_split_kernel(
                         D,
                         NG,
                     )
-                ke, ko = dequant_int4_pairs(
-                    kb,
-                    _bcast_groups(ks.to(dt), BN_INT4, NG, 16),
-                    _bcast_groups(kz.to(dt), BN_INT4, NG, 16),
-                    USE_ASM,
-                )
-                qk = _mma(qe, tl.trans(ke), IEEE_F32) + _mma(qo, tl.trans(ko), IEEE_F32)
-                qk = qk * qk_scale
-                qk = tl.where(live_c[None, :], qk, float("-inf"))
-                p, alpha, m_i, l_i = _online_softmax(qk, m_i, l_i)
-                pb = p.to(dt)
-                ve, vo = dequant_int4_pairs(
-                    vb,
-                    _bcast_groups(vs.to(dt), BN_INT4, NG, 16),
-                    _bcast_groups(vz.to(dt), BN_INT4, NG, 16),
-                    USE_ASM,
-                )
-                ae = ae * alpha[:, None] + _mma(pb, ve, IEEE_F32)
-                ao = ao * alpha[:, None] + _mma(pb, vo, IEEE_F32)
-                if PREFETCH:
-                    live_c = live_n
-                    kb, vb, ks, kz, vs, vz = nkb, nvb, nks, nkz, nvs, nvz
-                    slot_n, live_n = slot_nn, live_nn
-            c2h = 2 * tl.arange(0, D // 2)
-            _store_partial(po_ptr, row_o, c2h, ae, l_i, hmask, D)
-            _store_partial(po_ptr, row_o, c2h + 1, ao, l_i, hmask, D)
+                    slot_n, live_n = _live_positions(
+                        slot_row, hm_row, start + BN_INT4 + ar, end, dead_id, HAS_HEAD_MASK
+                    )
+                for start_n in range(start, end, BN_INT4):
+                    if PREFETCH:
+                        slot_nn, live_nn = _live_positions(
+                            slot_row,
+                            hm_row,
+                            start_n + 2 * BN_INT4 + ar,
+                            end,
+                            dead_id,
+                            HAS_HEAD_MASK,
+                        )
+                        nkb, nvb, nks, nkz, nvs, nvz = _int4_block(
+                            slot_n,
+                            live_n,
+                            int4_base,
+                            Hkv,
+                            h,
+                            q4k_ptr,
+                            q4v_ptr,
+                            q4ks_ptr,
+                            q4kz_ptr,
+                            q4vs_ptr,
+                            q4vz_ptr,
+                            D,
+                            NG,
+                        )
+                    else:
+                        slot_c, live_c = _live_positions(
+                            slot_row, hm_row, start_n + ar, end, dead_id, HAS_HEAD_MASK
+                        )
+                        kb, vb, ks, kz, vs, vz = _int4_block(
+                            slot_c,
+                            live_c,
+                            int4_base,
+                            Hkv,
+                            h,
+                            q4k_ptr,
+                            q4v_ptr,
+                            q4ks_ptr,
+                            q4kz_ptr,
+                            q4vs_ptr,
+                            q4vz_ptr,
+                            D,
+                            NG,
+                        )
+                    ke, ko = dequant_int4_pairs(
+                        kb,
+                        _bcast_groups(ks.to(dt), BN_INT4, NG, 16),
+                        _bcast_groups(kz.to(dt), BN_INT4, NG, 16),
+                        USE_ASM,
+                    )
+                    qk = _mma(qe, tl.trans(ke), IEEE_F32) + _mma(qo, tl.trans(ko), IEEE_F32)
+                    qk = qk * qk_scale
+                    qk = tl.where(live_c[None, :], qk, float("-inf"))
+                    p, alpha, m_i, l_i = _online_softmax(qk, m_i, l_i)
+                    pb = p.to(dt)
+                    ve, vo = dequant_int4_pairs(
+                        vb,
+                        _bcast_groups(vs.to(dt), BN_INT4, NG, 16),
+                        _bcast_groups(vz.to(dt), BN_INT4, NG, 16),
+                        USE_ASM,
+                    )
+                    ae = ae * alpha[:, None] + _mma(pb, ve, IEEE_F32)
+                    ao = ao * alpha[:, None] + _mma(pb, vo, IEEE_F32)
+                    if PREFETCH:
+                        live_c = live_n
+                        kb, vb, ks, kz, vs, vz = nkb, nvb, nks, nkz, nvs, nvz
+                        slot_n, live_n = slot_nn, live_nn
+                c2h = 2 * tl.arange(0, D // 2)
+                _store_partial(po_ptr, row_o, c2h, ae, l_i, hmask, D)
+                _store_partial(po_ptr, row_o, c2h + 1, ao, l_i, hmask, D)
+                _store_lse(plse_ptr, row_o, m_i, l_i, hmask)
+        else:
+            if is4:
+                if STACKED:
+                    _int4_split_stacked(
+                        q_ptr,
+                        stride_qb,
+                        stride_qh,
+                        slot_row,
+                        hm_row,
+                        q4k_ptr,
+                        q4v_ptr,
+                        q4ks_ptr,
+                        q4kz_ptr,
+                        q4vs_ptr,
+                        q4vz_ptr,
+                        q4c_ptr,
+                        po_ptr,
+                        plse_ptr,
+                        qk_scale,
+                        dead_id,
+                        int4_base,
+                        Hkv,
+                        b,
+                        h,
+                        s,
+                        start,
+                        end,
+                        S_total,
+                        G,
+                        BLOCK_HQ,
+                        D,
+                        BN_INT4,
+                        HAS_HEAD_MASK,
+                        HAS_KCS,
+                        IEEE_F32,
+                        USE_ASM,
+                    )
+                else:
+                    # Scales folded out of the inner loop: per token t and 32-channel group g,
+                    # q.k = s_tg (q_g . c_tg) + z_tg sum(q_g) and, for values,
+                    # sum_t p_t v_t = sum_t (p_t s_tg) c_tg + sum_t p_t z_tg: the codes c only need
+                    # an exact int -> 16-bit conversion. One group is 16 bytes of a row: low nibbles
+                    # the even channels, high nibbles the odd ones. The GQA group is not padded.
+                    offs_g = tl.arange(0, BLOCK_HQ)
+                    gmask = offs_g < G
+                    q4_rows = q_ptr + b * stride_qb + (h * G + offs_g)[:, None] * stride_qh
+                    qe0, qo0, qs0 = _q_int4_group(q4_rows, gmask, q4c_ptr, h, 0, D, HAS_KCS, dt)
+                    qe1, qo1, qs1 = _q_int4_group(q4_rows, gmask, q4c_ptr, h, 1, D, HAS_KCS, dt)
+                    qs0 = qs0 * qk_scale
+                    qs1 = qs1 * qk_scale
+                    if NG == 4:
+                        qe2, qo2, qs2 = _q_int4_group(q4_rows, gmask, q4c_ptr, h, 2, D, HAS_KCS, dt)
+                        qe3, qo3, qs3 = _q_int4_group(q4_rows, gmask, q4c_ptr, h, 3, D, HAS_KCS, dt)
+                        qs2 = qs2 * qk_scale
+                        qs3 = qs3 * qk_scale
+                    m4 = tl.full([BLOCK_HQ], -1.0e30, tl.float32)
+                    l4 = tl.zeros([BLOCK_HQ], tl.float32)
+                    a00 = tl.zeros([BLOCK_HQ, 8], tl.float32)
+                    a01 = tl.zeros([BLOCK_HQ, 8], tl.float32)
+                    a02 = tl.zeros([BLOCK_HQ, 8], tl.float32)
+                    a03 = tl.zeros([BLOCK_HQ, 8], tl.float32)
+                    a10 = tl.zeros([BLOCK_HQ, 8], tl.float32)
+                    a11 = tl.zeros([BLOCK_HQ, 8], tl.float32)
+                    a12 = tl.zeros([BLOCK_HQ, 8], tl.float32)
+                    a13 = tl.zeros([BLOCK_HQ, 8], tl.float32)
+                    a20 = tl.zeros([BLOCK_HQ, 8], tl.float32)
+                    a21 = tl.zeros([BLOCK_HQ, 8], tl.float32)
+                    a22 = tl.zeros([BLOCK_HQ, 8], tl.float32)
+                    a23 = tl.zeros([BLOCK_HQ, 8], tl.float32)
+                    a30 = tl.zeros([BLOCK_HQ, 8], tl.float32)
+                    a31 = tl.zeros([BLOCK_HQ, 8], tl.float32)
+                    a32 = tl.zeros([BLOCK_HQ, 8], tl.float32)
+                    a33 = tl.zeros([BLOCK_HQ, 8], tl.float32)
+                    zb = tl.zeros([BLOCK_HQ, NG], tl.float32)
+                    ave = tl.zeros([BLOCK_HQ, D // 2], tl.float32)
+                    avo = tl.zeros([BLOCK_HQ, D // 2], tl.float32)
+                    arn = tl.arange(0, BN_INT4)
+                    j16 = tl.arange(0, 16)
+                    cng = tl.arange(0, NG)
+                    for start_n in range(start, end, BN_INT4):
+                        slot, live = _live_positions(
+                            slot_row, hm_row, start_n + arn, end, dead_id, HAS_HEAD_MASK
+                        )
+                        row = tl.where(live, slot - int4_base, 0) * Hkv + h
+                        lm = live[:, None]
+                        co = row[:, None] * (D // 2) + j16[None, :]
+                        so = row * NG
+                        kb0 = tl.load(q4k_ptr + co, mask=lm, other=0)
+                        kb1 = tl.load(q4k_ptr + co + 16, mask=lm, other=0)
+                        ks0 = tl.load(q4ks_ptr + so, mask=live, other=0.0).to(tl.float32)
+                        ks1 = tl.load(q4ks_ptr + so + 1, mask=live, other=0.0).to(tl.float32)
+                        kz0 = tl.load(q4kz_ptr + so, mask=live, other=0.0).to(tl.float32)
+                        kz1 = tl.load(q4kz_ptr + so + 1, mask=live, other=0.0).to(tl.float32)
+                        vz = tl.load(q4vz_ptr + so[:, None] + cng[None, :], mask=lm, other=0.0)
+                        if V_FOLD:
+                            cw = row[:, None] * (D // 8) + tl.arange(0, 4)[None, :]
+                            vw_ptr = q4v_ptr.to(tl.pointer_type(tl.int32))
+                            vb0 = tl.load(vw_ptr + cw, mask=lm, other=0)
+                            vb1 = tl.load(vw_ptr + cw + 4, mask=lm, other=0)
+                            vs0 = tl.load(q4vs_ptr + so, mask=live, other=0.0).to(tl.float32)
+                            vs1 = tl.load(q4vs_ptr + so + 1, mask=live, other=0.0).to(tl.float32)
+                            if NG == 4:
+                                vb2 = tl.load(vw_ptr + cw + 8, mask=lm, other=0)
+                                vb3 = tl.load(vw_ptr + cw + 12, mask=lm, other=0)
+                                vs2 = tl.load(q4vs_ptr + so + 2, mask=live, other=0.0).to(
+                                    tl.float32
+                                )
+                                vs3 = tl.load(q4vs_ptr + so + 3, mask=live, other=0.0).to(
+                                    tl.float32
+                                )
+                        else:
+                            vrow = tl.load(
+                                q4v_ptr + row[:, None] * (D // 2) + tl.arange(0, D // 2)[None, :],
+                                mask=lm,
+                                other=0,
+                            )
+                            vst = tl.load(q4vs_ptr + so[:, None] + cng[None, :], mask=lm, other=0.0)
+                        if NG == 4:
+                            kb2 = tl.load(q4k_ptr + co + 32, mask=lm, other=0)
+                            kb3 = tl.load(q4k_ptr + co + 48, mask=lm, other=0)
+                            ks2 = tl.load(q4ks_ptr + so + 2, mask=live, other=0.0).to(tl.float32)
+                            ks3 = tl.load(q4ks_ptr + so + 3, mask=live, other=0.0).to(tl.float32)
+                            kz2 = tl.load(q4kz_ptr + so + 2, mask=live, other=0.0).to(tl.float32)
+                            kz3 = tl.load(q4kz_ptr + so + 3, mask=live, other=0.0).to(tl.float32)
+                        # keys: one pair of exact-code dots per group, scale and zero applied after
+                        qk = (
+                            _int4_group_dots(kb0, qe0, qo0, dt, IEEE_F32, USE_ASM)
+                            * (ks0 * qk_scale)[None, :]
+                            + qs0[:, None] * kz0[None, :]
+                        )
+                        qk += (
+                            _int4_group_dots(kb1, qe1, qo1, dt, IEEE_F32, USE_ASM)
+                            * (ks1 * qk_scale)[None, :]
+                            + qs1[:, None] * kz1[None, :]
+                        )
+                        if NG == 4:
+                            qk += (
+                                _int4_group_dots(kb2, qe2, qo2, dt, IEEE_F32, USE_ASM)
+                                * (ks2 * qk_scale)[None, :]
+                                + qs2[:, None] * kz2[None, :]
+                            )
+                            qk += (
+                                _int4_group_dots(kb3, qe3, qo3, dt, IEEE_F32, USE_ASM)
+                                * (ks3 * qk_scale)[None, :]
+                                + qs3[:, None] * kz3[None, :]
+                            )
+                        qk = tl.where(live[None, :], qk, float("-inf"))
+                        p, alpha, m4, l4 = _online_softmax(qk, m4, l4)
+                        # values: sum_t p_t z_tg as one small dot, plus either (p * s_g) against the
+                        # exact codes per group (V_FOLD) or p against fp16 dequantized rows
+                        al = alpha[:, None]
+                        zb = _mma_acc(p.to(tl.float16), vz, zb * al, IEEE_F32)
+                        if V_FOLD:
+                            a00, a01, a02, a03 = _int4_group_pv(
+                                vb0,
+                                p,
+                                vs0,
+                                a00 * al,
+                                a01 * al,
+                                a02 * al,
+                                a03 * al,
+                                IEEE_F32,
+                                USE_ASM,
+                            )
+                            a10, a11, a12, a13 = _int4_group_pv(
+                                vb1,
+                                p,
+                                vs1,
+                                a10 * al,
+                                a11 * al,
+                                a12 * al,
+                                a13 * al,
+                                IEEE_F32,
+                                USE_ASM,
+                            )
+                            if NG == 4:
+                                a20, a21, a22, a23 = _int4_group_pv(
+                                    vb2,
+                                    p,
+                                    vs2,
+                                    a20 * al,
+                                    a21 * al,
+                                    a22 * al,
+                                    a23 * al,
+                                    IEEE_F32,
+                                    USE_ASM,
+                                )
+                                a30, a31, a32, a33 = _int4_group_pv(
+                                    vb3,
+                                    p,
+                                    vs3,
+                                    a30 * al,
+                                    a31 * al,
+                                    a32 * al,
+                                    a33 * al,
+                                    IEEE_F32,
+                                    USE_ASM,
+                                )
+                        else:
+                            ve, vo = dequant_int4_pairs(
+                                vrow,
+                                _bcast_groups(vst, BN_INT4, NG, 16),
+                                tl.zeros([BN_INT4, D // 2], tl.float16),
+                                USE_ASM,
+                            )
+                            pv = p.to(tl.float16)
+                            ave = _mma_acc(pv, ve, ave * al, IEEE_F32)
+                            avo = _mma_acc(pv, vo, avo * al, IEEE_F32)
+                    row_q = (b * (Hkv * G) + h * G + offs_g).to(tl.int64) * S_total + s
+                    inv = 1.0 / tl.where(l4 > 0.0, l4, 1.0)
+                    if V_FOLD:
+                        _store_int4_group(
+                            po_ptr, row_q, 0, a00, a01, a02, a03, zb, inv, gmask, D, NG
+                        )
+                        _store_int4_group(
+                            po_ptr, row_q, 1, a10, a11, a12, a13, zb, inv, gmask, D, NG
+                        )
+                        if NG == 4:
+                            _store_int4_group(
+                                po_ptr, row_q, 2, a20, a21, a22, a23, zb, inv, gmask, D, NG
+                            )
+                            _store_int4_group(
+                                po_ptr, row_q, 3, a30, a31, a32, a33, zb, inv, gmask, D, NG
+                            )
+                    else:
+                        zr = _bcast_groups(zb, BLOCK_HQ, NG, 32)
+                        out = (tl.interleave(ave, avo) + zr) * inv[:, None]
+                        tl.store(
+                            po_ptr + row_q[:, None] * D + offs_d[None, :], out, mask=gmask[:, None]
+                        )
+                    _store_lse(plse_ptr, row_q, m4, l4, gmask)
     if HAS_FULL:  # noqa: SIM102
         if s >= S2 + S4:
             q = tl.load(q_rows + offs_d[None, :], mask=hmask[:, None], other=0.0)
@@ -608,10 +1091,11 @@ def _decode_split_kernel(
                 v = tl.load(fv_ptr + fo, mask=live[:, None], other=0.0).to(dt)
                 acc = acc * alpha[:, None] + _mma(p.to(dt), v, IEEE_F32)
             _store_partial(po_ptr, row_o, offs_d, acc, l_i, hmask, D)
+            _store_lse(plse_ptr, row_o, m_i, l_i, hmask)
 
-    has = l_i > 0.0
-    lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-    tl.store(plse_ptr + row_o, lse, mask=hmask)
+    if not HAS_FULL:  # noqa: SIM102
+        if s >= S2 + S4:  # no segment at all (every bound 0): an empty split
+            _store_lse(plse_ptr, row_o, m_i, l_i, hmask)
 
 
 @triton.jit
@@ -661,11 +1145,17 @@ def _num_sms(device: torch.device) -> int:
 
 
 def plan_split_len(
-    batch: int, num_kv_heads: int, total_len: int, device: torch.device, config: DecodeConfig
+    batch: int,
+    num_kv_heads: int,
+    total_len: int,
+    device: torch.device,
+    config: DecodeConfig,
+    programs_per_sm: int | None = None,
 ) -> int:
     """Positions per split (a multiple of 64, hence of the INT2 page): enough splits to give
-    about ``programs_per_sm`` programs per SM, none shorter than ``min_split_len``."""
-    target = config.programs_per_sm * _num_sms(device)
+    about ``programs_per_sm`` (default ``config.programs_per_sm``) programs per SM, none
+    shorter than ``min_split_len``."""
+    target = (programs_per_sm or config.programs_per_sm) * _num_sms(device)
     n_splits = max(1, -(-target // max(1, batch * num_kv_heads)))
     per = -(-max(1, total_len) // n_splits)
     per = -(-per // 64) * 64
@@ -787,10 +1277,16 @@ def decode_attention(
     m4 = max_lens.int4 if has4 else 0
     mf = max_lens.full
     if split_len is None:
-        split_len = plan_split_len(b, hkv, m2 + m4 + mf, q.device, cfg)
-    if split_len % 64:
+        total = m2 + m4 + mf
+        sl2, sl4, slf = (
+            plan_split_len(b, hkv, total, q.device, cfg, pps)
+            for pps in (cfg.programs_per_sm_int2, cfg.programs_per_sm_int4, cfg.programs_per_sm)
+        )
+    else:
+        sl2 = sl4 = slf = split_len
+    if sl2 % 64 or sl4 % 64 or slf % 64:
         raise ValueError("split_len must be a multiple of 64")
-    s2, s4, sf = (-(-m // split_len) for m in (m2, m4, mf))
+    s2, s4, sf = (-(-m // sl) for m, sl in ((m2, sl2), (m4, sl4), (mf, slf)))
     s_total = max(1, s2 + s4 + sf)
 
     q = q if q.stride(-1) == 1 else q.contiguous()
@@ -824,6 +1320,12 @@ def decode_attention(
     part_lse = torch.empty(b, hq, s_total, dtype=torch.float32, device=q.device)
     out = torch.empty(b, hq, d, dtype=q.dtype, device=q.device)
     g = hq // hkv
+    block_hq = max(cfg.min_block_hq, triton.next_power_of_2(g))
+    stacked = cfg.int4_stacked
+    v_fold = cfg.int4_v_fold
+    if stacked is None:  # stacked rows fit one 16-row MMA tile; else fp16-dequantized values
+        stacked = block_hq * (d // 32) <= 16
+        v_fold = v_fold and stacked
     _decode_split_kernel[(s_total, hkv, b)](
         q,
         q.stride(0),
@@ -853,12 +1355,15 @@ def decode_attention(
         pools.int4_base,
         pools.int2_base,
         hkv,
-        split_len,
+        sl2,
+        sl4,
+        slf,
         s2,
         s4,
         s_total,
         G=g,
         BLOCK_H=max(16, triton.next_power_of_2(g)),
+        BLOCK_HQ=block_hq,
         D=d,
         BN_FULL=cfg.block_n_full,
         BN_INT4=cfg.block_n_int4,
@@ -870,6 +1375,9 @@ def decode_attention(
         IEEE_F32=triton_interpreting(),
         USE_ASM=not triton_interpreting(),
         PREFETCH=cfg.prefetch,
+        V_FOLD=v_fold,
+        INT4_LEGACY=cfg.int4_legacy,
+        STACKED=stacked,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from .backend import Backend, resolve_backend
-from .packing import unpack_int2, unpack_int2_f32, unpack_int4_f32
+from .packing import unpack_int2, unpack_int2_f32, unpack_int4_f32, unpack_int4_words_f32
 from .pools import DEAD, INT2_PAGE, KVPools
 from .quant_int4 import dequantize_int4_ref
 from .quant_token_groups import dequantize_token_groups_ref
@@ -101,6 +101,7 @@ def _dequant_gather_kernel(
     HAS_INT2: tl.constexpr,
     PER_HEAD: tl.constexpr,
     HAS_KCS: tl.constexpr,
+    WORDS: tl.constexpr,
 ):
     NG: tl.constexpr = D // 32
     pid = tl.program_id(0)
@@ -122,16 +123,27 @@ def _dequant_gather_kernel(
         is4 = tm & (s >= int4_base) & (s < int2_base)
         row = tl.where(is4, s - int4_base, 0) * H + h
         m4 = is4[:, None]
-        co = row[:, None] * (D // 2) + tl.arange(0, D // 2)[None, :]
         so = row[:, None] * NG + offs_g[None, :]
-        ku = tl.reshape(unpack_int4_f32(tl.load(q4k_ptr + co, mask=m4, other=0)), [BLOCK_T, NG, 32])
+        if WORDS:  # int32 words: nibble i of word w is channel 8w + i (no interleave)
+            cw = row[:, None] * (D // 8) + tl.arange(0, D // 8)[None, :]
+            kw = tl.load(q4k_ptr.to(tl.pointer_type(tl.int32)) + cw, mask=m4, other=0)
+            ku = tl.reshape(unpack_int4_words_f32(kw, BLOCK_T, D // 8), [BLOCK_T, NG, 32])
+        else:
+            co = row[:, None] * (D // 2) + tl.arange(0, D // 2)[None, :]
+            ku = tl.load(q4k_ptr + co, mask=m4, other=0)
+            ku = tl.reshape(unpack_int4_f32(ku), [BLOCK_T, NG, 32])
         ks = tl.load(q4ks_ptr + so, mask=m4, other=0.0).to(tl.float32)
         kz = tl.load(q4kz_ptr + so, mask=m4, other=0.0).to(tl.float32)
         k4 = tl.reshape(ku * ks[:, :, None] + kz[:, :, None], [BLOCK_T, D])
         if HAS_KCS:
             k4 = k4 * tl.load(q4c_ptr + h * D + offs_d)[None, :]
         k = tl.where(m4, k4, k)
-        vu = tl.reshape(unpack_int4_f32(tl.load(q4v_ptr + co, mask=m4, other=0)), [BLOCK_T, NG, 32])
+        if WORDS:
+            vw = tl.load(q4v_ptr.to(tl.pointer_type(tl.int32)) + cw, mask=m4, other=0)
+            vu = tl.reshape(unpack_int4_words_f32(vw, BLOCK_T, D // 8), [BLOCK_T, NG, 32])
+        else:
+            vu = tl.load(q4v_ptr + co, mask=m4, other=0)
+            vu = tl.reshape(unpack_int4_f32(vu), [BLOCK_T, NG, 32])
         vs = tl.load(q4vs_ptr + so, mask=m4, other=0.0).to(tl.float32)
         vz = tl.load(q4vz_ptr + so, mask=m4, other=0.0).to(tl.float32)
         v4 = tl.reshape(vu * vs[:, :, None] + vz[:, :, None], [BLOCK_T, D])
@@ -261,6 +273,7 @@ def dequant_gather(
     block_t: int = 32,
     per_head: bool = False,
     num_warps: int = 4,
+    int4_words: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Gather and dequantize the K and V rows of ``slots``.
 
@@ -269,7 +282,9 @@ def dequant_gather(
     [..., Hkv]: head ``h`` of row ``i`` reads cell ``(slots[..., i, h], h)`` (per-(layer, head)
     slot maps). Returns (k, v), each [..., Hkv, D] of ``out_dtype`` (default the full pool's
     dtype); rows whose slot is ``dead_id`` are zero. ``block_t`` (positions per program)
-    and ``num_warps`` are tuning knobs (``benchmarks/dequant_gather.py``).
+    and ``num_warps`` are tuning knobs (``benchmarks/dequant_gather.py``), as is
+    ``int4_words`` (INT4 rows read as int32 words whose nibbles are channels in order,
+    instead of bytes unpacked and interleaved).
     """
     dt = out_dtype or pools.dtype
     if resolve_backend(backend, slots.device) == "torch":
@@ -335,6 +350,7 @@ def dequant_gather(
             HAS_INT2=p2 is not None,
             PER_HEAD=per_head,
             HAS_KCS=kcs is not None,
+            WORDS=int4_words,
             num_warps=num_warps,
         )
     shape = (*lead, h, d)

@@ -59,6 +59,15 @@ def unpack_int4_f32(b):
 
 
 @triton.jit
+def unpack_int4_words_f32(w, R: tl.constexpr, W: tl.constexpr):
+    """[R, W] int32 words of INT4 bytes -> [R, 8 W] float32 codes in natural channel order
+    (byte k of a word holds channels 2k, 2k + 1, so nibble i of word w is channel 8w + i)."""
+    sh = 4 * tl.arange(0, 8)
+    u = (w[:, :, None] >> sh[None, None, :]) & 15
+    return tl.reshape(codes_to_f32(u), [R, 8 * W])
+
+
+@triton.jit
 def unpack_int2_f32(b):
     """[R, D // 4] uint8 -> four [R, D // 4] float32 code blocks: channels
     ``[i * D / 4, (i + 1) * D / 4)`` for i = 0..3."""
@@ -159,10 +168,36 @@ def _int2_quads_asm(fp: str, magic: str, one: str, neg: str, dequant: bool) -> s
     return "\n".join(lines)
 
 
+def _int4_codes_asm(fp: str, magic: str, one: str, neg: str) -> str:
+    # $0,$1 low-nibble code pairs; $2,$3 high-nibble code pairs; $4 four code bytes. The
+    # magic offset (1024 / 128) is removed by the fma *before* any dot, so the codes are
+    # exact small integers (subtracting it after the dot loses precision).
+    return f"""{{
+    .reg .b32 zz, t01, t23, u0, u1, u2, u3, k1, kn;
+    mov.b32 zz, 0;
+    mov.b32 k1, {one};
+    mov.b32 kn, {neg};
+    prmt.b32 t01, $4, zz, 0x4140;
+    prmt.b32 t23, $4, zz, 0x4342;
+    lop3.b32 u0, t01, 0x000F000F, {magic}, 0xEA;
+    lop3.b32 u1, t23, 0x000F000F, {magic}, 0xEA;
+    shr.b32 t01, t01, 4;
+    shr.b32 t23, t23, 4;
+    lop3.b32 u2, t01, 0x000F000F, {magic}, 0xEA;
+    lop3.b32 u3, t23, 0x000F000F, {magic}, 0xEA;
+    fma.rn.{fp} $0, u0, k1, kn;
+    fma.rn.{fp} $1, u1, k1, kn;
+    fma.rn.{fp} $2, u2, k1, kn;
+    fma.rn.{fp} $3, u3, k1, kn;
+    }}"""
+
+
 _BF16 = ("bf16x2", "0x43004300", "0x3F803F80", "0xC300C300")
 _FP16 = ("f16x2", "0x64006400", "0x3C003C00", "0xE400E400")
 INT4_PAIRS_BF16 = tl.constexpr(_int4_pairs_asm(*_BF16))
 INT4_PAIRS_FP16 = tl.constexpr(_int4_pairs_asm(*_FP16))
+INT4_CODES_BF16 = tl.constexpr(_int4_codes_asm(*_BF16))
+INT4_CODES_FP16 = tl.constexpr(_int4_codes_asm(*_FP16))
 INT2_CODES_BF16 = tl.constexpr(_int2_quads_asm(*_BF16, dequant=False))
 INT2_CODES_FP16 = tl.constexpr(_int2_quads_asm(*_FP16, dequant=False))
 INT2_QUADS_BF16 = tl.constexpr(_int2_quads_asm(*_BF16, dequant=True))
@@ -199,6 +234,82 @@ def dequant_int4_pairs(b, s, z, USE_ASM: tl.constexpr):
         even = (codes_to_f32(x & 15) * sf + zf).to(s.dtype)
         odd = (codes_to_f32(x >> 4) * sf + zf).to(s.dtype)
         return even, odd
+
+
+@triton.jit
+def int4_code_pairs(b, OUT: tl.constexpr, USE_ASM: tl.constexpr):
+    """b: [R, C] uint8 INT4 bytes -> (low, high) nibble codes, each [R, C] of dtype OUT
+    (bf16 / fp16 / fp32), exact integers 0..15 (magic-number conversion, offset removed)."""
+    if USE_ASM and OUT == tl.bfloat16:  # noqa: SIM300
+        return tl.inline_asm_elementwise(
+            INT4_CODES_BF16,
+            "=r,=r,=r,=r,r",
+            [b],
+            dtype=(tl.bfloat16, tl.bfloat16),
+            is_pure=True,
+            pack=4,
+        )
+    elif USE_ASM and OUT == tl.float16:  # noqa: SIM300
+        return tl.inline_asm_elementwise(
+            INT4_CODES_FP16,
+            "=r,=r,=r,=r,r",
+            [b],
+            dtype=(tl.float16, tl.float16),
+            is_pure=True,
+            pack=4,
+        )
+    else:
+        x = b.to(tl.int32)
+        return codes_to_f32(x & 15).to(OUT), codes_to_f32(x >> 4).to(OUT)
+
+
+def _int4_word_codes_asm() -> str:
+    # $8, $9: two int32 words (bytes 0..3 each); outputs $0..$3: low nibbles of byte k of
+    # both words (f16x2: word 0 in the low half), $4..$7: their high nibbles. Exact codes.
+    lines = ["{", ".reg .b32 t, u, k1, kn;", "mov.b32 k1, 0x3C003C00;", "mov.b32 kn, 0xE400E400;"]
+    for k in range(4):
+        sel = k | (k << 4) | ((4 + k) << 8) | ((4 + k) << 12)
+        lines += [
+            f"prmt.b32 t, $8, $9, {sel:#06x};",
+            "lop3.b32 u, t, 0x000F000F, 0x64006400, 0xEA;",
+            f"fma.rn.f16x2 ${k}, u, k1, kn;",
+            "shr.b32 t, t, 4;",
+            "lop3.b32 u, t, 0x000F000F, 0x64006400, 0xEA;",
+            f"fma.rn.f16x2 ${4 + k}, u, k1, kn;",
+        ]
+    lines.append("}")
+    return "\n".join(lines)
+
+
+INT4_WORD_CODES = tl.constexpr(_int4_word_codes_asm())
+
+
+@triton.jit
+def int4_word_codes_f16(w, USE_ASM: tl.constexpr):
+    """w: [R, W] int32 words of INT4 bytes -> eight [R, W] fp16 tensors of exact codes:
+    (low nibble of byte k for k = 0..3, then high nibble of byte k for k = 0..3) of each
+    word. With the pool's layout, word i of a 32-channel group holds channels 8i .. 8i + 7:
+    low nibble of byte k = channel 8i + 2k, high nibble = channel 8i + 2k + 1."""
+    if USE_ASM:
+        return tl.inline_asm_elementwise(
+            INT4_WORD_CODES,
+            "=r,=r,=r,=r,=r,=r,=r,=r,r,r",
+            [w],
+            dtype=(tl.float16,) * 8,
+            is_pure=True,
+            pack=2,
+        )
+    else:
+        return (
+            codes_to_f32(w & 15).to(tl.float16),
+            codes_to_f32((w >> 8) & 15).to(tl.float16),
+            codes_to_f32((w >> 16) & 15).to(tl.float16),
+            codes_to_f32((w >> 24) & 15).to(tl.float16),
+            codes_to_f32((w >> 4) & 15).to(tl.float16),
+            codes_to_f32((w >> 12) & 15).to(tl.float16),
+            codes_to_f32((w >> 20) & 15).to(tl.float16),
+            codes_to_f32((w >> 28) & 15).to(tl.float16),
+        )
 
 
 @triton.jit

@@ -291,3 +291,47 @@ def test_triton_path_needs_head_dim_64_or_128(d: int) -> None:
         decode_attention(mb.q, mb.pools, mb.slot_map, mb.seq_lens, backend="triton")
     out = decode_attention(mb.q, mb.pools, mb.slot_map, mb.seq_lens, backend="torch")
     assert out.shape == mb.q.shape
+
+
+INT4_CONFIGS = [
+    # the INT4 path's variants (benchmarks/decode_attention.py --tune picks among them)
+    ("default", DecodeConfig()),
+    ("folded_bn64", DecodeConfig(int4_stacked=False)),
+    ("stacked_bn32_w4", DecodeConfig(int4_stacked=True, block_n_int4=32, num_warps=4)),
+    ("folded_bn32_pad16", DecodeConfig(int4_stacked=False, block_n_int4=32, min_block_hq=16)),
+    ("folded_bn128", DecodeConfig(int4_stacked=False, block_n_int4=128, num_warps=4)),
+    ("dequant_v", DecodeConfig(int4_stacked=False, int4_v_fold=False)),
+    ("legacy", DecodeConfig(int4_legacy=True, block_n_int4=32)),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(("name", "cfg"), INT4_CONFIGS, ids=[c[0] for c in INT4_CONFIGS])
+@pytest.mark.parametrize(("group", "d"), [(4, 128), (3, 64), (1, 64)])
+def test_int4_variants_match_reference(name, cfg, group, d, dtype) -> None:
+    mb = build_mixed_batch(
+        [(0, 150, 0), (1, 70, 9)],
+        hq=2 * group,
+        hkv=2,
+        d=d,
+        dtype=dtype,
+        dead_fraction=0.3,
+        head_mask_fraction=0.2,
+        pad=3,
+        seed=group * 7 + d,
+    )
+    _run(mb, dtype, split_len=64, config=cfg)
+
+
+def test_int4_key_channel_scale_folded_into_query() -> None:
+    mb = build_mixed_batch([(0, 100, 0)], hq=8, hkv=2, d=128, seed=21)
+    g = torch.Generator().manual_seed(3)
+    kc = torch.exp2(torch.randint(-2, 3, (2, 128), generator=g).float()).to(mb.q.device)
+    mb.pools.int4.k_channel = kc  # keys read as stored codes * scale * k_channel
+    for cfg in (
+        DecodeConfig(int4_stacked=True),
+        DecodeConfig(int4_stacked=False),
+        DecodeConfig(int4_stacked=False, int4_v_fold=False),
+        DecodeConfig(int4_legacy=True),
+    ):
+        _run(mb, torch.float16, split_len=64, config=cfg)

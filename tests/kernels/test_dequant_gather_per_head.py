@@ -95,3 +95,13 @@ def test_per_head_dead_slot_is_never_read(mixed_batch):
     k, v = dequant_gather(mb.pools, slots, backend="triton", per_head=True)
     assert bool(torch.isfinite(k).all()) and bool(torch.isfinite(v).all())
     assert bool((k[slots == DEAD] == 0).all())
+
+
+def test_int4_word_and_byte_unpacking_agree(mixed_batch) -> None:
+    mb = mixed_batch([(1, 40, 9)], hq=4, hkv=2, d=128, dead_fraction=0.3, seed=17)
+    slots = mb.slot_map[0, : int(mb.seq_lens[0])][:, None].expand(-1, 2).contiguous()
+    a = dequant_gather(mb.pools, slots, per_head=True, backend="triton", int4_words=True)
+    b = dequant_gather(mb.pools, slots, per_head=True, backend="triton", int4_words=False)
+    r = dequant_gather(mb.pools, slots, per_head=True, backend="torch")
+    for x, y, z in zip(a, b, r, strict=True):
+        assert torch.equal(x, y) and torch.equal(x, z)

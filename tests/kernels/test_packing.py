@@ -14,6 +14,8 @@ from agentkv.kernels.packing import (
     dequant_int2_quads,
     dequant_int4_pairs,
     int2_code_quads,
+    int4_code_pairs,
+    int4_word_codes_f16,
     pack_int2,
     pack_int2_u8,
     pack_int4,
@@ -22,6 +24,7 @@ from agentkv.kernels.packing import (
     unpack_int2_f32,
     unpack_int4,
     unpack_int4_f32,
+    unpack_int4_words_f32,
 )
 
 
@@ -184,3 +187,50 @@ def test_register_dequant_matches_torch(dtype, device) -> None:
     for got, want in ((o4, want4), (o2, want2)):
         err = (got.cpu().float() - want).abs()
         assert bool((err <= ulp * want.abs() + ulp * zf.abs().max() + 1e-6).all()), float(err.max())
+
+
+@triton.jit
+def _int4_views_kernel(
+    p_ptr, nat_ptr, lo_ptr, hi_ptr, wl_ptr, wh_ptr, R: tl.constexpr, D: tl.constexpr
+):
+    r = tl.arange(0, R)
+    b = tl.load(p_ptr + r[:, None] * (D // 2) + tl.arange(0, D // 2)[None, :])
+    w = tl.load(
+        p_ptr.to(tl.pointer_type(tl.int32)) + r[:, None] * (D // 8) + tl.arange(0, D // 8)[None, :]
+    )
+    tl.store(
+        nat_ptr + r[:, None] * D + tl.arange(0, D)[None, :], unpack_int4_words_f32(w, R, D // 8)
+    )
+    lo, hi = int4_code_pairs(b, tl.float16, False)
+    ob = r[:, None] * (D // 2) + tl.arange(0, D // 2)[None, :]
+    tl.store(lo_ptr + ob, lo)
+    tl.store(hi_ptr + ob, hi)
+    c0, c1, c2, c3, c4, c5, c6, c7 = int4_word_codes_f16(w, False)
+    ow = r[:, None] * (D // 2) + 4 * tl.arange(0, D // 8)[None, :]  # byte 4w + k
+    tl.store(wl_ptr + ow, c0)
+    tl.store(wl_ptr + ow + 1, c1)
+    tl.store(wl_ptr + ow + 2, c2)
+    tl.store(wl_ptr + ow + 3, c3)
+    tl.store(wh_ptr + ow, c4)
+    tl.store(wh_ptr + ow + 1, c5)
+    tl.store(wh_ptr + ow + 2, c6)
+    tl.store(wh_ptr + ow + 3, c7)
+
+
+def test_int4_code_views_match_torch(device: torch.device) -> None:
+    """The decode kernels' INT4 unpackings (bytes -> low / high nibbles, int32 words ->
+    channels in order, words -> per-byte nibbles) against torch's unpack_int4."""
+    g = torch.Generator().manual_seed(4)
+    rows, d = 4, 128
+    codes = torch.randint(0, 16, (rows, d), generator=g, dtype=torch.uint8)
+    packed = pack_int4(codes).to(device)
+    nat = torch.empty(rows, d, device=device)
+    lo, hi, wl, wh = (
+        torch.empty(rows, d // 2, dtype=torch.float16, device=device) for _ in range(4)
+    )
+    _int4_views_kernel[(1,)](packed, nat, lo, hi, wl, wh, R=rows, D=d)
+    c = codes.to(device)
+    assert torch.equal(nat, c.float())
+    for even, odd in ((lo, hi), (wl, wh)):
+        assert torch.equal(even.float(), c[:, 0::2].float())
+        assert torch.equal(odd.float(), c[:, 1::2].float())

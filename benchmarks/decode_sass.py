@@ -1,0 +1,171 @@
+"""Static cost of the decode kernel's variants on sm_90, without a GPU.
+
+Compiles ``agentkv.kernels.decode_attention``'s split kernel ahead of time for an H100
+(``triton.compile`` with ``GPUTarget("cuda", 90, 32)``; needs only a Triton wheel with its
+bundled ptxas / cuobjdump) and reports, per variant, the registers, the local-memory spill
+stack, and the SASS instructions of the inner loop per (token, KV head): warp instructions
+of one loop iteration x warps x 32 lanes / tokens per iteration. Use the same Triton as
+the GPU (3.6 on the H100 machine) for numbers that match what runs there; the variants'
+*ranking* is what this is for, not a time (times only come from
+``benchmarks/decode_attention.py`` on the GPU)::
+
+    python benchmarks/decode_sass.py                      # the INT4 variants at Hq/Hkv=4, D=128
+    python benchmarks/decode_sass.py --segments int2      # the INT2 path
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import importlib
+import os
+import re
+import subprocess
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+PTRS = {
+    "q_ptr": "*bf16",
+    "slot_ptr": "*i32",
+    "seq_lens_ptr": "*i32",
+    "int2_lens_ptr": "*i32",
+    "int4_lens_ptr": "*i32",
+    "hm_ptr": "*u8",
+    "fk_ptr": "*bf16",
+    "fv_ptr": "*bf16",
+    "q4k_ptr": "*u8",
+    "q4v_ptr": "*u8",
+    "q4ks_ptr": "*fp16",
+    "q4kz_ptr": "*fp16",
+    "q4vs_ptr": "*fp16",
+    "q4vz_ptr": "*fp16",
+    "q4c_ptr": "*fp32",
+    "q2k_ptr": "*u8",
+    "q2v_ptr": "*u8",
+    "q2ks_ptr": "*fp16",
+    "q2kz_ptr": "*fp16",
+    "q2vs_ptr": "*fp16",
+    "q2vz_ptr": "*fp16",
+    "po_ptr": "*fp32",
+    "plse_ptr": "*fp32",
+    "qk_scale": "fp32",
+}
+# integer arguments the JIT would specialise as multiples of 16 in the benchmark's shapes
+DIV16 = {"stride_qb", "stride_qh", "stride_sb", "stride_fs", "stride_fh"}
+DIV16 |= {"split_len2", "split_len4", "split_lenf"}
+
+VARIANTS = {
+    "int4 stacked bn64 w2": dict(STACKED=True, BN_INT4=64, warps=2),
+    "int4 stacked bn32 w4": dict(STACKED=True, BN_INT4=32, warps=4),
+    "int4 per-group folded V bn64 w2": dict(STACKED=False, V_FOLD=True, BN_INT4=64, warps=2),
+    "int4 per-group fp16 V bn64 w2": dict(STACKED=False, V_FOLD=False, BN_INT4=64, warps=2),
+    "int4 per-group fp16 V bn32 w2": dict(STACKED=False, V_FOLD=False, BN_INT4=32, warps=2),
+    "int4 legacy bn32 w2": dict(INT4_LEGACY=True, BN_INT4=32, warps=2),
+}
+
+
+def compile_split(group: int, head_dim: int, segments: set[str], **knobs):
+    """The split kernel compiled for sm_90 with the given constexpr knobs."""
+    mod = importlib.import_module("agentkv.kernels.decode_attention")
+    fn = mod._decode_split_kernel
+    warps = knobs.pop("warps", 2)
+    consts = dict(
+        G=group,
+        BLOCK_H=max(16, triton.next_power_of_2(group)),
+        BLOCK_HQ=triton.next_power_of_2(group),
+        D=head_dim,
+        BN_FULL=64,
+        BN_INT4=64,
+        HAS_FULL="full" in segments,
+        HAS_INT4="int4" in segments,
+        HAS_INT2="int2" in segments,
+        HAS_HEAD_MASK=False,
+        HAS_KCS=False,
+        IEEE_F32=False,
+        USE_ASM=True,
+        PREFETCH=True,
+        V_FOLD=True,
+        INT4_LEGACY=False,
+        STACKED=True,
+    )
+    consts.update(knobs)
+    sig = {n: "constexpr" if n in consts else PTRS.get(n, "i32") for n in fn.arg_names}
+    attrs = {
+        (i,): [["tt.divisibility", 16]]
+        for i, n in enumerate(fn.arg_names)
+        if sig[n].startswith("*") or n in DIV16
+    }
+    src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
+    return triton.compile(
+        src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": 2}
+    )
+
+
+def _tool(name: str) -> str:
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+
+
+def sass_stats(kernel, tokens_per_iter: int, warps: int) -> dict:
+    """Registers, spill stack and the largest loop's instruction count of a compiled kernel."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        sass = subprocess.run(
+            [_tool("cuobjdump"), "-sass", f.name], capture_output=True, text=True
+        ).stdout
+        res = subprocess.run(
+            [_tool("cuobjdump"), "-res-usage", f.name], capture_output=True, text=True
+        ).stdout
+    ins = [
+        (int(m.group(1), 16), m.group(2))
+        for line in sass.splitlines()
+        if (m := re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?);", line))
+    ]
+    at = {a: i for i, (a, _) in enumerate(ins)}
+    loop: list[str] = []
+    for i, (a, text) in enumerate(ins):  # backward branches close loops; keep the largest
+        if "BRA" in text and (m := re.search(r"0x([0-9a-f]+)", text.split("BRA")[1])):
+            target = int(m.group(1), 16)
+            if target < a and target in at and i + 1 - at[target] > len(loop):
+                loop = [t for _, t in ins[at[target] : i + 1]]
+    ops = collections.Counter(t.split()[1] if t.startswith("@") else t.split()[0] for t in loop)
+    reg = re.search(r"REG:(\d+)", res)
+    stack = re.search(r"STACK:(\d+)", res)
+    return {
+        "regs": int(reg.group(1)) if reg else None,
+        "spill_stack_bytes": int(stack.group(1)) if stack else None,
+        "loop_instructions": len(loop),
+        "lane_instructions_per_token": len(loop) * warps * 32 / tokens_per_iter,
+        "top_ops": ops.most_common(8),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--group", type=int, default=4, help="query heads per KV head")
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--segments", default="int4", help="int4 | int2 | full")
+    args = ap.parse_args()
+    if args.segments == "int4":
+        runs = VARIANTS.items()
+    else:
+        runs = [(f"{args.segments} w2", dict(warps=2)), (f"{args.segments} w4", dict(warps=4))]
+    print(f"triton {triton.__version__}, sm_90, G={args.group}, D={args.head_dim}")
+    for name, knobs in runs:
+        warps = knobs.get("warps", 2)
+        tokens = {"int4": knobs.get("BN_INT4", 64), "int2": 32, "full": 64}[args.segments]
+        k = compile_split(args.group, args.head_dim, {args.segments}, **dict(knobs))
+        st = sass_stats(k, tokens, warps)
+        print(
+            f"{name:34s} regs {st['regs']:>3} spill {st['spill_stack_bytes']:>4} B  "
+            f"loop {st['loop_instructions']:>5}  lane-instr/token "
+            f"{st['lane_instructions_per_token']:7.0f}  {st['top_ops'][:5]}",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()
