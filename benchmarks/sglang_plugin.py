@@ -508,7 +508,9 @@ def main() -> None:
         "--trace", type=int, default=0, help="tau-bench trajectory (langgraph, positions)"
     )
     ap.add_argument("--turns", type=int, default=3, help="langgraph: user turns")
-    ap.add_argument("--policy", default="intentkv:budget=512,protect_system=false", help="positions: the policy")
+    ap.add_argument(
+        "--policy", default="intentkv:budget=512,protect_system=false", help="positions: the policy"
+    )
     ap.add_argument("--prompt-file", help="positions: the prompt JSON (positions-prompt)")
     ap.add_argument("--model-dir", help="positions-embedded: where to write SGLang's model dir")
     ap.add_argument("--embedded", help="positions-sglang: positions_embedded.json")

@@ -22,9 +22,11 @@ entry point ``agentkv = agentkv.integrations.sglang:register`` in the group
 
 Pinned to SGLang 0.5.17: the newest release whose torch pin (2.11) matches the GPU machine the
 project tests on; the hooked names (``Scheduler.run_batch``,
-``OpenAIServingChat._convert_to_internal_request``, ``TritonAttnBackend.
-_fill_kv_indptr_and_indices``, ``RadixCache`` internals) are SGLang internals, so another
-version needs the tests in ``tests/integrations/sglang`` run against it first.
+``OpenAIServingChat._convert_to_internal_request`` / ``_build_chat_response`` /
+``_generate_stream_content`` / ``_generate_chat_stream``, ``TritonAttnBackend.
+_fill_kv_indptr_and_indices``, ``RadixCache`` internals, ``Req.customized_info``) are SGLang
+internals, so another version needs the tests in ``tests/integrations/sglang`` run against it
+first.
 """
 
 from __future__ import annotations
