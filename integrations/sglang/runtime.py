@@ -42,7 +42,7 @@ from agentkv.integrations.sglang.request_plan import (
     plan_request,
     request_state,
 )
-from agentkv.integrations.sglang.usage import attach_usage
+from agentkv.integrations.sglang.usage import attach_usage, stream_usage_by_default
 from agentkv.methods.base import MethodSet, ModelShape, ObserveRequest
 from agentkv.wire import WIRE_KEY
 
@@ -107,6 +107,7 @@ def tag_chat_request(result: Any, serving: Any, request: Any, *args: Any, **kwar
     if custom.get(WIRE_KEY) is None:
         return
     payload = check_payload(custom[WIRE_KEY])  # PayloadError (a ValueError): HTTP 400
+    stream_usage_by_default(request)  # usage.agentkv in a stream's last chunk, as embedded
     ids = getattr(adapted, "input_ids", None)
     if not isinstance(ids, list) or not ids or not isinstance(ids[0], int):
         return

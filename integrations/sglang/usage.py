@@ -16,10 +16,11 @@ accumulates into ``meta_info[key]`` (sliced again for incremental streaming). So
   ``_build_chat_response``) puts it in ``usage.agentkv`` of a non-streamed response;
   :func:`watch_stream_content` (AROUND ``_generate_stream_content``, which sees every
   ``meta_info``) and :func:`add_usage_to_stream` (AROUND ``_generate_chat_stream``) put it in
-  the final usage chunk of a stream. That chunk exists when the request sets
-  ``stream_options.include_usage`` (or the server runs with
-  ``--stream-response-default-include-usage``): SGLang's and OpenAI's convention, where the
-  embedded server sends it unless told not to.
+  the final usage chunk of a stream. SGLang (like OpenAI) sends that chunk only when the
+  request sets ``stream_options.include_usage``; the embedded server sends it unless told
+  not to, and so does the plugin for requests with an agentkv payload
+  (:func:`stream_usage_by_default`, called by the HTTP tagging hook): a request's explicit
+  ``include_usage: false`` is kept.
 
 Requests without an agentkv payload carry no column: their responses are stock SGLang's
 (when one is batched with agentkv requests, SGLang pads its ``meta_info["agentkv"]`` with
@@ -157,6 +158,16 @@ def kv_usage(req: Any, state: Any, planner: Any, completion: int) -> dict[str, A
 
 
 # ---- HTTP process ------------------------------------------------------------------------------
+
+
+def stream_usage_by_default(request: Any) -> None:
+    """A streamed chat request with an agentkv payload and no ``stream_options`` gets
+    ``include_usage=True`` (the embedded server's default), so its last chunk carries
+    ``usage.agentkv``."""
+    if getattr(request, "stream", False) and getattr(request, "stream_options", None) is None:
+        from sglang.srt.entrypoints.openai.protocol import StreamOptions
+
+        request.stream_options = StreamOptions(include_usage=True)
 
 
 def usage_from_meta(meta_info: Mapping[str, Any] | None) -> dict[str, Any] | None:
