@@ -366,9 +366,9 @@ def langgraph_run(url: str, turns: int, trace: int, max_tokens: int) -> dict[str
             kwargs = {"model": "default", "messages": messages, "max_tokens": max_tokens}
             if stream:
                 text, usage, ak = "", None, None
-                for chunk in client.chat.completions.create(
-                    **kwargs, stream=True, stream_options={"include_usage": True}
-                ):
+                # no stream_options: the server sends usage.agentkv in the last chunk unless
+                # told not to (the embedded server's default, the plugin's for agentkv requests)
+                for chunk in client.chat.completions.create(**kwargs, stream=True):
                     if chunk.choices and chunk.choices[0].delta.content:
                         text += chunk.choices[0].delta.content
                     if chunk.usage is not None:
