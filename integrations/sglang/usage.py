@@ -229,8 +229,11 @@ async def watch_stream_content(original: Any, serving: Any, *args: Any, **kwargs
     """AROUND hook on ``OpenAIServingChat._generate_stream_content`` (called with keywords for
     every output of a stream): keep the telemetry its ``meta_info`` carries."""
     seen = _STREAMS.get(id(kwargs.get("request")))
-    if seen is not None:
-        found = usage_from_meta((kwargs.get("content") or {}).get("meta_info"))
+    meta = (kwargs.get("content") or {}).get("meta_info") or {}
+    # only the output that finishes a request carries it (and the column grows per token:
+    # scanning it on every chunk would cost O(tokens^2) per stream)
+    if seen is not None and meta.get("finish_reason") is not None:
+        found = usage_from_meta(meta)
         if found is not None:
             seen[kwargs.get("index", 0)] = found
     async for chunk in original(serving, *args, **kwargs):
