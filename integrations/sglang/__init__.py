@@ -15,13 +15,18 @@ entry point ``agentkv = agentkv.integrations.sglang:register`` in the group
   reference-counted frees on a reserved DEAD slot; :mod:`.radix_cache`, :mod:`.slot_refcounts`),
 - hooks ``OpenAIServingChat._convert_to_internal_request`` (AFTER: validate the payload, tag the
   prompt) and ``Scheduler.run_batch`` (AROUND: observe, then plan after prefill;
-  :mod:`.runtime`).
+  :mod:`.runtime`),
+- hooks ``OpenAIServingChat._build_chat_response`` (AFTER), ``_generate_stream_content`` and
+  ``_generate_chat_stream`` (AROUND): ``usage.agentkv`` in chat responses, streamed too
+  (:mod:`.usage`).
 
 Pinned to SGLang 0.5.17: the newest release whose torch pin (2.11) matches the GPU machine the
 project tests on; the hooked names (``Scheduler.run_batch``,
-``OpenAIServingChat._convert_to_internal_request``, ``TritonAttnBackend.
-_fill_kv_indptr_and_indices``, ``RadixCache`` internals) are SGLang internals, so another
-version needs the tests in ``tests/integrations/sglang`` run against it first.
+``OpenAIServingChat._convert_to_internal_request`` / ``_build_chat_response`` /
+``_generate_stream_content`` / ``_generate_chat_stream``, ``TritonAttnBackend.
+_fill_kv_indptr_and_indices``, ``RadixCache`` internals, ``Req.customized_info``) are SGLang
+internals, so another version needs the tests in ``tests/integrations/sglang`` run against it
+first.
 """
 
 from __future__ import annotations
@@ -57,6 +62,11 @@ def register() -> None:
 
     from agentkv.integrations.sglang.attention import create_agentkv_backend
     from agentkv.integrations.sglang.runtime import run_batch, tag_chat_request
+    from agentkv.integrations.sglang.usage import (
+        add_usage_to_response,
+        add_usage_to_stream,
+        watch_stream_content,
+    )
 
     register_attention_backend(BACKEND)(create_agentkv_backend)
     add_attention_backend_choices([BACKEND])
@@ -69,6 +79,10 @@ def register() -> None:
     HookRegistry.register(
         "sglang.srt.managers.scheduler.Scheduler.run_batch", run_batch, HookType.AROUND
     )
+    chat = "sglang.srt.entrypoints.openai.serving_chat.OpenAIServingChat"
+    HookRegistry.register(f"{chat}._build_chat_response", add_usage_to_response, HookType.AFTER)
+    HookRegistry.register(f"{chat}._generate_stream_content", watch_stream_content, HookType.AROUND)
+    HookRegistry.register(f"{chat}._generate_chat_stream", add_usage_to_stream, HookType.AROUND)
     logger.info("agentkv SGLang plugin registered (attention and radix-cache backend %r)", BACKEND)
 
 

@@ -145,7 +145,10 @@ class AgentKVRequest:
         planned: the plan ran for the current prefill (reset when the request is retracted).
         holey: the request's row holds DEAD positions now (counted in :data:`HOLEY`).
         observer: the method's prefill observer while the prompt is being computed.
-        usage: telemetry of the plan (``evicted_tokens``, ``plan_note``, ...).
+        usage: telemetry of the plan (``evicted_tokens``, ``live_kv_tokens`` after it,
+            ``plan_note``, ``planned_at``, ...; :mod:`.usage` reads it).
+        seen_at: ``time.perf_counter()`` when the request entered the scheduler's queue.
+        dead_in_prefix: DEAD positions in the prefix it matched (a session's holes).
     """
 
     payload: KVPayload
@@ -156,6 +159,8 @@ class AgentKVRequest:
     holey: bool = False
     observer: Any = None
     usage: dict[str, Any] = field(default_factory=dict)
+    seen_at: float = 0.0
+    dead_in_prefix: int = 0
 
     @property
     def session_key(self) -> str:

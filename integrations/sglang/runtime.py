@@ -42,6 +42,7 @@ from agentkv.integrations.sglang.request_plan import (
     plan_request,
     request_state,
 )
+from agentkv.integrations.sglang.usage import attach_usage, stream_usage_by_default
 from agentkv.methods.base import MethodSet, ModelShape, ObserveRequest
 from agentkv.wire import WIRE_KEY
 
@@ -55,9 +56,11 @@ class Planner:
     """Per scheduler process: the method instances (per-session state such as IntentKV's
     QueryMemory lives there) and the model shape."""
 
-    def __init__(self, shape: ModelShape):
+    def __init__(self, shape: ModelShape, bytes_per_token: int = 0):
         self.shape = shape
         self.methods = MethodSet(shape)
+        #: K+V bytes of one token over all layers at the pool's storage dtype (this rank)
+        self.bytes_per_token = bytes_per_token
 
 
 _PLANNER: Planner | None = None
@@ -68,7 +71,11 @@ def init_planner(model_config: Any, kv_pool: Any, tp_size: int = 1) -> Planner:
     global _PLANNER
     if _PLANNER is None:
         hq = model_config.num_attention_heads // max(1, tp_size)
-        _PLANNER = Planner(ModelShape(kv_pool.layer_num, hq, kv_pool.head_num, kv_pool.head_dim))
+        shape = ModelShape(kv_pool.layer_num, hq, kv_pool.head_num, kv_pool.head_dim)
+        itemsize = getattr(kv_pool, "store_dtype", kv_pool.dtype).itemsize
+        _PLANNER = Planner(
+            shape, 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * itemsize
+        )
     return _PLANNER
 
 
@@ -100,6 +107,7 @@ def tag_chat_request(result: Any, serving: Any, request: Any, *args: Any, **kwar
     if custom.get(WIRE_KEY) is None:
         return
     payload = check_payload(custom[WIRE_KEY])  # PayloadError (a ValueError): HTTP 400
+    stream_usage_by_default(request)  # usage.agentkv in a stream's last chunk, as embedded
     ids = getattr(adapted, "input_ids", None)
     if not isinstance(ids, list) or not ids or not isinstance(ids[0], int):
         return
@@ -145,18 +153,24 @@ def before_extend(scheduler: Any, batch: Any) -> None:
     HOLEY.dead_slot = getattr(allocator, "dead_slot", None)
     for req in batch.reqs:
         state = request_state(req)
-        if state is None or state.planned:
+        if state is None:
             continue
-        if HOLEY.dead_slot is not None and bool((req.prefix_indices == HOLEY.dead_slot).any()):
-            HOLEY.mark(state)
+        attach_usage(req, state, planner_for(scheduler))  # usage.agentkv (once)
+        if state.planned:
+            continue
+        if HOLEY.dead_slot is not None:
+            state.dead_in_prefix = int((req.prefix_indices == HOLEY.dead_slot).sum())
+            if state.dead_in_prefix:
+                HOLEY.mark(state)
         if not state.evicts:
             continue
         try:
             _start_observer(planner_for(scheduler), req, state)
-        except Exception:  # e.g. Method.check refused the policy: run whole, as FullCache
+        except Exception as e:  # e.g. Method.check refused the policy: run whole, as FullCache
             logger.exception("agentkv: no plan for request %s; nothing evicted", req.rid)
             state.observer = None
             state.planned = True
+            state.usage = {"plan_note": f"no plan ({type(e).__name__}); nothing evicted"}
 
 
 def _start_observer(p: Planner, req: Any, state: AgentKVRequest) -> None:
@@ -183,6 +197,7 @@ def after_extend(scheduler: Any, batch: Any) -> None:
             continue
         if not state.evicts:
             state.planned = True
+            state.usage = {"planned_at": time.perf_counter()}
             continue
         todo.append((req, state))
     if not todo:
@@ -195,11 +210,12 @@ def after_extend(scheduler: Any, batch: Any) -> None:
             plan_one(
                 p, scheduler.req_to_token_pool, scheduler.token_to_kv_pool_allocator, req, state
             )
-        except Exception:  # a failed plan leaves the request whole: it runs as FullCache
+        except Exception as e:  # a failed plan leaves the request whole: it runs as FullCache
             logger.exception("agentkv: plan failed for request %s; nothing evicted", req.rid)
             OBSERVING.pop(req.req_pool_idx, None)
             state.observer = None
             state.planned = True
+            state.usage = {"plan_note": f"plan failed ({type(e).__name__}); nothing evicted"}
 
 
 def plan_one(planner: Planner, req_to_token_pool: Any, allocator: Any, req: Any, state: Any) -> int:
@@ -232,6 +248,7 @@ def plan_one(planner: Planner, req_to_token_pool: Any, allocator: Any, req: Any,
         "live_kv_tokens": int(live.sum()) - n,
         "plan_note": plan.note if state.tagged else ("untagged; " + plan.note).strip("; "),
         "plan_time_s": time.perf_counter() - t0,
+        "planned_at": time.perf_counter(),
     }
     logger.info(
         "agentkv plan session=%s policy=%s prompt %d evicted %d live %d (%.1f ms)%s",

@@ -213,7 +213,7 @@ def make_steps(
         enable_memory_saver=False,
     )
     alloc = RefCountedTokenAllocator(size, torch.float32, "cpu", kv, need_sort=False)
-    planner = Planner(ModelShape(layers, heads * 2, heads, dim))
+    planner = Planner(ModelShape(layers, heads * 2, heads, dim), 2 * layers * heads * dim * 4)
     cache = AgentKVRadixCache(
         CacheInitParams(
             disable=False, req_to_token_pool=r2t, token_to_kv_pool_allocator=alloc, page_size=1

@@ -15,6 +15,7 @@ from agentkv.integrations.sglang.request_plan import (
     request_state,
 )
 from agentkv.integrations.sglang.runtime import OBSERVING, before_extend, observe_extend, plan_one
+from agentkv.integrations.sglang.usage import USAGE_KEY, UsageColumn
 from agentkv.methods.base import ObserveRequest
 from agentkv.policies import IntentKV, SnapKV
 from agentkv.wire import KVPayload, encode_payload
@@ -59,6 +60,9 @@ def test_observers_see_each_requests_rows_and_live_keys(steps):
         request_state(r).planned = False
     before_extend(sched, SimpleNamespace(reqs=[a, b]))
     assert set(OBSERVING) == {a.req_pool_idx, b.req_pool_idx}
+    # usage.agentkv: each request got its column; b's prefix holes are counted
+    assert all(isinstance(r.customized_info[USAGE_KEY], UsageColumn) for r in (a, b))
+    assert request_state(a).dead_in_prefix == 0 and request_state(b).dead_in_prefix == 2
 
     shape = steps.planner.shape
     hq, d = shape.num_q_heads, shape.head_dim
@@ -122,6 +126,7 @@ def test_observers_see_each_requests_rows_and_live_keys(steps):
             want_dead = evicted_positions(plan, len(state.tags))
         n_dead = plan_one(steps.planner, steps.r2t, steps.alloc, r, state)
         assert n_dead > 0 and state.planned and state.observer is None
+        assert state.usage["live_kv_tokens"] == len(state.tags) - state.dead_in_prefix - n_dead
         now_dead = torch.nonzero(steps.row(r)[: len(state.tags)] == dead).reshape(-1)
         assert (
             now_dead.numel()

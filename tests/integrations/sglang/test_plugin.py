@@ -30,6 +30,8 @@ PROBE = textwrap.dedent(
         return any(getattr(c, "__module__", "").startswith("agentkv.") for c in cells)
     print("run_batch", hooked(Scheduler.run_batch))
     print("chat", hooked(OpenAIServingChat._convert_to_internal_request))
+    print("usage", all(hooked(getattr(OpenAIServingChat, m)) for m in (
+        "_build_chat_response", "_generate_stream_content", "_generate_chat_stream")))
     """
 )
 
@@ -52,6 +54,7 @@ def test_load_plugins_registers_the_agentkv_backends_and_hooks():
     assert "radix True" in out
     assert "run_batch True" in out
     assert "chat True" in out
+    assert "usage True" in out
 
 
 def test_sglang_plugins_whitelist_leaves_sglang_stock():
@@ -60,3 +63,4 @@ def test_sglang_plugins_whitelist_leaves_sglang_stock():
     assert "radix False" in out
     assert "run_batch False" in out
     assert "chat False" in out
+    assert "usage False" in out

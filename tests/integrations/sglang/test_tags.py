@@ -115,3 +115,18 @@ def test_policies_sglang_cannot_serve_are_a_400(qwen):
     with pytest.raises(PayloadError) as e:
         tag_chat_request((adapted, request), serving, request)
     assert e.value.field == "policy.method"
+
+
+def test_a_streamed_agentkv_request_gets_its_usage_chunk_by_default(qwen):
+    """As the embedded server: ``include_usage`` unless the request says otherwise."""
+    payload = encode_payload(build_payload(MESSAGES, IntentKV(budget=64), "s1"))
+    adapted, request, serving = chat(qwen, payload)
+    request.stream = True
+    tag_chat_request((adapted, request), serving, request)
+    assert request.stream_options.include_usage is True
+    from sglang.srt.entrypoints.openai.protocol import StreamOptions
+
+    adapted, request, serving = chat(qwen, payload)
+    request.stream, request.stream_options = True, StreamOptions(include_usage=False)
+    tag_chat_request((adapted, request), serving, request)
+    assert request.stream_options.include_usage is False  # the client's choice stays
