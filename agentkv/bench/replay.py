@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from agentkv.bench.bootstrap import paired_difference_ci, ratio_ci
+from agentkv.bench.encode_memo import MemoRenderer
 from agentkv.bench.traces import Trace, load_jsonl, load_source
 from agentkv.engine.engine import Engine, ScoreResult
 from agentkv.policies import FullCache, KVPolicy, parse_policy_spec
@@ -514,6 +515,7 @@ def run_replay_cli(
         return None
     t0 = time.perf_counter()
     engine = Engine(model, device=device)
+    engine.renderer = MemoRenderer(engine.renderer)  # each turn's prompt: once, not per policy
     print(
         f"engine: {engine.model_name} on {engine.device} ({time.perf_counter() - t0:.1f}s); "
         f"{len(loaded)} trajectories x {len(parsed)} policies (+ reference)",
