@@ -31,6 +31,18 @@ Token slots are a random permutation (scattered, as in a paged server); INT2 pag
 scattered, rows inside a page in order. ``bytes`` counts what the kernel must read from
 device memory: live rows, their scales (32-byte sectors), the slot map; bandwidth =
 bytes / time. Results are written incrementally to the JSON file given by ``--out``.
+
+Host cost vs kernel time. ``time_us`` (do_bench) includes any host floor: when a call's
+Python + launch work outlasts the L2 flush it queues behind, the GPU idles inside the timed
+window. So every row also records ``kernel_us`` (a CUDA graph of (flush, call) pairs minus
+the flushes: the kernels alone), ``host_us`` / ``stream_us`` (100 back-to-back calls timed
+by the CPU clock / by CUDA events), ``python_us`` (the call with both Triton launches
+stubbed) and ``launch_us`` = host - python, plus the SM clock, throttle reasons, power and
+the host's load before the row (``gpu_state``); nvidia-smi samples the GPU every 200 ms
+into ``<out>.gpu.csv``, and each shape ends with a drift check (its first agentkv row timed
+again). The tune's objective is ``kernel_us`` (``--tune-timer do_bench`` for the old
+one); configs that launch the same kernels are timed once, and the best 3 are timed again
+before one is kept.
 """
 
 from __future__ import annotations
@@ -652,7 +664,7 @@ def main() -> None:
             do_bench, or when the graph cannot be captured."""
             if args.tune_timer == "graph":
                 with contextlib.suppress(Exception):
-                    us = _kernel_us(fn)
+                    us = _kernel_us(fn, calls=10, reps=5)
                     if us is not None:
                         return us
             return _bench(fn, warmup=10, rep=40)
@@ -726,6 +738,7 @@ def main() -> None:
                 best = min(again, key=lambda x: x[0])
                 cfgs[impl] = best[2]
                 print(f"tune {impl}: best {best[0]:.1f} us {asdict(best[2])}", flush=True)
+        sh = out = None  # the loop variables kept the last tune shape's pools alive
         del built
         if DEVICE.type == "cuda":
             torch.cuda.empty_cache()
@@ -904,10 +917,13 @@ def _gpu_sampler(out: str) -> subprocess.Popen | None:
 
 if __name__ == "__main__":
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
-    with contextlib.suppress(OSError):
-        subprocess.run(
-            ["nvidia-smi", "--query-gpu=name,clocks.sm,clocks.mem", "--format=csv"], check=False
-        )
+    for cmd in (  # the GPU's state, and who else uses it or the CPUs, before the run
+        ["nvidia-smi", "--query-gpu=name,clocks.sm,clocks.mem,clocks.max.sm", "--format=csv"],
+        ["nvidia-smi", "--query-compute-apps=pid,process_name,used_memory", "--format=csv"],
+        ["sh", "-c", "uptime; ps -eo pid,pcpu,rss,comm --sort=-pcpu | head -n 6"],
+    ):
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            subprocess.run(cmd, check=False, timeout=20)
     out_arg = next(
         (sys.argv[i + 1] for i, a in enumerate(sys.argv[:-1]) if a == "--out"),
         "docs/benchmarks/decode_attention.json",
