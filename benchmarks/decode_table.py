@@ -87,6 +87,7 @@ def render(doc: dict) -> str:
             out.append(
                 f"| {b} | {n // 1024}k | {impl} | {r0['time_us']:.1f} | {cell(rr)} | {cell(ru)} |"
             )
+    out += _host_tables(doc, rows, shapes)
     err_rows = [r for r in doc["results"] if r.get("rel_err_vs_ref") is not None]
     if err_rows:
         out += [
@@ -133,6 +134,54 @@ def render(doc: dict) -> str:
     if doc.get("errors"):
         out += ["", "Errors recorded: " + json.dumps(doc["errors"])]
     return "\n".join(out) + "\n"
+
+
+def _n(x: float | None, spec: str = ".1f") -> str:
+    return "—" if x is None else format(x, spec)
+
+
+def _host_tables(doc: dict, rows: dict, shapes: list) -> list[str]:
+    """Kernel time without host work vs do_bench's time, and the host cost per call (runs
+    that recorded them; older JSON files have neither)."""
+    if not any(r.get("kernel_us") is not None or "host_us" in r for r in doc["results"]):
+        return []
+    out = [
+        "",
+        "### Kernel vs host time per call (µs), 0% DEAD",
+        "",
+        "*do_bench*: the tables above (events around each call after an L2 flush; a host "
+        "slower than the flush shows up here). *kernel*: CUDA graph of (flush, call) minus "
+        "the flushes, no host work. *host*: CPU time per call over back-to-back calls "
+        "(*python*: launches stubbed; *launch*: the rest: Triton binder, C launcher, "
+        "cuLaunchKernel). SM: clock (MHz) before the row.",
+        "",
+        "| B | N | impl | do_bench | kernel | host | python | launch | stream | SM MHz |",
+        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for b, n in shapes:
+        for impl in IMPLS:
+            r = rows.get((b, n, impl, 0.0, ""))
+            if r is None:
+                continue
+            gs = r.get("gpu_state") or {}
+            out.append(
+                f"| {b} | {n // 1024}k | {impl} | {r['time_us']:.1f} | {_n(r.get('kernel_us'))} | "
+                f"{_n(r.get('host_us'))} | {_n(r.get('python_us'))} | {_n(r.get('launch_us'))} | "
+                f"{_n(r.get('stream_us'))} | {gs.get('sm_mhz', '—')} |"
+            )
+    if doc.get("drift"):
+        out += [
+            "",
+            "Drift check (agentkv bf16, 0% DEAD, first row of the shape vs once more at its "
+            "end): "
+            + "; ".join(
+                f"B={d['B']} N={d['N'] // 1024}k do_bench {_n(d.get('first_time_us'))} → "
+                f"{_n(d.get('time_us'))}, kernel {_n(d.get('first_kernel_us'))} → "
+                f"{_n(d.get('kernel_us'))}"
+                for d in doc["drift"]
+            ),
+        ]
+    return out
 
 
 def main() -> None:

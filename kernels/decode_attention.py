@@ -33,6 +33,7 @@ Supported head_dim: 64 and 128 (other sizes: ``backend="torch"``).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -1138,10 +1139,28 @@ def _merge_splits_kernel(
     tl.store(o_ptr + b * stride_ob + hq * stride_oh + offs_d, out.to(o_ptr.dtype.element_ty))
 
 
+@functools.cache
+def _cuda_sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def _num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (4 off CUDA); cached per device, because
+    ``torch.cuda.get_device_properties`` is a Python call on every decode step's hot path."""
     if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
+        return _cuda_sm_count(
+            device.index if device.index is not None else torch.cuda.current_device()
+        )
     return 4
+
+
+def _split_len(
+    batch: int, num_kv_heads: int, total_len: int, sms: int, programs_per_sm: int, min_len: int
+) -> int:
+    n_splits = max(1, -(-(programs_per_sm * sms) // max(1, batch * num_kv_heads)))
+    per = -(-max(1, total_len) // n_splits)
+    per = -(-per // 64) * 64
+    return max(per, min_len)
 
 
 def plan_split_len(
@@ -1155,11 +1174,14 @@ def plan_split_len(
     """Positions per split (a multiple of 64, hence of the INT2 page): enough splits to give
     about ``programs_per_sm`` (default ``config.programs_per_sm``) programs per SM, none
     shorter than ``min_split_len``."""
-    target = (programs_per_sm or config.programs_per_sm) * _num_sms(device)
-    n_splits = max(1, -(-target // max(1, batch * num_kv_heads)))
-    per = -(-max(1, total_len) // n_splits)
-    per = -(-per // 64) * 64
-    return max(per, config.min_split_len)
+    return _split_len(
+        batch,
+        num_kv_heads,
+        total_len,
+        _num_sms(device),
+        programs_per_sm or config.programs_per_sm,
+        config.min_split_len,
+    )
 
 
 def validate_decode_inputs(
@@ -1277,9 +1299,9 @@ def decode_attention(
     m4 = max_lens.int4 if has4 else 0
     mf = max_lens.full
     if split_len is None:
-        total = m2 + m4 + mf
+        total, sms = m2 + m4 + mf, _num_sms(q.device)
         sl2, sl4, slf = (
-            plan_split_len(b, hkv, total, q.device, cfg, pps)
+            _split_len(b, hkv, total, sms, pps, cfg.min_split_len)
             for pps in (cfg.programs_per_sm_int2, cfg.programs_per_sm_int4, cfg.programs_per_sm)
         )
     else:
@@ -1320,7 +1342,9 @@ def decode_attention(
     part_lse = torch.empty(b, hq, s_total, dtype=torch.float32, device=q.device)
     out = torch.empty(b, hq, d, dtype=q.dtype, device=q.device)
     g = hq // hkv
-    block_hq = max(cfg.min_block_hq, triton.next_power_of_2(g))
+    interpreting = triton_interpreting()
+    g_pow2 = 1 << (g - 1).bit_length()  # triton.next_power_of_2 is a constexpr_function (slow)
+    block_hq = max(cfg.min_block_hq, g_pow2)
     stacked = cfg.int4_stacked
     v_fold = cfg.int4_v_fold
     if stacked is None:  # stacked rows fit one 16-row MMA tile; else fp16-dequantized values
@@ -1362,7 +1386,7 @@ def decode_attention(
         s4,
         s_total,
         G=g,
-        BLOCK_H=max(16, triton.next_power_of_2(g)),
+        BLOCK_H=max(16, g_pow2),
         BLOCK_HQ=block_hq,
         D=d,
         BN_FULL=cfg.block_n_full,
@@ -1372,8 +1396,8 @@ def decode_attention(
         HAS_INT2=m2 > 0,
         HAS_HEAD_MASK=head_mask is not None,
         HAS_KCS=kcs is not None,
-        IEEE_F32=triton_interpreting(),
-        USE_ASM=not triton_interpreting(),
+        IEEE_F32=interpreting,
+        USE_ASM=not interpreting,
         PREFETCH=cfg.prefetch,
         V_FOLD=v_fold,
         INT4_LEGACY=cfg.int4_legacy,

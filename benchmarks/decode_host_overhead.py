@@ -1,0 +1,123 @@
+"""Host (CPU) cost of one ``decode_attention`` call, measured without a GPU.
+
+    python benchmarks/decode_host_overhead.py                       # this checkout's kernels/
+    python benchmarks/decode_host_overhead.py --kernels /tmp/old/kernels --site /tmp/t36/site
+
+Per impl it prints two medians over repeated loops of back-to-back calls on CPU tensors:
+
+* ``python_us``: ``decode_attention`` with both Triton launches stubbed out (argument checks,
+  split planning, allocations: the Python part before the launches);
+* ``bind_us``: the same plus, for both kernels, what Triton's ``JITFunction.run`` does in
+  Python before its C launcher (the generated binder with ``native_specialize_impl`` over
+  every argument, ``compute_cache_key``, the global-values check), with a CUDA sm_90 backend
+  and no driver.
+
+Not measured: the C launcher and ``cuLaunchKernel`` (a few µs per launch on a GPU host).
+On a GPU, ``benchmarks/decode_attention.py`` measures the whole host cost per call
+(``host_us``). ``--kernels`` times another copy of ``kernels/`` (e.g. ``git archive <rev>
+kernels``), ``--site`` puts another Triton first on ``sys.path`` (e.g. the GPU's version).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--kernels", default=str(Path(__file__).resolve().parents[1] / "kernels"))
+    ap.add_argument("--site", default="", help="site-packages with the Triton to use")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--length", type=int, default=4096)
+    ap.add_argument("--calls", type=int, default=200)
+    ap.add_argument("--loops", type=int, default=15)
+    args = ap.parse_args()
+    if args.site:
+        sys.path.insert(0, args.site)
+    import torch
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.runtime.jit import compute_cache_key, create_function_from_signature
+
+    kdir = Path(args.kernels).resolve()
+    spec = importlib.util.spec_from_file_location(
+        "agentkv.kernels", kdir / "__init__.py", submodule_search_locations=[str(kdir)]
+    )
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["agentkv.kernels"] = mod
+    spec.loader.exec_module(mod)
+    da = sys.modules["agentkv.kernels.decode_attention"]
+    os.environ["TRITON_INTERPRET"] = "1"  # after the import: the kernels stay JITFunctions
+    backend = make_backend(GPUTarget("cuda", 90, 32))
+
+    class Stub:
+        """``kernel[grid](...)``: nothing, or Triton's Python launch work without a driver."""
+
+        def __init__(self, jit, bind: bool) -> None:
+            self.jit, self.bind, self.key_cache = jit, bind, {}
+            self.binder = create_function_from_signature(jit.signature, jit.params, backend)
+
+        def __getitem__(self, grid):
+            def run(*a, **kw):
+                if self.bind:
+                    kw["debug"] = False
+                    kw["instrumentation_mode"] = ""
+                    _, spec_, opts = self.binder(*a, **kw)
+                    compute_cache_key(self.key_cache, spec_, opts)
+                    missing = object()
+                    for (name, _), (val, g) in self.jit.used_global_vals.items():
+                        if g.get(name, missing) != val:
+                            raise RuntimeError(name)
+
+            return run
+
+    hq, hkv, d, b, n = 32, 8, 128, args.batch, args.length
+    tokens = b * n
+    pools = mod.KVPools.allocate(tokens + 1, tokens, tokens // 32, hkv, d, device="cpu")
+    q = torch.randn(b, hq, d, dtype=torch.bfloat16)
+    seq = torch.full((b,), n, dtype=torch.int32)
+    m = (3 * n // 4) // 32 * 32
+    slots = (torch.arange(tokens, dtype=torch.int32) + 1).view(b, n)  # values do not matter
+    cases = {
+        "bf16": dict(max_lens=mod.SegmentMaxLens(0, 0, n)),
+        "int4": dict(int4_lens=seq, max_lens=mod.SegmentMaxLens(0, n, 0)),
+        "mixed": dict(
+            int2_lens=torch.full((b,), m, dtype=torch.int32),
+            int4_lens=torch.full((b,), n - m, dtype=torch.int32),
+            max_lens=mod.SegmentMaxLens(m, n - m, 0),
+        ),
+    }
+    kernels = (da._decode_split_kernel, da._merge_splits_kernel)
+    print(f"triton {triton.__version__} torch {torch.__version__} kernels {kdir} B={b} N={n}")
+    for bind in (False, True):
+        da._decode_split_kernel, da._merge_splits_kernel = (Stub(j, bind) for j in kernels)
+        for impl, kw in cases.items():
+
+            def fn(kw=kw):
+                return da.decode_attention(q, pools, slots, seq, backend="triton", **kw)
+
+            for _ in range(args.calls):
+                fn()
+            loops = []
+            for _ in range(args.loops):
+                t = time.perf_counter()
+                for _ in range(args.calls):
+                    fn()
+                loops.append((time.perf_counter() - t) / args.calls * 1e6)
+            print(
+                f"{'bind' if bind else 'python'}_us {impl:6s} median "
+                f"{statistics.median(loops):6.1f} min {min(loops):6.1f}",
+                flush=True,
+            )
+    da._decode_split_kernel, da._merge_splits_kernel = kernels
+
+
+if __name__ == "__main__":
+    main()
