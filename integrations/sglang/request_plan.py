@@ -29,9 +29,9 @@ from agentkv.wire import WIRE_KEY, KVPayload, PayloadError, decode_payload
 #: ``custom_params`` key of the tags the HTTP process computed (a JSON string).
 TAGS_KEY = "agentkv_tags"
 
-#: policy methods the plugin serves on SGLang: eviction only (no quantized pools yet; KVzap
-#: needs each layer's input hidden state, not hooked yet).
-SGLANG_METHODS = frozenset({"full", "streamingllm", "snapkv", "h2o", "intentkv"})
+#: policy methods the plugin serves on SGLang: eviction only (no quantized pools yet); KVzap
+#: in prefill (layer inputs from :mod:`.hidden_states`; no pruning while decoding).
+SGLANG_METHODS = frozenset({"full", "streamingllm", "snapkv", "h2o", "intentkv", "kvzap"})
 
 
 def check_payload(raw: Any) -> KVPayload:

@@ -10,7 +10,8 @@ the scheduler process.
   runs untagged (plan note says so).
 - **Scheduler process** (:func:`run_batch`, an AROUND hook on ``Scheduler.run_batch``): before
   an extend batch, requests whose method observes prefill get an observer (fed by the agentkv
-  attention backend, :func:`observe_extend`); after it, every request whose prompt is now
+  attention backend, :func:`observe_extend`; KVzap's by the decoder-layer hooks of
+  :mod:`.hidden_states`); after it, every request whose prompt is now
   complete is planned with the same ``Method`` registry as the embedded engine, and the plan
   is applied to its ``req_to_token`` row (:func:`~.request_plan.apply_evictions`). The
   forward stream is synchronised first (the keys must be written): one sync per batch that
@@ -31,6 +32,7 @@ from typing import Any
 
 import torch
 
+from agentkv.integrations.sglang.hidden_states import HIDDEN_OBSERVING, reset_rows
 from agentkv.integrations.sglang.request_plan import (
     HOLEY,
     TAGS_KEY,
@@ -43,7 +45,7 @@ from agentkv.integrations.sglang.request_plan import (
     request_state,
 )
 from agentkv.integrations.sglang.usage import attach_usage, stream_usage_by_default
-from agentkv.methods.base import MethodSet, ModelShape, ObserveRequest
+from agentkv.methods.base import MethodSet, ModelShape, ObserveRequest, PrefillObserver
 from agentkv.wire import WIRE_KEY
 
 logger = logging.getLogger("agentkv.sglang")
@@ -138,7 +140,10 @@ def run_batch(original: Any, scheduler: Any, batch: Any, *args: Any, **kwargs: A
     extend = batch is not None and batch.forward_mode.is_extend()
     if extend:
         before_extend(scheduler, batch)
-    result = original(scheduler, batch, *args, **kwargs)
+    try:
+        result = original(scheduler, batch, *args, **kwargs)
+    finally:
+        reset_rows()
     if extend:
         after_extend(scheduler, batch)
     return result
@@ -173,9 +178,16 @@ def before_extend(scheduler: Any, batch: Any) -> None:
             state.usage = {"plan_note": f"no plan ({type(e).__name__}); nothing evicted"}
 
 
+def _takes_hidden(observer: Any) -> bool:
+    """Whether the observer implements ``observe_hidden`` (KVzap's score buffer)."""
+    return type(observer).observe_hidden is not PrefillObserver.observe_hidden
+
+
 def _start_observer(p: Planner, req: Any, state: AgentKVRequest) -> None:
+    """Give the request its method's observer (as the embedded engine does: every method is
+    asked; IntentKV, SnapKV and H2O watch attention, KVzap the layer inputs)."""
     method = p.methods.for_policy(state.payload.policy)
-    if state.observer is None and method.observes_prefill:
+    if state.observer is None:
         state.observer = method.observer(
             state.payload.policy,
             ObserveRequest(
@@ -185,8 +197,12 @@ def _start_observer(p: Planner, req: Any, state: AgentKVRequest) -> None:
                 shape=p.shape,
             ),
         )
-    if state.observer is not None:
+    if state.observer is None:
+        return
+    if method.observes_prefill:
         OBSERVING[req.req_pool_idx] = state
+    if _takes_hidden(state.observer):
+        HIDDEN_OBSERVING[req.req_pool_idx] = state
 
 
 def after_extend(scheduler: Any, batch: Any) -> None:
@@ -213,6 +229,7 @@ def after_extend(scheduler: Any, batch: Any) -> None:
         except Exception as e:  # a failed plan leaves the request whole: it runs as FullCache
             logger.exception("agentkv: plan failed for request %s; nothing evicted", req.rid)
             OBSERVING.pop(req.req_pool_idx, None)
+            HIDDEN_OBSERVING.pop(req.req_pool_idx, None)
             state.observer = None
             state.planned = True
             state.usage = {"plan_note": f"plan failed ({type(e).__name__}); nothing evicted"}
@@ -223,6 +240,7 @@ def plan_one(planner: Planner, req_to_token_pool: Any, allocator: Any, req: Any,
     positions made DEAD."""
     t0 = time.perf_counter()
     OBSERVING.pop(req.req_pool_idx, None)
+    HIDDEN_OBSERVING.pop(req.req_pool_idx, None)
     T = len(state.tags)
     pool = allocator.get_kvcache()
     r2t = req_to_token_pool.req_to_token
@@ -243,10 +261,16 @@ def plan_one(planner: Planner, req_to_token_pool: Any, allocator: Any, req: Any,
     if n or not bool(live.all()):
         HOLEY.mark(state)
     state.planned = True
+    note = plan.note if state.tagged else ("untagged; " + plan.note).strip("; ")
+    interval = planner.methods.for_policy(state.payload.policy).decode_interval(
+        state.payload.policy
+    )
+    if interval > 0:  # decode steps run in CUDA graphs: no layer inputs, no decode plans
+        note = f"{note}; decode_interval={interval} ignored on SGLang (prefill only)"
     state.usage = {
         "evicted_tokens": n,
         "live_kv_tokens": int(live.sum()) - n,
-        "plan_note": plan.note if state.tagged else ("untagged; " + plan.note).strip("; "),
+        "plan_note": note,
         "plan_time_s": time.perf_counter() - t0,
         "planned_at": time.perf_counter(),
     }
