@@ -45,6 +45,7 @@ class _BatchRows:
 
     def __init__(self) -> None:
         self.batch: Any = None
+        self.warned = False
         self.rows: list[tuple[Any, int, int, torch.Tensor]] = []
 
     def of(self, forward_batch: Any) -> list[tuple[Any, int, int, torch.Tensor]]:
@@ -97,6 +98,13 @@ def observe_layer_input(
         return
     rows = _ROWS.of(forward_batch)
     if not rows:
+        return
+    if residual is not None and getattr(hidden_states, "_sglang_needs_allreduce_fusion", False):
+        # TP > 1 with the all-reduce fused into the next norm: these are partial sums, not
+        # the layer input. The request's positions stay unscored (kept).
+        if not _ROWS.warned:
+            _ROWS.warned = True
+            logger.warning("agentkv: KVzap needs TP = 1 (un-reduced layer inputs); not scored")
         return
     x = layer_input(hidden_states, residual, post_residual_addition)
     for observer, s, n, pos in rows:

@@ -47,6 +47,36 @@ def check_payload(raw: Any) -> KVPayload:
     return payload
 
 
+#: per model shape, the HTTP process's method instances (KVzap caches its surrogates there).
+_HTTP_METHODS: dict[ModelShape, MethodSet] = {}
+
+
+def model_shape(model_config: Any, tp_size: int = 1) -> ModelShape:
+    """The shape one TP rank plans with, from SGLang's ``ModelConfig`` (the HTTP process has
+    no KV pool; the scheduler's :func:`~.runtime.init_planner` reads the same from it)."""
+    return ModelShape(
+        int(model_config.num_hidden_layers),
+        int(model_config.num_attention_heads) // max(1, tp_size),
+        int(model_config.get_num_kv_heads(max(1, tp_size))),
+        int(model_config.head_dim),
+    )
+
+
+def check_method(payload: KVPayload, model_config: Any, tp_size: int = 1) -> None:
+    """``Method.check`` in the HTTP process, as the embedded engine runs it before a request:
+    a policy whose trained artifact is missing (KVzap without a surrogate for this model, a
+    bad ``surrogate_path``) is a :class:`~agentkv.wire.PayloadError` naming the field."""
+    shape = model_shape(model_config, tp_size)
+    methods = _HTTP_METHODS.get(shape)
+    if methods is None:
+        methods = _HTTP_METHODS[shape] = MethodSet(shape)
+    try:
+        methods.for_policy(payload.policy)
+    except ValueError as e:
+        field = str(getattr(e, "field", "") or "policy").removeprefix("payload.")
+        raise PayloadError(str(e), field=field) from e
+
+
 _USER = TagCode.pack(Role.USER)
 
 logger = logging.getLogger("agentkv.sglang")

@@ -38,6 +38,7 @@ from agentkv.integrations.sglang.request_plan import (
     TAGS_KEY,
     AgentKVRequest,
     apply_evictions,
+    check_method,
     check_payload,
     encode_tags,
     evicted_positions,
@@ -109,6 +110,10 @@ def tag_chat_request(result: Any, serving: Any, request: Any, *args: Any, **kwar
     if custom.get(WIRE_KEY) is None:
         return
     payload = check_payload(custom[WIRE_KEY])  # PayloadError (a ValueError): HTTP 400
+    model_config = getattr(getattr(serving, "tokenizer_manager", None), "model_config", None)
+    if model_config is not None:  # e.g. KVzap without a surrogate for this model: 400
+        tp = getattr(getattr(serving.tokenizer_manager, "server_args", None), "tp_size", 1)
+        check_method(payload, model_config, tp if isinstance(tp, int) else 1)
     stream_usage_by_default(request)  # usage.agentkv in a stream's last chunk, as embedded
     ids = getattr(adapted, "input_ids", None)
     if not isinstance(ids, list) or not ids or not isinstance(ids[0], int):

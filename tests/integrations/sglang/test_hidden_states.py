@@ -41,16 +41,15 @@ LLAMA_CONFIG = {
 }
 
 
-@pytest.fixture(scope="module")
-def models():
-    """SGLang's and transformers' tiny Llama with the same weights (TP = 1 on gloo)."""
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def models(request, model_dir):
+    """SGLang's and transformers' tiny Llama / Qwen3 with the same weights (TP = 1 on gloo)."""
+    import transformers
     from sglang.srt.distributed import (
         init_distributed_environment,
         initialize_model_parallel,
         model_parallel_is_initialized,
     )
-    from transformers import LlamaConfig
-    from transformers import LlamaForCausalLM as HFLlama
 
     if not model_parallel_is_initialized():
         with socket.socket() as s:
@@ -64,16 +63,36 @@ def models():
             backend="gloo",
         )
         initialize_model_parallel(1)
+    from sglang.srt.layers.dp_attention import initialize_dp_attention
+    from sglang.srt.server_args import ServerArgs
+
+    initialize_dp_attention(  # Qwen3's LayerCommunicator reads it (no DP attention here)
+        ServerArgs(model_path=str(model_dir), page_size=1, device="cpu"),
+        SimpleNamespace(hf_config=SimpleNamespace(), hidden_size=32, dtype=torch.float32),
+    )
     import sglang.srt.layers.rotary_embedding.base as rope
     from sglang.srt.models.llama import LlamaForCausalLM
+    from sglang.srt.models.qwen3 import Qwen3ForCausalLM
 
-    cfg = LlamaConfig(**LLAMA_CONFIG)
+    if request.param == "llama":
+        cfg, hf_cls, sgl_cls = (
+            transformers.LlamaConfig,
+            transformers.LlamaForCausalLM,
+            LlamaForCausalLM,
+        )
+    else:
+        cfg, hf_cls, sgl_cls = (
+            transformers.Qwen3Config,
+            transformers.Qwen3ForCausalLM,
+            Qwen3ForCausalLM,
+        )
+    cfg = cfg(**LLAMA_CONFIG)
     torch.manual_seed(0)
-    hf = HFLlama(cfg).eval()
+    hf = hf_cls(cfg).eval()
     # SGLang's CPU rope path (the CUDA-less fallback otherwise imports vLLM's kernel)
     was, rope._is_cpu = rope._is_cpu, True
     try:
-        sgl = LlamaForCausalLM(cfg)
+        sgl = sgl_cls(cfg)
     finally:
         rope._is_cpu = was
     sgl.load_weights(list(hf.state_dict().items()))
@@ -247,7 +266,7 @@ def test_kvzap_layer_inputs_from_a_real_sglang_batch_and_the_plan(models, steps,
     steps.cache.check_invariants()
 
 
-def test_hook_skips_decode_and_unobserved_batches(models):
+def test_hook_skips_decode_and_unobserved_batches():
     """Decode batches (CUDA-graph capture included) and batches without a KVzap request never
     reach an observer."""
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
