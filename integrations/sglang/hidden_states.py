@@ -15,12 +15,17 @@ During an extend batch (``forward_batch.forward_mode.is_extend()``) with a reque
 :data:`HIDDEN_OBSERVING`, the hook computes that sum once per layer and hands request ``r``
 its rows ``extend_start_loc[r] : extend_start_loc[r] + extend_seq_lens[r]`` (``[n, D_h]``)
 at ``forward_batch.positions`` of the same rows (int64 ``[n]``):
-``observer.observe_hidden(layer, hidden, positions)``. Other passes (decode, CUDA-graph
-capture, batches without such a request) cost one dict test per layer.
+``observer.observe_hidden(layer, hidden, positions)``. During a decode batch, each request in
+:data:`HIDDEN_DECODING` (pruning while decoding, :mod:`.decode_pruning`) gets its one row.
+Other passes (batches without such a request, CUDA-graph capture at start-up) cost one dict
+test per layer.
 
-Python hooks do not run when a CUDA graph replays: KVzap is served in prefill (eager extend),
-and needs SGLang's prefill CUDA graphs off (``--disable-prefill-cuda-graph``); decode runs
-under CUDA graphs and is not pruned (docs/sglang.md, "KVzap").
+Python hooks do not run when a CUDA graph replays. SGLang 0.5.17 captures decode steps by
+default, and on CUDA also prefill (``breakable`` graphs: attention runs eagerly between
+captured segments, the decoder layers' entries are inside them): KVzap needs
+``--disable-prefill-cuda-graph``, and its decode-time pruning ``--disable-decode-cuda-graph``
+(docs/sglang.md, "KVzap"). Steps the hooks miss leave their positions unscored, and KVzap
+keeps unscored positions.
 """
 
 from __future__ import annotations
@@ -32,36 +37,51 @@ import torch
 
 logger = logging.getLogger("agentkv.sglang")
 
-#: req_pool_idx -> state of requests whose observer takes layer inputs (scheduler process).
+#: req_pool_idx -> state of requests whose observer takes layer inputs in prefill
+#: (scheduler process; ``.observer``).
 HIDDEN_OBSERVING: dict[int, Any] = {}
+#: req_pool_idx -> decode-time watch of requests that prune while decoding
+#: (:class:`~.decode_pruning.DecodeWatch`: ``.observer``, ``.fed``).
+HIDDEN_DECODING: dict[int, Any] = {}
 
 _INSTALLED = "_agentkv_hidden_hooks"
 
 
 class _BatchRows:
-    """Per forward batch, the observed requests' row ranges and positions: computed at the
-    first layer, reused by the others (the same ``positions`` objects at every layer, so
-    KVzap's deferred scoring batches all layers into one call)."""
+    """Per forward batch, the observed requests' observers, row ranges and positions:
+    computed at the first layer, reused by the others (the same ``positions`` objects at
+    every layer, so KVzap's deferred scoring batches all layers into one call).
+
+    Extend: request ``i`` owns rows ``extend_start_loc[i] : + extend_seq_lens[i]`` and is
+    looked up in :data:`HIDDEN_OBSERVING`. Decode: one row per request, looked up in
+    :data:`HIDDEN_DECODING` (whose entry records the position it was fed)."""
 
     def __init__(self) -> None:
         self.batch: Any = None
         self.warned = False
         self.rows: list[tuple[Any, int, int, torch.Tensor]] = []
 
-    def of(self, forward_batch: Any) -> list[tuple[Any, int, int, torch.Tensor]]:
-        if forward_batch is not self.batch:
-            self.batch = forward_batch
-            self.rows = []
-            pool_idx = forward_batch.req_pool_indices.tolist()
+    def of(self, forward_batch: Any, extend: bool) -> list[tuple[Any, int, int, torch.Tensor]]:
+        if forward_batch is self.batch:
+            return self.rows
+        self.batch = forward_batch
+        self.rows = []
+        pool_idx = forward_batch.req_pool_indices.tolist()
+        if extend:
             starts = forward_batch.extend_start_loc.tolist()
             lens = forward_batch.extend_seq_lens.tolist()
-            for i, idx in enumerate(pool_idx):
-                state = HIDDEN_OBSERVING.get(idx)
-                if state is None or state.observer is None or lens[i] == 0:
-                    continue
-                s, n = starts[i], lens[i]
-                pos = forward_batch.positions[s : s + n].to(torch.int64)
-                self.rows.append((state.observer, s, n, pos))
+        else:
+            starts, lens = list(range(len(pool_idx))), [1] * len(pool_idx)
+        for i, idx in enumerate(pool_idx):
+            entry = (HIDDEN_OBSERVING if extend else HIDDEN_DECODING).get(idx)
+            observer = None if entry is None else entry.observer
+            if observer is None or lens[i] == 0:
+                continue
+            s, n = starts[i], lens[i]
+            pos = forward_batch.positions[s : s + n].to(torch.int64)
+            if not extend:
+                entry.fed.append(pos)  # this step's position (read back after the step)
+            self.rows.append((observer, s, n, pos))
         return self.rows
 
 
@@ -90,13 +110,20 @@ def observe_layer_input(
     forward_batch: Any,
     post_residual_addition: torch.Tensor | None = None,
 ) -> None:
-    """Hand each observed request of an extend batch its rows of layer ``layer_idx``'s input."""
-    if not HIDDEN_OBSERVING:
+    """Hand each observed request of an extend (or eager decode) batch its rows of layer
+    ``layer_idx``'s input."""
+    if not (HIDDEN_OBSERVING or HIDDEN_DECODING):
         return
     mode = getattr(forward_batch, "forward_mode", None)
-    if mode is None or not mode.is_extend():
+    if mode is None:
         return
-    rows = _ROWS.of(forward_batch)
+    if mode.is_extend():
+        extend = True
+    elif mode.is_decode():
+        extend = False
+    else:  # idle, target-verify, ...: not observed
+        return
+    rows = _ROWS.of(forward_batch, extend)
     if not rows:
         return
     if residual is not None and getattr(hidden_states, "_sglang_needs_allreduce_fusion", False):
@@ -113,7 +140,7 @@ def observe_layer_input(
 
 def _hook(layer_idx: int):
     def pre_hook(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if not HIDDEN_OBSERVING:
+        if not (HIDDEN_OBSERVING or HIDDEN_DECODING):
             return
         # (positions, hidden_states, forward_batch, residual[, post_residual_addition])
         names = ("positions", "hidden_states", "forward_batch", "residual")

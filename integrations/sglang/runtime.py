@@ -32,7 +32,12 @@ from typing import Any
 
 import torch
 
-from agentkv.integrations.sglang.hidden_states import HIDDEN_OBSERVING, reset_rows
+from agentkv.integrations.sglang.decode_pruning import after_decode, watch_decode
+from agentkv.integrations.sglang.hidden_states import (
+    HIDDEN_DECODING,
+    HIDDEN_OBSERVING,
+    reset_rows,
+)
 from agentkv.integrations.sglang.request_plan import (
     HOLEY,
     TAGS_KEY,
@@ -151,6 +156,8 @@ def run_batch(original: Any, scheduler: Any, batch: Any, *args: Any, **kwargs: A
         reset_rows()
     if extend:
         after_extend(scheduler, batch)
+    elif HIDDEN_DECODING and batch is not None and batch.forward_mode.is_decode():
+        after_decode(scheduler, batch, planner_for(scheduler).shape)
     return result
 
 
@@ -260,25 +267,21 @@ def plan_one(planner: Planner, req_to_token_pool: Any, allocator: Any, req: Any,
         return pool.get_key_buffer(layer)[row[live_pos]], live_pos, None
 
     plan = plan_request(state, planner.methods, planner.shape, live, read_keys)
-    state.observer = None
+    observer, state.observer = state.observer, None
     positions = evicted_positions(plan, T)
     n = apply_evictions(r2t, req.req_pool_idx, positions, req.cache_protected_len, allocator)
     if n or not bool(live.all()):
         HOLEY.mark(state)
     state.planned = True
-    note = plan.note if state.tagged else ("untagged; " + plan.note).strip("; ")
-    interval = planner.methods.for_policy(state.payload.policy).decode_interval(
-        state.payload.policy
-    )
-    if interval > 0:  # decode steps run in CUDA graphs: no layer inputs, no decode plans
-        note = f"{note}; decode_interval={interval} ignored on SGLang (prefill only)"
     state.usage = {
         "evicted_tokens": n,
         "live_kv_tokens": int(live.sum()) - n,
-        "plan_note": note,
+        "plan_note": plan.note if state.tagged else ("untagged; " + plan.note).strip("; "),
         "plan_time_s": time.perf_counter() - t0,
         "planned_at": time.perf_counter(),
     }
+    # KVzap: keep scoring while decoding, prune every decode_interval observed steps
+    watch_decode(req, state, planner.methods.for_policy(state.payload.policy), observer)
     logger.info(
         "agentkv plan session=%s policy=%s prompt %d evicted %d live %d (%.1f ms)%s",
         state.payload.session_id,

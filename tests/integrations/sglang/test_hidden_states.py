@@ -89,6 +89,7 @@ def models(request, model_dir):
     cfg = cfg(**LLAMA_CONFIG)
     torch.manual_seed(0)
     hf = hf_cls(cfg).eval()
+    hf.config._attn_implementation = "eager"  # masked rows stay finite
     # SGLang's CPU rope path (the CUDA-less fallback otherwise imports vLLM's kernel)
     was, rope._is_cpu = rope._is_cpu, True
     try:
@@ -101,10 +102,14 @@ def models(request, model_dir):
     return sgl, hf
 
 
-def hf_layer_inputs(hf, ids: list[int]) -> torch.Tensor:
-    """``[L, T, D_h]``: the input of every decoder layer over the whole prompt, alone."""
+def hf_layer_inputs(hf, ids: list[int], dead: list[int] | None = None) -> torch.Tensor:
+    """``[L, T, D_h]``: the input of every decoder layer over the whole prompt, alone;
+    positions ``dead`` masked out as keys (for rows computed after they were evicted)."""
+    mask = torch.ones(1, len(ids), dtype=torch.long)
+    if dead:
+        mask[0, dead] = 0
     with torch.no_grad():
-        out = hf(torch.tensor([ids]), output_hidden_states=True)
+        out = hf(torch.tensor([ids]), attention_mask=mask, output_hidden_states=True)
     return torch.stack(out.hidden_states[: hf.config.num_hidden_layers])[:, 0]
 
 
@@ -126,11 +131,10 @@ class Tee(PrefillObserver):
         return self.inner.result()
 
 
-def extend(sgl, steps, reqs, ranges):
+def extend(sgl, steps, reqs, ranges, backend=None):
     """One SGLang extend forward: request ``i`` computes positions ``ranges[i]`` of its row."""
     from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
-    from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
 
     ids, pos, locs, lens, prefix = [], [], [], [], []
     for r, (a, b) in zip(reqs, ranges, strict=True):
@@ -139,7 +143,6 @@ def extend(sgl, steps, reqs, ranges):
         locs.append(steps.row(r)[a:b])
         lens.append(b - a)
         prefix.append(a)
-    n = sum(lens)
     fb = ForwardBatch(
         forward_mode=ForwardMode.EXTEND,
         batch_size=len(reqs),
@@ -155,15 +158,24 @@ def extend(sgl, steps, reqs, ranges):
         extend_prefix_lens_cpu=prefix,
         extend_seq_lens_cpu=lens,
     )
-    runner = SimpleNamespace(device="cpu", req_to_token_pool=steps.r2t, token_to_kv_pool=steps.kv)
-    backend = TorchNativeAttnBackend(runner)
+    if backend is None:
+        runner = SimpleNamespace(
+            device="cpu", req_to_token_pool=steps.r2t, token_to_kv_pool=steps.kv
+        )
+        backend = TorchNativeAttnBackend(runner)
+    run_forward(sgl, fb, backend)
+
+
+def run_forward(sgl, fb, backend):
+    from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+
     fb.attn_backend = backend
     backend.init_forward_metadata(fb)
     fields = {f.name for f in dataclasses.fields(ForwardContext)}
     ctx = ForwardContext(**{k: v for k, v in {"attn_backend": backend}.items() if k in fields})
     with torch.no_grad(), forward_context(ctx):
         out = sgl.model(fb.input_ids, fb.positions, fb)
-    assert out.shape == (n, LLAMA_CONFIG["hidden_size"])
+    assert out.shape == (fb.input_ids.numel(), LLAMA_CONFIG["hidden_size"])
 
 
 def write_surrogate(folder, shape, hidden_size: int) -> Surrogate:
@@ -295,3 +307,157 @@ def test_hook_skips_decode_and_unobserved_batches():
             observe_layer_input(0, h, h, fb)
     finally:
         HIDDEN_OBSERVING.clear()
+
+
+def plugin_backend(sgl, steps, tmp_path):
+    """The plugin's ``AgentKVTritonBackend`` (DEAD compacted out of ``kv_indices``; SGLang's
+    Triton kernels under ``TRITON_INTERPRET=1``), built by the registered factory, which
+    also installs the decoder-layer hooks (already there: installed once)."""
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.server_args import ServerArgs
+
+    from agentkv.integrations.sglang.attention import create_agentkv_backend
+
+    d = tmp_path / "model"
+    d.mkdir()
+    arch = type(sgl).__name__
+    config = LLAMA_CONFIG | {"architectures": [arch], "model_type": arch[:-11].lower()}
+    (d / "config.json").write_text(__import__("json").dumps(config))
+    runner = SimpleNamespace(
+        req_to_token_pool=steps.r2t,
+        token_to_kv_pool=steps.kv,
+        token_to_kv_pool_allocator=steps.alloc,
+        sliding_window_size=None,
+        model_config=ModelConfig(model_path=str(d)),
+        server_args=ServerArgs(model_path=str(d), page_size=1, device="cpu"),
+        device="cpu",
+        gpu_id=0,
+        page_size=1,
+        is_draft_worker=False,
+        model=sgl,
+    )
+    backend = create_agentkv_backend(runner)
+    assert getattr(sgl, "_agentkv_hidden_hooks", False)
+    return backend
+
+
+def decode_step(sgl, steps, req, token: int, backend) -> None:
+    """One eager decode step of ``req`` (SGLang's decode ForwardBatch: one row)."""
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+
+    steps.decode(req, [token])  # slot allocated, row written (the forward writes its KV)
+    p = req.kv_committed_len - 1
+    fb = ForwardBatch(
+        forward_mode=ForwardMode.DECODE,
+        batch_size=1,
+        input_ids=torch.tensor([token]),
+        req_pool_indices=torch.tensor([req.req_pool_idx]),
+        seq_lens=torch.tensor([p + 1]),
+        seq_lens_cpu=torch.tensor([p + 1]),
+        out_cache_loc=steps.row(req)[p : p + 1],
+        seq_lens_sum=p + 1,
+        positions=torch.tensor([p]),
+    )
+    run_forward(sgl, fb, backend)
+
+
+def test_kvzap_prunes_while_decoding_eagerly(models, steps, tmp_path):
+    """decode_interval on SGLang: eager decode steps (the plugin's Triton backend, holes
+    compacted) hand the hooks one row each, equal to the layer inputs transformers computes
+    with the evicted positions masked; every ``interval`` observed steps the decode plan
+    lands on the row; a step replayed from a CUDA graph (no hook ran) is not counted."""
+    from agentkv.integrations.sglang.decode_pruning import after_decode
+    from agentkv.integrations.sglang.hidden_states import HIDDEN_DECODING
+    from agentkv.integrations.sglang.usage import kv_usage
+
+    sgl, hf = models
+    shape = steps.planner.shape
+    sur = write_surrogate(tmp_path, shape, LLAMA_CONFIG["hidden_size"])
+    g = torch.Generator().manual_seed(3)
+    T, window, interval = 16, 4, 3
+    ids = torch.randint(1, 256, (T,), generator=g).tolist()
+    out = torch.randint(1, 256, (6,), generator=g).tolist()
+    full = ids + out
+
+    def scores(h):  # [L, Hkv, n]
+        return torch.stack([sur.score(i, h[i]).T for i in range(shape.num_layers)])
+
+    threshold = float(scores(hf_layer_inputs(hf, full))[:, :, : T + 2].amax(dim=(0, 1)).median())
+    policy = KVzap(threshold=threshold, window=window, surrogate="linear",
+                   surrogate_path=str(tmp_path), decode_interval=interval)  # fmt: skip
+    c = steps.request(ids, encode_payload(KVPayload(session_id="dec", policy=policy)), rid="c")
+    steps.prefill(c, plan=False)
+    HOLEY.dead_slot = dead = steps.alloc.dead_slot
+    import agentkv.integrations.sglang.runtime as runtime
+
+    runtime._PLANNER = steps.planner
+    c.prefix_indices = steps.row(c)[:0]
+    sched = SimpleNamespace(
+        token_to_kv_pool_allocator=steps.alloc,
+        req_to_token_pool=steps.r2t,
+        model_config=SimpleNamespace(num_attention_heads=shape.num_q_heads),
+        tp_size=1,
+    )
+    state = request_state(c)
+    state.planned = False
+    before_extend(sched, SimpleNamespace(reqs=[c]))
+    extend(sgl, steps, [c], [(0, T)])
+    n0 = plan_one(steps.planner, steps.r2t, steps.alloc, c, state)
+    assert set(HIDDEN_DECODING) == {c.req_pool_idx} and not HIDDEN_OBSERVING
+
+    def dead_now() -> list[int]:
+        return torch.nonzero(steps.row(c) == dead).reshape(-1).tolist()
+
+    e0 = dead_now()
+    assert len(e0) == n0 > 0
+    backend = plugin_backend(sgl, steps, tmp_path)
+    watch = HIDDEN_DECODING[c.req_pool_idx]
+    tee = watch.observer = Tee(watch.observer)
+    free0 = steps.alloc.available_size()
+    masks, planned = [], []
+    for j, t in enumerate(out):
+        masks.append(dead_now())  # what this step's attention skips
+        decode_step(sgl, steps, c, t, backend)
+        before = dead_now()
+        assert after_decode(sched, SimpleNamespace(reqs=[c]), shape) == len(dead_now()) - len(
+            before
+        )
+        planned.append(dead_now())
+        assert after_decode(sched, SimpleNamespace(reqs=[c]), shape) == 0  # graph replay
+        assert watch.observed == j + 1
+    assert watch.plans == 2
+
+    # the hooks' decode rows: one per step, at its position, equal to transformers' with the
+    # positions dead at that step masked out
+    for layer in range(shape.num_layers):
+        rows = tee.seen[layer]
+        assert [int(p) for _, p in rows] == list(range(T, T + 6))
+        for j, (h, _) in enumerate(rows):
+            want = hf_layer_inputs(hf, full[: T + j + 1], masks[j])[layer, T + j]
+            torch.testing.assert_close(h[0], want, atol=2e-5, rtol=1e-4)
+
+    # the two decode plans: positions that left the window since the last pass, below the
+    # threshold in every (layer, head); scores of decoded positions from their decode rows
+    def want_gone(lo: int, hi: int) -> set[int]:
+        gone = set()
+        for p in range(lo, hi):
+            h = hf_layer_inputs(hf, full[: p + 1], masks[p - T] if p >= T else None)[:, p]
+            if bool((scores(h[:, None]) < threshold).all()):
+                gone.add(p)
+        return gone
+
+    g1, g2 = want_gone(T - window, T + 3 - window), want_gone(T + 3 - window, T + 6 - window)
+    assert set(planned[2]) - set(e0) == g1 and set(planned[5]) - set(planned[2]) == g2
+    assert g1 and max(g2, default=0) >= T  # both plans evicted, the second a decoded row
+    assert steps.alloc.available_size() == free0 - 6 + len(g1) + len(g2)
+
+    u = kv_usage(c, state, steps.planner, completion=7)  # 6 forwarded + the last
+    assert u["evicted_tokens"] == n0 + len(g1) + len(g2)
+    assert u["live_kv_tokens"] == T - n0 + 6 - len(g1) - len(g2)
+    f, live0 = 6, T - n0
+    saved = len(g1) * (f - 3) + len(g2) * 0
+    assert u["effective_kv_reads"] == f * live0 + f * (f + 1) // 2 - saved
+    assert "6/6 steps observed" in u["plan_note"]
+    steps.finish(c)
+    assert not HIDDEN_DECODING
+    steps.cache.check_invariants()
