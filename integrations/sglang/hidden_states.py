@@ -58,13 +58,14 @@ class _BatchRows:
 
     def __init__(self) -> None:
         self.batch: Any = None
+        self.extend = True
         self.warned = False
         self.rows: list[tuple[Any, int, int, torch.Tensor]] = []
 
     def of(self, forward_batch: Any, extend: bool) -> list[tuple[Any, int, int, torch.Tensor]]:
-        if forward_batch is self.batch:
+        if forward_batch is self.batch and extend == self.extend:
             return self.rows
-        self.batch = forward_batch
+        self.batch, self.extend = forward_batch, extend
         self.rows = []
         pool_idx = forward_batch.req_pool_indices.tolist()
         if extend:

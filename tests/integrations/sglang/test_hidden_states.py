@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from agentkv.integrations.sglang.hidden_states import (
+    HIDDEN_DECODING,
     HIDDEN_OBSERVING,
     install_hidden_state_hooks,
 )
@@ -39,6 +40,16 @@ LLAMA_CONFIG = {
     "tie_word_embeddings": True,
     "vocab_size": 256,
 }
+
+
+@pytest.fixture(autouse=True)
+def empty_tables():
+    """The scheduler process's observer tables, empty before and after each test."""
+    for t in (HIDDEN_OBSERVING, HIDDEN_DECODING, OBSERVING):
+        t.clear()
+    yield
+    for t in (HIDDEN_OBSERVING, HIDDEN_DECODING, OBSERVING):
+        t.clear()
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3"])
@@ -267,7 +278,9 @@ def test_kvzap_layer_inputs_from_a_real_sglang_batch_and_the_plan(models, steps,
         want = torch.nonzero(~keep.any(dim=(0, 1))).reshape(-1)
         now = torch.nonzero(steps.row(r)[:T] == steps.alloc.dead_slot).reshape(-1)
         assert torch.equal(now, want) and n == want.numel()
-        assert "decode_interval=16 ignored on SGLang" in state.usage["plan_note"]
+        assert state.usage["plan_note"].endswith(f"kvzap: {T - (8 if name == 'b' else 0)}/{T} "
+                                                 "positions scored")  # fmt: skip
+        assert HIDDEN_DECODING[r.req_pool_idx].interval == 16  # it goes on scoring, decoding
         assert state.usage["live_kv_tokens"] == T - n
         evicted[name] = n
     assert evicted["a"] > 0 and evicted["a"] < 24 - window
@@ -275,6 +288,7 @@ def test_kvzap_layer_inputs_from_a_real_sglang_batch_and_the_plan(models, steps,
     assert not HIDDEN_OBSERVING and not OBSERVING
     for r in (a, b):
         steps.finish(r)
+    assert not HIDDEN_DECODING
     steps.cache.check_invariants()
 
 
@@ -367,7 +381,6 @@ def test_kvzap_prunes_while_decoding_eagerly(models, steps, tmp_path):
     with the evicted positions masked; every ``interval`` observed steps the decode plan
     lands on the row; a step replayed from a CUDA graph (no hook ran) is not counted."""
     from agentkv.integrations.sglang.decode_pruning import after_decode
-    from agentkv.integrations.sglang.hidden_states import HIDDEN_DECODING
     from agentkv.integrations.sglang.usage import kv_usage
 
     sgl, hf = models
