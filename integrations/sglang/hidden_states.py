@@ -119,8 +119,12 @@ def observe_layer_input(
     if mode is None:
         return
     if mode.is_extend():
+        if not HIDDEN_OBSERVING:
+            return
         extend = True
     elif mode.is_decode():
+        if not HIDDEN_DECODING:  # (a chunked KVzap prefill in progress: no sync per step)
+            return
         extend = False
     else:  # idle, target-verify, ...: not observed
         return

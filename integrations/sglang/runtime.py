@@ -13,7 +13,8 @@ the scheduler process.
   attention backend, :func:`observe_extend`; KVzap's by the decoder-layer hooks of
   :mod:`.hidden_states`); after it, every request whose prompt is now
   complete is planned with the same ``Method`` registry as the embedded engine, and the plan
-  is applied to its ``req_to_token`` row (:func:`~.request_plan.apply_evictions`). The
+  is applied to its ``req_to_token`` row (:func:`~.request_plan.apply_evictions`); after a
+  decode batch, methods that prune while decoding plan again (:mod:`.decode_pruning`). The
   forward stream is synchronised first (the keys must be written): one sync per batch that
   completes a planned prefill, also under the overlap scheduler.
 

@@ -292,9 +292,9 @@ def test_kvzap_layer_inputs_from_a_real_sglang_batch_and_the_plan(models, steps,
     steps.cache.check_invariants()
 
 
-def test_hook_skips_decode_and_unobserved_batches():
-    """Decode batches (CUDA-graph capture included) and batches without a KVzap request never
-    reach an observer."""
+def test_hook_skips_unobserved_batches():
+    """Batches without a watched request, and decode batches for a request watched only in
+    prefill (CUDA-graph capture at start-up included), reach no observer."""
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
     from agentkv.integrations.sglang.hidden_states import observe_layer_input
