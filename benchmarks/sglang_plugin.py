@@ -244,6 +244,155 @@ def positions_embedded(prompt_file: str, spec: str, model_dir: str) -> dict[str,
     }
 
 
+def positions_cpu(embedded: dict[str, Any], model_dir: str) -> dict[str, Any]:
+    """The plugin's scheduler-side path in-process on CPU, without a server: SGLang's
+    ``LlamaForCausalLM`` on the embedded engine's weights (fp32, TP = 1 on gloo, SGLang's
+    ``TorchNativeAttnBackend``), the plugin's decoder-layer hooks installed, the prompt as one
+    extend ``ForwardBatch`` on SGLang's pools, then the plugin's ``before_extend`` /
+    ``plan_one`` (the embedded engine's ids and tags), and the evicted positions compared with
+    the engine's. Methods that score from layer inputs (KVzap); the attention observers
+    (IntentKV, SnapKV, H2O) are fed by the Triton backend, which is not used here."""
+    import contextlib
+    import socket
+    from array import array
+    from types import SimpleNamespace
+
+    import torch
+    from safetensors.torch import load_file
+
+    for op in ("nms", "qnms"):  # PyPI's torchvision on CPU torch: as tests/integrations/sglang
+        with contextlib.suppress(RuntimeError):
+            torch.library.define(
+                f"torchvision::{op}", "(Tensor dets, Tensor scores, float iou_threshold) -> Tensor"
+            )
+    from sglang.srt.runtime_context import publish
+    from sglang.srt.server_args import ServerArgs
+
+    publish(ServerArgs(model_path=model_dir, page_size=1, device="cpu"), role="test")
+    import sglang.srt.layers.rotary_embedding.base as rope
+    import transformers
+    from sglang.srt.distributed import init_distributed_environment, initialize_model_parallel
+    from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+    from sglang.srt.layers.dp_attention import initialize_dp_attention
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+    from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+    from sglang.srt.models.llama import LlamaForCausalLM
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    from agentkv.integrations.sglang.hidden_states import install_hidden_state_hooks
+    from agentkv.integrations.sglang.request_plan import HOLEY, request_state
+    from agentkv.integrations.sglang.runtime import Planner, before_extend, plan_one
+    from agentkv.integrations.sglang.slot_refcounts import RefCountedTokenAllocator
+    from agentkv.methods.base import ModelShape
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    init_distributed_environment(
+        world_size=1,
+        rank=0,
+        local_rank=0,
+        distributed_init_method=f"tcp://127.0.0.1:{port}",
+        backend="gloo",
+    )
+    initialize_model_parallel(1)
+    cfg = transformers.LlamaConfig.from_pretrained(model_dir)
+    initialize_dp_attention(
+        ServerArgs(model_path=model_dir, page_size=1, device="cpu"),
+        SimpleNamespace(hf_config=cfg, hidden_size=cfg.hidden_size, dtype=torch.float32),
+    )
+    was, rope._is_cpu = rope._is_cpu, True  # SGLang's CPU rope (else vLLM's kernel)
+    try:
+        model = LlamaForCausalLM(cfg)
+    finally:
+        rope._is_cpu = was
+    model.load_weights(list(load_file(str(Path(model_dir) / "model.safetensors")).items()))
+    install_hidden_state_hooks(model)
+
+    ids = embedded["token_ids"]
+    T = len(ids)
+    L, hkv = cfg.num_hidden_layers, cfg.num_key_value_heads
+    d = cfg.hidden_size // cfg.num_attention_heads
+    r2t = ReqToTokenPool(size=2, max_context_len=T + 8, device="cpu", enable_memory_saver=False)
+    kv = MHATokenToKVPool(
+        size=T + 16,
+        page_size=1,
+        dtype=torch.float32,
+        head_num=hkv,
+        head_dim=d,
+        layer_num=L,
+        device="cpu",
+        enable_memory_saver=False,
+    )
+    alloc = RefCountedTokenAllocator(T + 16, torch.float32, "cpu", kv, need_sort=False)
+    planner = Planner(ModelShape(L, cfg.num_attention_heads, hkv, d), 2 * L * hkv * d * 4)
+    import agentkv.integrations.sglang.runtime as runtime
+
+    runtime._PLANNER = planner
+    payload = encode_payload(
+        build_payload(embedded["messages"], parse_policy(embedded["spec"]), "pos-cpu")
+    )
+    sp = SamplingParams(
+        max_new_tokens=1, custom_params={"agentkv": payload, "agentkv_tags": embedded["tags"]}
+    )
+    req = Req("pos-cpu", "", array("q", ids), sp)
+    req.prefix_indices = torch.empty(0, dtype=torch.int64)
+    r2t.alloc([req])
+    slots = alloc.alloc(T)
+    r2t.req_to_token[req.req_pool_idx, :T] = slots.to(torch.int32)
+    HOLEY.dead_slot = alloc.dead_slot
+    sched = SimpleNamespace(
+        token_to_kv_pool_allocator=alloc,
+        model_config=SimpleNamespace(num_attention_heads=cfg.num_attention_heads),
+        tp_size=1,
+    )
+    before_extend(sched, SimpleNamespace(reqs=[req]))
+    fb = ForwardBatch(
+        forward_mode=ForwardMode.EXTEND,
+        batch_size=1,
+        input_ids=torch.tensor(ids),
+        req_pool_indices=torch.tensor([req.req_pool_idx]),
+        seq_lens=torch.tensor([T]),
+        out_cache_loc=slots.to(torch.int64),
+        seq_lens_sum=T,
+        positions=torch.arange(T),
+        extend_start_loc=torch.tensor([0]),
+        extend_seq_lens=torch.tensor([T]),
+        extend_prefix_lens=torch.tensor([0]),
+        extend_prefix_lens_cpu=[0],
+        extend_seq_lens_cpu=[T],
+    )
+    backend = TorchNativeAttnBackend(
+        SimpleNamespace(device="cpu", req_to_token_pool=r2t, token_to_kv_pool=kv)
+    )
+    fb.attn_backend = backend
+    backend.init_forward_metadata(fb)
+    t0 = time.perf_counter()
+    with torch.no_grad(), forward_context(ForwardContext(attn_backend=backend)):
+        model.model(fb.input_ids, fb.positions, fb)
+    forward_s = time.perf_counter() - t0
+    state = request_state(req)
+    n = plan_one(planner, r2t, alloc, req, state)
+    row = r2t.req_to_token[req.req_pool_idx, :T].to(torch.int64)
+    evicted = torch.nonzero(row == alloc.dead_slot).reshape(-1).tolist()
+    a, b = set(embedded["evicted"]), set(evicted)
+    return {
+        "label": "cpu-in-process",
+        "evicted": len(evicted),
+        "evicted_plan": n,
+        "plan_note": state.usage["plan_note"],
+        "jaccard_evicted": round(jaccard(a, b), 4),
+        "jaccard_kept": round(jaccard(set(range(T)) - a, set(range(T)) - b), 4),
+        "only_sglang": sorted(b - a),
+        "only_embedded": sorted(a - b),
+        "forward_s": round(forward_s, 2),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+    }
+
+
 def jaccard(a: set[int], b: set[int]) -> float:
     return len(a & b) / len(a | b) if a | b else 1.0
 
@@ -485,6 +634,7 @@ def main() -> None:
             "positions-prompt",
             "positions-embedded",
             "positions-sglang",
+            "positions-cpu",
         ],
     )
     ap.add_argument("--stock", help="stock SGLang server URL (check, replay)")
@@ -512,7 +662,10 @@ def main() -> None:
         "--policy", default="intentkv:budget=512,protect_system=false", help="positions: the policy"
     )
     ap.add_argument("--prompt-file", help="positions: the prompt JSON (positions-prompt)")
-    ap.add_argument("--model-dir", help="positions-embedded: where to write SGLang's model dir")
+    ap.add_argument(
+        "--model-dir",
+        help="positions-embedded: where to write SGLang's model dir; positions-cpu: read it",
+    )
     ap.add_argument("--embedded", help="positions-sglang: positions_embedded.json")
     ap.add_argument("--label", default="hf", help="positions-sglang: the server's label")
     a = ap.parse_args()
@@ -531,9 +684,13 @@ def main() -> None:
         )
         (out / "positions_embedded.json").write_text(json.dumps(res, indent=1))
         return
-    if a.phase == "positions-sglang":
+    if a.phase in ("positions-sglang", "positions-cpu"):
         embedded = json.loads(Path(a.embedded).read_text())
-        res = positions_sglang(a.plugin, a.plugin_log, embedded, a.label)
+        if a.phase == "positions-cpu":
+            res = positions_cpu(embedded, a.model_dir)
+            print(json.dumps({k: v for k, v in res.items() if not k.startswith("only")}))
+        else:
+            res = positions_sglang(a.plugin, a.plugin_log, embedded, a.label)
         path = out / "positions.json"
         runs = json.loads(path.read_text())["runs"] if path.is_file() else []
         runs = [r for r in runs if r["label"] != a.label] + [res]

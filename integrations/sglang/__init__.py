@@ -10,12 +10,14 @@ entry point ``agentkv = agentkv.integrations.sglang:register`` in the group
 ``sglang.srt.plugins`` and calls :func:`register` in every SGLang process, which
 
 - registers the attention backend ``agentkv`` (SGLang's Triton backend with DEAD dropped from
-  ``kv_indices``, feeding prefill observers; :mod:`.attention`),
+  ``kv_indices``, feeding prefill observers; :mod:`.attention`); its factory puts a
+  ``forward_pre_hook`` on each decoder layer, handing KVzap the layer inputs
+  (:mod:`.hidden_states`, :mod:`.decode_pruning`),
 - registers the radix-cache backend ``agentkv`` (hole-preserving session namespaces,
   reference-counted frees on a reserved DEAD slot; :mod:`.radix_cache`, :mod:`.slot_refcounts`),
 - hooks ``OpenAIServingChat._convert_to_internal_request`` (AFTER: validate the payload, tag the
-  prompt) and ``Scheduler.run_batch`` (AROUND: observe, then plan after prefill;
-  :mod:`.runtime`),
+  prompt) and ``Scheduler.run_batch`` (AROUND: observe, then plan after prefill, and after
+  eager decode steps for KVzap's ``decode_interval``; :mod:`.runtime`),
 - hooks ``OpenAIServingChat._build_chat_response`` (AFTER), ``_generate_stream_content`` and
   ``_generate_chat_stream`` (AROUND): ``usage.agentkv`` in chat responses, streamed too
   (:mod:`.usage`).

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from agentkv.integrations.sglang.hidden_states import install_hidden_state_hooks
 from agentkv.integrations.sglang.request_plan import HOLEY
 from agentkv.integrations.sglang.runtime import OBSERVING, observe_extend
 
@@ -77,5 +78,10 @@ def make_backend_class():
 
 
 def create_agentkv_backend(runner):
-    """The factory registered with ``register_attention_backend("agentkv")``."""
+    """The factory registered with ``register_attention_backend("agentkv")``; also hooks the
+    model's decoder layers for KVzap (:mod:`.hidden_states`: SGLang builds the attention
+    backend after loading the model)."""
+    model = getattr(runner, "model", None)
+    if model is not None:
+        install_hidden_state_hooks(model)
     return make_backend_class()(runner)

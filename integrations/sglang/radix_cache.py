@@ -51,6 +51,20 @@ from agentkv.integrations.sglang.slot_refcounts import RefCountedTokenAllocator
 logger = logging.getLogger(__name__)
 
 
+def _stop_watching(pool_idx: Any, state: AgentKVRequest) -> None:
+    """Drop the request from the observer tables (a retracted request gets them back when it
+    is computed again; its row index may go to another request meanwhile)."""
+    from agentkv.integrations.sglang.hidden_states import HIDDEN_DECODING, HIDDEN_OBSERVING
+    from agentkv.integrations.sglang.runtime import OBSERVING
+
+    for watching in (OBSERVING, HIDDEN_OBSERVING):
+        if watching.get(pool_idx) is state:
+            del watching[pool_idx]
+    watch = HIDDEN_DECODING.get(pool_idx)
+    if watch is not None and watch.state is state:
+        del HIDDEN_DECODING[pool_idx]
+
+
 class AgentKVRadixCache(RadixCache):
     """Radix cache with per-session hole-preserving namespaces and reference-counted frees.
 
@@ -184,6 +198,7 @@ class AgentKVRadixCache(RadixCache):
             self.drop_namespace(drop)
         if state is not None:
             HOLEY.release(state)
+            _stop_watching(req.req_pool_idx, state)  # finished, aborted or retracted
             if not is_insert:
                 state.planned = False  # retracted: computed (and planned) again later
 

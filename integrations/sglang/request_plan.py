@@ -29,9 +29,9 @@ from agentkv.wire import WIRE_KEY, KVPayload, PayloadError, decode_payload
 #: ``custom_params`` key of the tags the HTTP process computed (a JSON string).
 TAGS_KEY = "agentkv_tags"
 
-#: policy methods the plugin serves on SGLang: eviction only (no quantized pools yet; KVzap
-#: needs each layer's input hidden state, not hooked yet).
-SGLANG_METHODS = frozenset({"full", "streamingllm", "snapkv", "h2o", "intentkv"})
+#: policy methods the plugin serves on SGLang: eviction only (no quantized pools yet); KVzap
+#: in prefill (layer inputs from :mod:`.hidden_states`; no pruning while decoding).
+SGLANG_METHODS = frozenset({"full", "streamingllm", "snapkv", "h2o", "intentkv", "kvzap"})
 
 
 def check_payload(raw: Any) -> KVPayload:
@@ -45,6 +45,36 @@ def check_payload(raw: Any) -> KVPayload:
             field="policy.method",
         )
     return payload
+
+
+#: per model shape, the HTTP process's method instances (KVzap caches its surrogates there).
+_HTTP_METHODS: dict[ModelShape, MethodSet] = {}
+
+
+def model_shape(model_config: Any, tp_size: int = 1) -> ModelShape:
+    """The shape one TP rank plans with, from SGLang's ``ModelConfig`` (the HTTP process has
+    no KV pool; the scheduler's :func:`~.runtime.init_planner` reads the same from it)."""
+    return ModelShape(
+        int(model_config.num_hidden_layers),
+        int(model_config.num_attention_heads) // max(1, tp_size),
+        int(model_config.get_num_kv_heads(max(1, tp_size))),
+        int(model_config.head_dim),
+    )
+
+
+def check_method(payload: KVPayload, model_config: Any, tp_size: int = 1) -> None:
+    """``Method.check`` in the HTTP process, as the embedded engine runs it before a request:
+    a policy whose trained artifact is missing (KVzap without a surrogate for this model, a
+    bad ``surrogate_path``) is a :class:`~agentkv.wire.PayloadError` naming the field."""
+    shape = model_shape(model_config, tp_size)
+    methods = _HTTP_METHODS.get(shape)
+    if methods is None:
+        methods = _HTTP_METHODS[shape] = MethodSet(shape)
+    try:
+        methods.for_policy(payload.policy)
+    except ValueError as e:
+        field = str(getattr(e, "field", "") or "policy").removeprefix("payload.")
+        raise PayloadError(str(e), field=field) from e
 
 
 _USER = TagCode.pack(Role.USER)

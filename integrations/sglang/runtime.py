@@ -10,9 +10,11 @@ the scheduler process.
   runs untagged (plan note says so).
 - **Scheduler process** (:func:`run_batch`, an AROUND hook on ``Scheduler.run_batch``): before
   an extend batch, requests whose method observes prefill get an observer (fed by the agentkv
-  attention backend, :func:`observe_extend`); after it, every request whose prompt is now
+  attention backend, :func:`observe_extend`; KVzap's by the decoder-layer hooks of
+  :mod:`.hidden_states`); after it, every request whose prompt is now
   complete is planned with the same ``Method`` registry as the embedded engine, and the plan
-  is applied to its ``req_to_token`` row (:func:`~.request_plan.apply_evictions`). The
+  is applied to its ``req_to_token`` row (:func:`~.request_plan.apply_evictions`); after a
+  decode batch, methods that prune while decoding plan again (:mod:`.decode_pruning`). The
   forward stream is synchronised first (the keys must be written): one sync per batch that
   completes a planned prefill, also under the overlap scheduler.
 
@@ -31,11 +33,18 @@ from typing import Any
 
 import torch
 
+from agentkv.integrations.sglang.decode_pruning import after_decode, watch_decode
+from agentkv.integrations.sglang.hidden_states import (
+    HIDDEN_DECODING,
+    HIDDEN_OBSERVING,
+    reset_rows,
+)
 from agentkv.integrations.sglang.request_plan import (
     HOLEY,
     TAGS_KEY,
     AgentKVRequest,
     apply_evictions,
+    check_method,
     check_payload,
     encode_tags,
     evicted_positions,
@@ -43,7 +52,7 @@ from agentkv.integrations.sglang.request_plan import (
     request_state,
 )
 from agentkv.integrations.sglang.usage import attach_usage, stream_usage_by_default
-from agentkv.methods.base import MethodSet, ModelShape, ObserveRequest
+from agentkv.methods.base import MethodSet, ModelShape, ObserveRequest, PrefillObserver
 from agentkv.wire import WIRE_KEY
 
 logger = logging.getLogger("agentkv.sglang")
@@ -107,6 +116,10 @@ def tag_chat_request(result: Any, serving: Any, request: Any, *args: Any, **kwar
     if custom.get(WIRE_KEY) is None:
         return
     payload = check_payload(custom[WIRE_KEY])  # PayloadError (a ValueError): HTTP 400
+    model_config = getattr(getattr(serving, "tokenizer_manager", None), "model_config", None)
+    if model_config is not None:  # e.g. KVzap without a surrogate for this model: 400
+        tp = getattr(getattr(serving.tokenizer_manager, "server_args", None), "tp_size", 1)
+        check_method(payload, model_config, tp if isinstance(tp, int) else 1)
     stream_usage_by_default(request)  # usage.agentkv in a stream's last chunk, as embedded
     ids = getattr(adapted, "input_ids", None)
     if not isinstance(ids, list) or not ids or not isinstance(ids[0], int):
@@ -138,9 +151,14 @@ def run_batch(original: Any, scheduler: Any, batch: Any, *args: Any, **kwargs: A
     extend = batch is not None and batch.forward_mode.is_extend()
     if extend:
         before_extend(scheduler, batch)
-    result = original(scheduler, batch, *args, **kwargs)
+    try:
+        result = original(scheduler, batch, *args, **kwargs)
+    finally:
+        reset_rows()
     if extend:
         after_extend(scheduler, batch)
+    elif HIDDEN_DECODING and batch is not None and batch.forward_mode.is_decode():
+        after_decode(scheduler, batch, planner_for(scheduler).shape)
     return result
 
 
@@ -173,9 +191,16 @@ def before_extend(scheduler: Any, batch: Any) -> None:
             state.usage = {"plan_note": f"no plan ({type(e).__name__}); nothing evicted"}
 
 
+def _takes_hidden(observer: Any) -> bool:
+    """Whether the observer implements ``observe_hidden`` (KVzap's score buffer)."""
+    return type(observer).observe_hidden is not PrefillObserver.observe_hidden
+
+
 def _start_observer(p: Planner, req: Any, state: AgentKVRequest) -> None:
+    """Give the request its method's observer (as the embedded engine does: every method is
+    asked; IntentKV, SnapKV and H2O watch attention, KVzap the layer inputs)."""
     method = p.methods.for_policy(state.payload.policy)
-    if state.observer is None and method.observes_prefill:
+    if state.observer is None:
         state.observer = method.observer(
             state.payload.policy,
             ObserveRequest(
@@ -185,8 +210,12 @@ def _start_observer(p: Planner, req: Any, state: AgentKVRequest) -> None:
                 shape=p.shape,
             ),
         )
-    if state.observer is not None:
+    if state.observer is None:
+        return
+    if method.observes_prefill:
         OBSERVING[req.req_pool_idx] = state
+    if _takes_hidden(state.observer):
+        HIDDEN_OBSERVING[req.req_pool_idx] = state
 
 
 def after_extend(scheduler: Any, batch: Any) -> None:
@@ -213,6 +242,7 @@ def after_extend(scheduler: Any, batch: Any) -> None:
         except Exception as e:  # a failed plan leaves the request whole: it runs as FullCache
             logger.exception("agentkv: plan failed for request %s; nothing evicted", req.rid)
             OBSERVING.pop(req.req_pool_idx, None)
+            HIDDEN_OBSERVING.pop(req.req_pool_idx, None)
             state.observer = None
             state.planned = True
             state.usage = {"plan_note": f"plan failed ({type(e).__name__}); nothing evicted"}
@@ -223,6 +253,7 @@ def plan_one(planner: Planner, req_to_token_pool: Any, allocator: Any, req: Any,
     positions made DEAD."""
     t0 = time.perf_counter()
     OBSERVING.pop(req.req_pool_idx, None)
+    HIDDEN_OBSERVING.pop(req.req_pool_idx, None)
     T = len(state.tags)
     pool = allocator.get_kvcache()
     r2t = req_to_token_pool.req_to_token
@@ -237,7 +268,7 @@ def plan_one(planner: Planner, req_to_token_pool: Any, allocator: Any, req: Any,
         return pool.get_key_buffer(layer)[row[live_pos]], live_pos, None
 
     plan = plan_request(state, planner.methods, planner.shape, live, read_keys)
-    state.observer = None
+    observer, state.observer = state.observer, None
     positions = evicted_positions(plan, T)
     n = apply_evictions(r2t, req.req_pool_idx, positions, req.cache_protected_len, allocator)
     if n or not bool(live.all()):
@@ -250,6 +281,8 @@ def plan_one(planner: Planner, req_to_token_pool: Any, allocator: Any, req: Any,
         "plan_time_s": time.perf_counter() - t0,
         "planned_at": time.perf_counter(),
     }
+    # KVzap: keep scoring while decoding, prune every decode_interval observed steps
+    watch_decode(req, state, planner.methods.for_policy(state.payload.policy), observer)
     logger.info(
         "agentkv plan session=%s policy=%s prompt %d evicted %d live %d (%.1f ms)%s",
         state.payload.session_id,

@@ -46,6 +46,7 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 from agentkv.engine.telemetry import KVUsage
+from agentkv.integrations.sglang.decode_pruning import decode_usage
 
 logger = logging.getLogger("agentkv.sglang")
 
@@ -113,7 +114,8 @@ def kv_usage(req: Any, state: Any, planner: Any, completion: int) -> dict[str, A
     plan = state.usage
     forwarded = max(completion - 1, 0)  # decode steps whose KV was written
     planned_live = int(plan.get("live_kv_tokens", T - state.dead_in_prefix))
-    live = planned_live + forwarded
+    decode_gone, reads_saved, decode_note = decode_usage(plan, planned_live, forwarded)
+    live = planned_live + forwarded - decode_gone
     positions = T + forwarded
     f = forwarded
     now = time.perf_counter()
@@ -147,11 +149,18 @@ def kv_usage(req: Any, state: Any, planner: Any, completion: int) -> dict[str, A
         evicted_tokens=int(plan.get("evicted_tokens", 0)),
         evicted_entries=int(plan.get("evicted_tokens", 0)) * shape.num_layers * shape.num_kv_heads,
         raw_kv_reads=f * T + f * (f + 1) // 2,
-        effective_kv_reads=f * planned_live + f * (f + 1) // 2,
+        effective_kv_reads=f * planned_live + f * (f + 1) // 2 - reads_saved,
         wall_time_s=round(now - t0, 4),
         prefill_time_s=round(max(planned_at - t0, 0.0), 4),
         decode_time_s=round(max(now - planned_at, 0.0), 4),
-        plan_note=plan.get("plan_note", "") or ("" if state.tagged else "untagged"),
+        plan_note="; ".join(
+            x
+            for x in (
+                plan.get("plan_note", "") or ("" if state.tagged else "untagged"),
+                decode_note,
+            )
+            if x
+        ),
     ).model_dump()
     usage["dropped_image_parts"] = 0  # the plugin drops nothing: SGLang handles image parts
     return usage

@@ -130,3 +130,42 @@ def test_a_streamed_agentkv_request_gets_its_usage_chunk_by_default(qwen):
     request.stream, request.stream_options = True, StreamOptions(include_usage=False)
     tag_chat_request((adapted, request), serving, request)
     assert request.stream_options.include_usage is False  # the client's choice stays
+
+
+def test_kvzap_is_served_and_a_missing_surrogate_is_a_400(qwen, model_dir, tmp_path):
+    """Method.check runs in the HTTP process on SGLang's ModelConfig, as the embedded engine
+    runs it: KVzap without a surrogate for this model (the tiny Qwen3 of conftest), or with a
+    folder that holds none, is a 400 naming the field; with one trained for it, it is served."""
+    import torch
+    from sglang.srt.configs.model_config import ModelConfig
+
+    from agentkv.methods.kvzap_surrogate import Surrogate, SurrogateMeta
+    from agentkv.policies import KVzap
+
+    config = ModelConfig(model_path=str(model_dir))
+    tokenizer_manager = SimpleNamespace(
+        tokenizer=qwen, model_config=config, server_args=SimpleNamespace(tp_size=1)
+    )
+
+    def run(policy):
+        payload = encode_payload(build_payload(MESSAGES, policy, "s"))
+        adapted, request, _ = chat(qwen, payload)
+        tag_chat_request((adapted, request), SimpleNamespace(tokenizer_manager=tokenizer_manager),
+                         request)  # fmt: skip
+        return adapted
+
+    for policy, field in (
+        (KVzap(), "policy.surrogate"),
+        (KVzap(surrogate_path=str(tmp_path)), "policy.surrogate_path"),
+    ):
+        with pytest.raises(PayloadError) as e:
+            run(policy)
+        assert e.value.field == field and "train-kvzap" in str(e.value)
+    L, hq, hkv, d, dh = 2, 4, 2, 8, 32  # conftest's QWEN3_CONFIG
+    meta = SurrogateMeta("tiny-qwen3", "mlp", L, hq, hkv, d, dh)
+    Surrogate(
+        meta, torch.zeros(L, dh // 8, dh), torch.zeros(L, dh // 8),
+        torch.zeros(L, hkv, dh // 8), torch.zeros(L, hkv),
+    ).save(tmp_path / "mlp.safetensors")  # fmt: skip
+    adapted = run(KVzap(surrogate_path=str(tmp_path)))
+    assert decode_tags(adapted.sampling_params["custom_params"][TAGS_KEY], adapted.input_ids)
