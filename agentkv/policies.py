@@ -173,11 +173,12 @@ class IntentKV(KVPolicy):
         le=4096,
         description="with no actionable token computed, q-bar averages the last N positions",
     )
-    alpha_max: float = Field(
-        1.0,
+    alpha_max: float | None = Field(
+        None,
         ge=0.0,
         le=100.0,
-        description="mode 'learned': the residual's alpha clipped to [0, this]",
+        description="mode 'learned': the residual's alpha clipped to [0, this]; None: the value "
+        "calibrated into the head's checkpoint (1.0 for a head without one)",
     )
 
 

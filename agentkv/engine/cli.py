@@ -239,11 +239,36 @@ def train_intentkv(
         Path | None,
         typer.Option(help="more sessions from a JSONL (`agentkv bench export`, e.g. BFCL)"),
     ] = None,
+    label: Annotated[
+        str,
+        typer.Option(
+            help="arguments: future tool-call arguments; attention: what the next reply "
+            "attends to under FullCache (fidelity-aligned); both: their union"
+        ),
+    ] = "arguments",
+    attention_top: Annotated[
+        float | None,
+        typer.Option(help="attention labels: positive fraction (default: what the budget keeps)"),
+    ] = None,
+    calibrate_traces: Annotated[
+        int,
+        typer.Option(help="pick alpha_max on N held-out tau-bench sessions' replay fidelity"),
+    ] = 0,
+    alpha_grid: Annotated[
+        str, typer.Option(help="comma-separated alpha_max values to calibrate over")
+    ] = "0,0.25,0.5,1,2",
 ) -> None:
     """Train IntentKV's residual head (Phase-2) for a model on replayed agent sessions.
 
     Use it with ``IntentKV(mode="learned")``: put OUT under $AGENTKV_INTENTKV_HEADS."""
     from agentkv.train.intentkv_fit import FitConfig, TrainConfig, train_intentkv
+
+    if label not in ("arguments", "attention", "both"):
+        raise typer.BadParameter("one of arguments, attention, both", param_hint="--label")
+    try:
+        grid = tuple(float(a) for a in alpha_grid.split(",") if a.strip())
+    except ValueError:
+        raise typer.BadParameter("comma-separated numbers", param_hint="--alpha-grid") from None
 
     with _user_errors():
         m = train_intentkv(
@@ -258,6 +283,10 @@ def train_intentkv(
                 system_chars=system_chars,
                 called_tools_only=called_tools_only,
                 traces_file=traces,
+                label=label,
+                attention_top=attention_top,
+                calibrate_traces=calibrate_traces,
+                alpha_grid=grid,
                 fit=FitConfig(epochs=epochs, seed=seed),
             )
         )
@@ -267,6 +296,10 @@ def train_intentkv(
         f"positive rate {d['positive_rate']:.4f}); validation AUC rule {m['rule']['auc']:.3f} "
         f"-> head {m['head']['auc']:.3f}; wrote {out}/head.safetensors"
     )
+    if "calibration" in m:
+        c = m["calibration"]
+        table = ", ".join(f"{r['alpha_max']:g}: {r['top1_agreement']:.4f}" for r in c["table"])
+        print(f"alpha_max calibration (top-1 agreement): {table}; chose {c['alpha_max']:g}")
 
 
 @app.command("train-kvzap")

@@ -19,7 +19,8 @@ Once per request after prefill (../shared/methods/NOTES.md, IntentKV):
    differ by the memory only, not by the softmax temperature). The rest of ``C`` is evicted
    (every layer and head) by slot-map redirect.
 5. Mode ``learned`` (Phase-2) ranks by ``s~ = log(|C| s) + alpha MLP(...)`` of the residual
-   head (:mod:`agentkv.methods.intentkv_head`) on top of the memory rule score.
+   head (:mod:`agentkv.methods.intentkv_head`) on top of the memory rule score, ``alpha``
+   clipped to ``[0, alpha_max]`` (the policy's, else the head's calibrated value, else 1).
 """
 
 from __future__ import annotations
@@ -127,6 +128,11 @@ class IntentKVMethod(Method):
             self._head = head_for(self.shape)
         return self._head
 
+    def use_head(self, head: ResidualHead | None) -> None:
+        """Score ``mode="learned"`` with ``head`` (None: look the model's head up again), e.g.
+        a head being calibrated before it is written."""
+        self._head = head
+
     def observer(self, policy: KVPolicy, req: ObserveRequest) -> PrefillObserver | None:
         assert isinstance(policy, IntentKV)
         if policy.mode == "learned":
@@ -221,13 +227,14 @@ class IntentKVMethod(Method):
         assert key_means is not None
         idx = torch.nonzero(candidates).reshape(-1)
         span = torch.nonzero(ctx.actionable & ctx.live).reshape(-1)
+        head = self.head()
         with torch.no_grad():
-            s_tilde = self.head()(
+            s_tilde = head(
                 rule_logit(scores[idx]),
                 key_means[idx],
                 probe.mean(dim=(0, 1)),
                 key_means[span],
-                alpha_max=policy.alpha_max,
+                alpha_max=head.inference_alpha_max(policy.alpha_max),
             )
         out = torch.full((ctx.seq_len,), float("-inf"))
         out[idx] = s_tilde

@@ -18,7 +18,9 @@ to a score of order one whatever the history length. Inputs are layer-normalised
 differ by model).
 
 Checkpoints are safetensors files ``head.safetensors`` (metadata: the model shape it was
-trained for); the package ships one per supported model under ``intentkv_heads/<model>/``,
+trained for and, after ``agentkv train-intentkv --calibrate-traces``, the ``alpha_max``
+chosen on held-out replay fidelity: the clip ``IntentKV(mode="learned")`` uses when the
+policy leaves ``alpha_max`` unset; 0 means the head did not beat the rule there); the package ships one per supported model under ``intentkv_heads/<model>/``,
 and ``$AGENTKV_INTENTKV_HEADS`` may name a folder of further ``<name>/head.safetensors``
 (written by ``agentkv train-intentkv --out``).
 """
@@ -99,6 +101,8 @@ class ResidualHead(nn.Module):
         nn.init.zeros_(self.mlp[2].weight)
         nn.init.zeros_(self.mlp[2].bias)
         self.alpha = nn.Parameter(torch.tensor(float(alpha_init)))
+        #: the clip calibrated on held-out replay fidelity (checkpoint metadata), if any
+        self.calibrated_alpha_max: float | None = None
 
     def residual(
         self, k_bar: torch.Tensor, m_bar: torch.Tensor, q_keys: torch.Tensor
@@ -123,6 +127,14 @@ class ResidualHead(nn.Module):
         """``alpha``, clipped to ``[0, alpha_max]`` when ``alpha_max`` is given (inference)."""
         return self.alpha if alpha_max is None else self.alpha.clamp(0.0, alpha_max)
 
+    def inference_alpha_max(self, policy_alpha_max: float | None) -> float:
+        """The clip at inference: the policy's when set, else the calibrated one, else 1.0."""
+        if policy_alpha_max is not None:
+            return policy_alpha_max
+        if self.calibrated_alpha_max is not None:
+            return self.calibrated_alpha_max
+        return 1.0
+
     def forward(
         self,
         rule_logit: torch.Tensor,
@@ -141,6 +153,8 @@ class ResidualHead(nn.Module):
         from safetensors.torch import save_file
 
         meta = {"config": json.dumps(asdict(self.config))} | (extra or {})
+        if self.calibrated_alpha_max is not None:
+            meta["alpha_max"] = repr(float(self.calibrated_alpha_max))
         path.parent.mkdir(parents=True, exist_ok=True)
         save_file(
             {k: v.detach().contiguous() for k, v in self.state_dict().items()}, str(path), meta
@@ -152,9 +166,11 @@ class ResidualHead(nn.Module):
         from safetensors.torch import load_file
 
         with safe_open(str(path), "pt") as f:
-            config = HeadConfig(**json.loads(f.metadata()["config"]))
-        head = ResidualHead(config)
+            meta = f.metadata()
+        head = ResidualHead(HeadConfig(**json.loads(meta["config"])))
         head.load_state_dict(load_file(str(path)))
+        if "alpha_max" in meta:
+            head.calibrated_alpha_max = float(meta["alpha_max"])
         return head.eval()
 
 

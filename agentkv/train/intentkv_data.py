@@ -11,7 +11,12 @@ scores is recorded (:class:`agentkv.methods.intentkv.ScoringEvent`) and becomes 
   a literal occurrence, in the rendered prompt, of an argument value of one of the next
   ``horizon`` tool calls of the session (leaf values of at least ``min_chars`` characters);
   template tokens (``delim``) are excluded (-1); everything else is negative (0). Rows with no
-  positive are dropped.
+  positive are dropped. This is ``label="arguments"`` (the default).
+- ``label="attention"`` (fidelity-aligned, :mod:`agentkv.train.intentkv_attention`): a
+  candidate is positive when it is among the top candidates by the attention mass FullCache's
+  reference continuation (the next assistant message, teacher-forced) pays it; by default as
+  many as the policy keeps. ``label="both"``: the union (positive when either says so;
+  every candidate labelled, as in ``attention``).
 
 Sits above the engine layer (it drives an :class:`agentkv.engine.engine.Engine`).
 """
@@ -30,6 +35,9 @@ from agentkv.bench.traces import Trace
 from agentkv.methods.intentkv import IntentKVMethod, ScoringEvent
 from agentkv.policies import IntentKV
 from agentkv.tags import Role, TagCode
+from agentkv.train.intentkv_attention import AttentionLabeler, attention_labels, kept_by_policy
+
+LABELS = ("arguments", "attention", "both")
 
 
 @dataclass
@@ -159,9 +167,22 @@ def collect_rows(
     horizon: int = 5,
     min_chars: int = 3,
     progress: bool = True,
+    label: str = "arguments",
+    labeler: AttentionLabeler | None = None,
+    attention_top: float | None = None,
 ) -> tuple[list[Row], DatasetStats]:
     """Replay ``traces`` through ``engine`` under ``policy`` (memory mode) and label every
-    compression event (module docstring)."""
+    compression event (module docstring).
+
+    ``label`` "attention" and "both" need ``labeler`` (the model in eager attention);
+    ``attention_top`` is the positive fraction of the candidates (None: what the policy keeps).
+    """
+    if label not in LABELS:
+        raise ValueError(f"label: one of {', '.join(LABELS)}, got {label!r}")
+    if label != "arguments" and labeler is None:
+        raise ValueError(f"label: {label!r} needs an AttentionLabeler (eager model)")
+    if attention_top is not None and not 0.0 < attention_top <= 1.0:
+        raise ValueError(f"attention_top: must be in (0, 1], got {attention_top}")
     from tqdm.auto import tqdm
 
     from agentkv.bench.replay import assistant_turns, truncate
@@ -197,7 +218,10 @@ def collect_rows(
                     if not events:
                         continue
                     stats.events += 1
-                    row = _row(engine, events[-1], trace, messages, i, horizon, min_chars)
+                    row = _row(
+                        engine, events[-1], trace, messages, i, horizon, min_chars,
+                        label, labeler, attention_top,
+                    )  # fmt: skip
                     if row is None:
                         continue
                     rows.append(row)
@@ -221,15 +245,39 @@ def _row(
     turn: int,
     horizon: int,
     min_chars: int,
+    label: str = "arguments",
+    labeler: AttentionLabeler | None = None,
+    attention_top: float | None = None,
 ) -> Row | None:
     ctx = event.ctx
     tags = engine.renderer.encode(list(messages[:turn]), trace.tools)
     if len(tags) != ctx.seq_len:
         raise RuntimeError(f"{trace.id} turn {turn}: rendering differs from the request's")
-    enc = engine.tokenizer(tags.text, add_special_tokens=False, return_offsets_mapping=True)
-    offsets = [tuple(o) for o in enc["offset_mapping"]]
-    chars = char_labels(tags.text, future_arguments(messages, turn, horizon, min_chars))
-    labels = token_labels(tags.text, offsets, chars, event.candidates, ctx.tag_codes)
+    labels = None
+    if label in ("arguments", "both"):
+        enc = engine.tokenizer(tags.text, add_special_tokens=False, return_offsets_mapping=True)
+        offsets = [tuple(o) for o in enc["offset_mapping"]]
+        chars = char_labels(tags.text, future_arguments(messages, turn, horizon, min_chars))
+        labels = token_labels(tags.text, offsets, chars, event.candidates, ctx.tag_codes)
+    if label in ("attention", "both"):
+        assert labeler is not None
+        full = engine.renderer.encode(
+            list(messages[: turn + 1]), trace.tools, add_generation_prompt=False
+        )
+        n = len(tags)
+        if list(full.token_ids[:n]) != list(tags.token_ids) or len(full) <= n:
+            raise RuntimeError(f"{trace.id} turn {turn}: the reply does not continue the prompt")
+        mass = labeler.continuation_mass(torch.tensor(full.token_ids), n)
+        n_cand = int(event.candidates.sum())
+        policy = ctx.policy
+        if attention_top is None:
+            k = kept_by_policy(int(ctx.live.sum()), n_cand, policy.budget, policy.budget_scope)
+        else:
+            k = max(1, round(attention_top * n_cand))
+        att = attention_labels(mass, event.candidates, k)
+        labels = att if labels is None else torch.where((att == 1) | (labels == 1), 1, att)
+        labels = labels.to(torch.int8)
+    assert labels is not None
     idx = torch.nonzero(event.candidates).reshape(-1)
     labels = labels[idx]
     if not bool((labels == 1).any()):

@@ -15,6 +15,20 @@ Loss per row (candidates with label >= 0; ``z = s~`` the head's scores)::
 Only the head trains (the LLM is frozen: rows hold its features). AdamW, early stopping on
 the validation loss; the best head is written as ``OUT/head.safetensors`` with
 ``metrics.json`` and ``curves.png`` (loss and ranking curves).
+
+Labels (``TrainConfig.label``): "arguments" (future tool-call arguments, the default),
+"attention" (what the next reply attends to under FullCache: fidelity-aligned) or "both"
+(:mod:`agentkv.train.intentkv_data`).
+
+Calibration (``TrainConfig.calibrate_traces > 0``): ``s~ = rule + alpha MLP`` with ``alpha``
+clipped to ``[0, alpha_max]``, and ``alpha_max = 0`` is exactly the rule. Held-out sessions
+(tau-bench tasks neither in the replay's evaluation sample nor in training) are replayed
+(:func:`agentkv.bench.replay.replay`) under ``IntentKV(mode="learned")`` at the training
+budget for each ``alpha_max`` of a grid that contains 0; the one with the best top-1
+agreement with FullCache (ties: the smaller) goes into the checkpoint, so the learned mode
+does not lose to the rule on the calibration set by construction, and a chosen 0 says
+plainly that the head did not help there. ``metrics.json`` gets the table, ``calibration.png``
+the plot.
 """
 
 from __future__ import annotations
@@ -207,6 +221,13 @@ class TrainConfig:
     called_tools_only: bool = False
     #: more sessions from a JSONL (``agentkv bench export``), e.g. BFCL where bfcl-eval is absent
     traces_file: Path | None = None
+    #: "arguments" | "attention" | "both" (module docstring)
+    label: str = "arguments"
+    #: attention labels: positive fraction of the candidates (None: what the policy keeps)
+    attention_top: float | None = None
+    #: held-out tau-bench sessions to calibrate alpha_max on (0: no calibration)
+    calibrate_traces: int = 0
+    alpha_grid: tuple[float, ...] = (0.0, 0.25, 0.5, 1.0, 2.0)
     fit: FitConfig = field(default_factory=FitConfig)
 
 
@@ -228,6 +249,104 @@ def compact(trace: Any, system_chars: int | None, called_tools_only: bool) -> An
         }
         t.tools = [x for x in t.tools if (x.get("function") or {}).get("name") in called]
     return t
+
+
+def _task(trace_id: str) -> str:
+    return trace_id.rsplit("/", 1)[0]
+
+
+def calibration_traces(n: int, exclude: set[str]) -> list[Any]:
+    """``n`` tau-bench trajectories of tasks neither in the replay's evaluation sample (the
+    seeded 50) nor among the tasks of the trace ids ``exclude`` (training)."""
+    from agentkv.bench.traces import load_tau_bench, sample
+
+    tau = load_tau_bench()
+    held_out = {_task(t.id) for t in sample(tau, limit=50, seed=0)} | {_task(i) for i in exclude}
+    return sample([t for t in tau if _task(t.id) not in held_out], limit=n, seed=2)
+
+
+def calibrate_alpha_max(
+    engine: Any,
+    head: ResidualHead,
+    traces: list[Any],
+    budget: int,
+    grid: tuple[float, ...],
+    max_tokens: int = 4096,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Replay ``traces`` under ``IntentKV(mode="learned", alpha_max=a)`` with ``head`` for each
+    ``a`` of ``grid`` (module docstring); returns ``{"alpha_max": chosen, "table": [...]}``,
+    each table row ``{"alpha_max", "top1_agreement", "top1_ci95", "mean_kl", "tokens",
+    "vs_rule"}`` (``vs_rule``: paired difference of top-1 agreement with ``alpha_max = 0``
+    and its 95% interval, when 0 is in the grid)."""
+    from agentkv.bench.replay import compare_policies, replay
+    from agentkv.methods.intentkv import IntentKVMethod
+    from agentkv.policies import IntentKV
+
+    if not grid or any(a < 0 for a in grid):
+        raise ValueError(f"alpha_grid: non-negative values needed, got {grid}")
+    grid = tuple(sorted(set(grid)))
+    policies = [
+        IntentKV(budget=budget, protect_system=False, mode="learned", alpha_max=a) for a in grid
+    ]
+    method = engine.methods.for_policy(policies[0])
+    assert isinstance(method, IntentKVMethod)
+    method.use_head(head)
+    try:
+        report = replay(
+            engine, traces, policies, greedy_tokens=0, max_tokens=max_tokens, progress=progress
+        )
+    finally:
+        method.use_head(None)
+    if not report.traces:
+        raise ValueError("calibration: no held-out session has an assistant turn")
+    table = []
+    for a, summary in zip(grid, report.summaries, strict=True):
+        row: dict[str, Any] = {
+            "alpha_max": a,
+            "top1_agreement": summary.top1_agreement,
+            "top1_ci95": list(summary.top1_ci95),
+            "mean_kl": summary.mean_kl,
+            "tokens": summary.tokens,
+        }
+        if grid[0] == 0.0 and a > 0:
+            c = compare_policies(report, summary.label, report.summaries[0].label)
+            row["vs_rule"] = {"difference": c.top1_difference, "ci95": list(c.ci95)}
+        table.append(row)
+    best = max(table, key=lambda r: (r["top1_agreement"], -r["alpha_max"]))
+    return {
+        "alpha_max": best["alpha_max"],
+        "budget": budget,
+        "traces": report.traces,
+        "turns": report.summaries[0].turns,
+        "table": table,
+    }
+
+
+def plot_calibration(calibration: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    table = calibration["table"]
+    x = list(range(len(table)))
+    y = [r["top1_agreement"] for r in table]
+    lo = [r["top1_agreement"] - r["top1_ci95"][0] for r in table]
+    hi = [r["top1_ci95"][1] - r["top1_agreement"] for r in table]
+    fig, ax = plt.subplots(figsize=(5, 3.4))
+    ax.errorbar(x, y, yerr=[lo, hi], marker="o", capsize=3)
+    ax.set_xticks(x, [f"{r['alpha_max']:g}" for r in table])
+    ax.set_xlabel("alpha_max (0 = the rule)")
+    ax.set_ylabel("top-1 agreement vs FullCache")
+    ax.set_title(
+        f"budget {calibration['budget']}, {len(calibration['traces'])} held-out sessions, "
+        f"chose {calibration['alpha_max']:g}",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def training_traces(cfg: TrainConfig) -> list[Any]:
@@ -266,13 +385,29 @@ def train_intentkv(cfg: TrainConfig, progress: bool = True) -> dict[str, Any]:
     """Collect rows, fit, write ``head.safetensors``, ``metrics.json``, ``curves.png``."""
     from agentkv.engine.engine import Engine
     from agentkv.policies import IntentKV
-    from agentkv.train.intentkv_data import collect_rows
+    from agentkv.train.intentkv_attention import AttentionLabeler
+    from agentkv.train.intentkv_data import LABELS, collect_rows
 
+    if cfg.label not in LABELS:
+        raise ValueError(f"label: one of {', '.join(LABELS)}, got {cfg.label!r}")
     cfg.out.mkdir(parents=True, exist_ok=True)
     engine = Engine(cfg.model, device=cfg.device)
     policy = IntentKV(budget=cfg.budget, protect_system=False)
     traces = [compact(t, cfg.system_chars, cfg.called_tools_only) for t in training_traces(cfg)]
-    rows, stats = collect_rows(engine, traces, policy, cfg.max_tokens, progress=progress)
+    labeler = None
+    if cfg.label != "arguments":
+        labeler = AttentionLabeler.load(cfg.model, str(engine.device))
+    rows, stats = collect_rows(
+        engine,
+        traces,
+        policy,
+        cfg.max_tokens,
+        progress=progress,
+        label=cfg.label,
+        labeler=labeler,
+        attention_top=cfg.attention_top,
+    )
+    del labeler
     if len(rows) < 2:
         raise ValueError(f"only {len(rows)} training rows with a positive: add sessions")
     torch.save([asdict(r) for r in rows], cfg.out / "rows.pt")
@@ -300,9 +435,24 @@ def train_intentkv(cfg: TrainConfig, progress: bool = True) -> dict[str, Any]:
             "max_tokens": cfg.max_tokens,
             "system_chars": cfg.system_chars,
             "called_tools_only": cfg.called_tools_only,
+            "label": cfg.label,
+            "attention_top": cfg.attention_top,
+            "calibrate_traces": cfg.calibrate_traces,
+            "alpha_grid": list(cfg.alpha_grid),
             "fit": asdict(cfg.fit),
         },
     }
+    if cfg.calibrate_traces:
+        held = [
+            compact(t, cfg.system_chars, cfg.called_tools_only)
+            for t in calibration_traces(cfg.calibrate_traces, {t.id for t in traces})
+        ]
+        calibration = calibrate_alpha_max(
+            engine, head, held, cfg.budget, cfg.alpha_grid, cfg.max_tokens, progress
+        )
+        head.calibrated_alpha_max = calibration["alpha_max"]
+        metrics["calibration"] = calibration
+        plot_calibration(calibration, cfg.out / "calibration.png")
     head.save(cfg.out / HEAD_FILE, {"model": engine.model_name})
     (cfg.out / "metrics.json").write_text(json.dumps(metrics, indent=2))
     plot_curves(result["history"], rule, cfg.out / "curves.png")

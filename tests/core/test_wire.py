@@ -102,7 +102,7 @@ def test_encoded_payload_shape(base):
         "mode": "memory",
         "protect_system": True,
         "fallback_window": 32,
-        "alpha_max": 1.0,
+        "alpha_max": None,
     }
     roles = [m["role"] for m in base["messages"]]
     assert roles[0] == "system" and roles[-1] == "tool"

@@ -285,3 +285,35 @@ def test_learned_mode_with_an_untrained_head_is_the_rule(
     assert bool(torch.isinf(lr.plan.scores[~cand]).all())
     for sid in ("x:intentkv-rule-twin", "x:intentkv-learned"):
         engine.end_session(sid)
+
+
+def test_learned_mode_uses_the_calibrated_alpha_max(
+    engine, airline_cached, intentkv, tmp_path, monkeypatch
+):
+    """A head whose residual is not zero, calibrated to alpha_max = 0 (the head did not beat
+    the rule): the default learned mode is the rule; an explicit alpha_max brings it back."""
+    from agentkv.methods.intentkv_head import HEAD_FILE, HEADS_ENV, HeadConfig, ResidualHead
+
+    method, records = intentkv
+    torch.manual_seed(0)
+    head = ResidualHead(HeadConfig.for_shape(engine.shape, model="calibrated"))
+    torch.nn.init.normal_(head.mlp[2].weight, std=2.0)
+    head.calibrated_alpha_max = 0.0
+    head.save(tmp_path / "calibrated" / HEAD_FILE)
+    monkeypatch.setenv(HEADS_ENV, str(tmp_path))
+    monkeypatch.setattr(method, "_head", None)
+    messages, tools = airline_cached
+    rule = IntentKV(budget=160, protect_system=False)
+    learned = rule.model_copy(update={"mode": "learned"})
+    chat(engine, messages, tools, rule, "x:intentkv-cal-rule")
+    chat(engine, messages, tools, learned, "x:intentkv-cal-default")
+    chat(engine, messages, tools, learned.model_copy(update={"alpha_max": 1.0}), "x:intentkv-cal-1")
+    r, default, one = records[-3:]
+    assert method.head().calibrated_alpha_max == 0.0
+    cand = default.ctx.live & ~default.ctx.forced
+    expected = torch.log(r.plan.scores[cand].double() * int(cand.sum())).float()
+    torch.testing.assert_close(default.plan.scores[cand], expected)  # s~ = the rule exactly
+    assert torch.equal(r.plan.evict, default.plan.evict)
+    assert not torch.allclose(one.plan.scores[cand], expected)  # the residual is back
+    for sid in ("x:intentkv-cal-rule", "x:intentkv-cal-default", "x:intentkv-cal-1"):
+        engine.end_session(sid)

@@ -1,34 +1,15 @@
 """Phase-2 training rows from the real engine: a short tau-bench session replayed under
-IntentKV, every compression event recorded and labelled by the next tool calls."""
+IntentKV, every compression event recorded and labelled by the next tool calls or by what the
+next reply attends to; and alpha_max calibrated on the replay of a held-out session."""
 
 from __future__ import annotations
-
-import copy
 
 import pytest
 import torch
 
 from agentkv import IntentKV
-from agentkv.bench.traces import Trace
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def short_session():
-    """tau-bench airline/0/0 cut to a few hundred tokens: the user gives their id (message
-    3), answers the agent's questions (5), and the agent calls get_user_details with it (6)."""
-    from agentkv.bench.traces import DEFAULT_TAU_BENCH, load_tau_bench
-
-    if not DEFAULT_TAU_BENCH.is_file():
-        pytest.skip(f"tau-bench data not found at {DEFAULT_TAU_BENCH}")
-    trace = next(t for t in load_tau_bench() if t.id == "tau-bench/airline/0/0")
-    m = copy.deepcopy(trace.messages)
-    messages = [dict(m[0], content=m[0]["content"][:300]), m[1], m[2], m[3]]
-    messages += [dict(m[4], content=m[4]["content"][:200]), m[5], m[6]]
-    assert m[6]["tool_calls"][0]["function"]["name"] == "get_user_details"
-    tools = [t for t in trace.tools if t["function"]["name"] == "get_user_details"]
-    return Trace("tau-bench/airline/0/0-short", "tau-bench", messages, tools)
 
 
 def test_rows_from_a_replayed_session(engine, short_session):
@@ -52,3 +33,82 @@ def test_rows_from_a_replayed_session(engine, short_session):
         torch.testing.assert_close(row.memory_norm, torch.ones_like(row.memory_norm))
         assert 0 < row.positives < n
     assert not engine.methods.for_policy(IntentKV()).recorder  # the hook is removed
+
+
+@pytest.fixture(scope="module")
+def labeler():
+    from agentkv.train.intentkv_attention import AttentionLabeler
+
+    return AttentionLabeler.load(None, "cpu")
+
+
+def test_attention_and_union_rows(engine, short_session, labeler, monkeypatch):
+    import agentkv.train.intentkv_data as data
+    from agentkv.train.intentkv_data import collect_rows
+
+    kept = []
+    real = data.kept_by_policy
+
+    def recording(n_live, n_candidates, budget, scope):
+        k = real(n_live, n_candidates, budget, scope)
+        kept.append((n_live - n_candidates, k))
+        return k
+
+    monkeypatch.setattr(data, "kept_by_policy", recording)
+    policy = IntentKV(budget=128, protect_system=False)
+    att, stats = collect_rows(
+        engine, [short_session], policy, progress=False, label="attention", labeler=labeler
+    )
+    # every event of this session keeps some history, so each is a row (no argument needed)
+    assert stats.events == 3 and len(kept) == 3 and len(att) == sum(k > 0 for _, k in kept)
+    assert [r.turn for r in att] == [2, 4, 6][-len(att) :]
+    for row, (forced, k) in zip(att, [x for x in kept if x[1] > 0], strict=True):
+        # the default: as many positives as the policy keeps (the total budget reading)
+        assert row.positives == k == 128 - forced
+        assert bool((row.labels >= 0).all())  # no exclusions: every candidate labelled
+    args, _ = collect_rows(engine, [short_session], policy, progress=False)
+    both, _ = collect_rows(
+        engine, [short_session], policy, progress=False, label="both", labeler=labeler
+    )
+    assert [r.turn for r in both] == [r.turn for r in att]
+    by_turn = {r.turn: r for r in both}
+    for a in att:  # the union holds the attention positives ...
+        assert bool((by_turn[a.turn].labels[a.labels == 1] == 1).all())
+    for a in args:  # ... and the argument positives (the same candidates: a deterministic replay)
+        u = by_turn[a.turn]
+        assert u.labels.numel() == a.labels.numel()
+        assert bool((u.labels[a.labels == 1] == 1).all())
+        assert u.positives >= max(a.positives, att[-1].positives)
+    with pytest.raises(ValueError, match="label"):
+        collect_rows(engine, [short_session], policy, progress=False, label="attention")
+
+
+def test_alpha_max_calibration_writes_the_choice(engine, short_session, tmp_path):
+    """A tiny calibration: one short session, two grid points, a head whose residual is not
+    zero; the better grid point is chosen, written into the checkpoint and used by default."""
+    from agentkv.methods.intentkv_head import HEAD_FILE, HeadConfig, ResidualHead
+    from agentkv.train.intentkv_fit import calibrate_alpha_max, plot_calibration
+
+    torch.manual_seed(0)
+    head = ResidualHead(HeadConfig.for_shape(engine.shape, model="test"))
+    torch.nn.init.normal_(head.mlp[2].weight, std=2.0)
+    c = calibrate_alpha_max(
+        engine, head, [short_session], budget=128, grid=(1.0, 0.0), progress=False
+    )
+    table = c["table"]
+    assert [r["alpha_max"] for r in table] == [0.0, 1.0] and c["traces"] == [short_session.id]
+    assert all(r["tokens"] > 0 and 0 <= r["top1_agreement"] <= 1 for r in table)
+    best = max(r["top1_agreement"] for r in table)
+    assert c["alpha_max"] == min(r["alpha_max"] for r in table if r["top1_agreement"] == best)
+    diff = table[1]["top1_agreement"] - table[0]["top1_agreement"]
+    assert table[1]["vs_rule"]["difference"] == pytest.approx(diff, abs=1e-9)
+    # the engine's head is given back: learned mode looks the model's head up again
+    assert engine.methods.for_policy(IntentKV())._head is None
+    head.calibrated_alpha_max = c["alpha_max"]
+    head.save(tmp_path / "test" / HEAD_FILE)
+    back = ResidualHead.load(tmp_path / "test" / HEAD_FILE)
+    assert back.calibrated_alpha_max == c["alpha_max"]
+    assert back.inference_alpha_max(None) == c["alpha_max"]  # IntentKV(mode="learned")
+    assert back.inference_alpha_max(0.5) == 0.5  # an explicit policy value wins
+    plot_calibration(c, tmp_path / "calibration.png")
+    assert (tmp_path / "calibration.png").stat().st_size > 0

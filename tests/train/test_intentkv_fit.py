@@ -128,3 +128,16 @@ def test_fit_learns_what_the_rule_misses():
     assert h["val_loss"][result["best_epoch"]] == min(h["val_loss"])
     z = rule_logit(val[0].rule)
     assert not torch.equal(head(z, val[0].keys, val[0].memory, val[0].q_keys), z)
+
+
+def test_cli_rejects_a_bad_label_or_grid(tmp_path):
+    from typer.testing import CliRunner
+
+    from agentkv.engine.cli import app
+
+    base = ["train-intentkv", "--out", str(tmp_path / "h")]
+    res = CliRunner().invoke(app, [*base, "--label", "future"])
+    assert res.exit_code != 0 and "--label" in res.output
+    res = CliRunner().invoke(app, [*base, "--alpha-grid", "0,big"])
+    assert res.exit_code != 0 and "--alpha-grid" in res.output
+    assert not (tmp_path / "h").exists()  # rejected before any work
