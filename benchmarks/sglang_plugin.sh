@@ -34,7 +34,8 @@
 # plugin (port 30001, SGLANG_PLUGINS=agentkv, --attention-backend agentkv
 # --radix-cache-backend agentkv --page-size 1). Both: Qwen3 shape with dummy weights
 # (SGL_MODEL=8b default, or tiny), same seed, --enable-cache-report, CUDA graphs on
-# (DISABLE_CUDA_GRAPH=1 turns them off for both), MEM_FRACTION (0.38 each).
+# (DISABLE_CUDA_GRAPH=1 turns them off for both), MEM_FRACTION (0.38 each), SGL_COMMON_ARGS
+# (extra args for both, e.g. "--max-total-tokens 65536": the same KV pool in tokens).
 # Logs and results land in $OUT (check.json, replay.json, stock.log, plugin.log).
 #
 # `langgraph` runs plan -> act -> answer on LangGraph (with_kv_policy: IntentKV / StreamingLLM
@@ -111,6 +112,9 @@ start)
   COMMON=(--model-path "$MP" --load-format dummy --mem-fraction-static "$MEM_FRACTION" --enable-cache-report
           --random-seed 0 --host 127.0.0.1 --log-level info)
   [ "${DISABLE_CUDA_GRAPH:-0}" = 1 ] && COMMON+=(--disable-cuda-graph)
+  # SGL_COMMON_ARGS: extra args for both servers, e.g. "--max-total-tokens 65536" to give
+  # both the same KV pool in tokens (the capacity comparison)
+  read -r -a EXTRA <<< "${SGL_COMMON_ARGS:-}"; COMMON+=("${EXTRA[@]}")
   cd "$RUN"  # keep the checkout off sys.path[0]: agentkv comes from /tmp/site
   python3 -c 'import os, sys; os.setsid(); os.execvp(sys.argv[1], sys.argv[1:])' \
     python3 -m sglang.launch_server "${COMMON[@]}" --port 30000 --attention-backend triton \
