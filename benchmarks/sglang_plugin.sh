@@ -34,7 +34,7 @@
 # plugin (port 30001, SGLANG_PLUGINS=agentkv, --attention-backend agentkv
 # --radix-cache-backend agentkv --page-size 1). Both: Qwen3 shape with dummy weights
 # (SGL_MODEL=8b default, or tiny), same seed, --enable-cache-report, CUDA graphs on
-# (DISABLE_CUDA_GRAPH=1 turns them off for both), MEM_FRACTION (0.38 each), SGL_COMMON_ARGS
+# (DISABLE_CUDA_GRAPH=1 turns them off for both), MEM_FRACTION (0.38 each), BOTH_ARGS
 # (extra args for both, e.g. "--max-total-tokens 65536": the same KV pool in tokens).
 # Logs and results land in $OUT (check.json, replay.json, stock.log, plugin.log).
 #
@@ -112,30 +112,29 @@ start)
   COMMON=(--model-path "$MP" --load-format dummy --mem-fraction-static "$MEM_FRACTION" --enable-cache-report
           --random-seed 0 --host 127.0.0.1 --log-level info)
   [ "${DISABLE_CUDA_GRAPH:-0}" = 1 ] && COMMON+=(--disable-cuda-graph)
-  # SGL_COMMON_ARGS: extra args for both servers, e.g. "--max-total-tokens 65536" to give
+  # BOTH_ARGS: extra args for both servers, e.g. "--max-total-tokens 65536" to give
   # both the same KV pool in tokens (the capacity comparison)
-  read -r -a EXTRA <<< "${SGL_COMMON_ARGS:-}"; COMMON+=("${EXTRA[@]}")
-  cd "$RUN"  # keep the checkout off sys.path[0]: agentkv comes from /tmp/site
-  python3 -c 'import os, sys; os.setsid(); os.execvp(sys.argv[1], sys.argv[1:])' \
-    python3 -m sglang.launch_server "${COMMON[@]}" --port 30000 --attention-backend triton \
-    > "$RUN/stock.log" 2>&1 &
-  echo $! > "$RUN/stock.pid"
-  SGLANG_PLUGINS=agentkv python3 -c 'import os, sys; os.setsid(); os.execvp(sys.argv[1], sys.argv[1:])' \
-    python3 -m sglang.launch_server "${COMMON[@]}" --port 30001 --attention-backend agentkv \
-    --radix-cache-backend agentkv --page-size 1 ${SGL_PLUGIN_ARGS:-} \
-    > "$RUN/plugin.log" 2>&1 &
-  echo $! > "$RUN/plugin.pid"
-  cd - >/dev/null
-  for i in $(seq 1 150); do
-    health 30000 && health 30001 && break
-    for name in stock plugin; do
-      kill -0 "$(cat "$RUN/$name.pid")" 2>/dev/null || { echo "$name server died"; tail -80 "$RUN/$name.log"; cp "$RUN"/*.log "$OUT"/; exit 5; }
+  read -r -a EXTRA <<< "${BOTH_ARGS:-}"; COMMON+=("${EXTRA[@]}")
+  # one after the other: SGLang sizes its pools from the free memory it profiles at start,
+  # which a second server loading at the same time would skew
+  launch() {  # name port args...
+    local name=$1 port=$2; shift 2
+    (cd "$RUN" && exec python3 -c 'import os, sys; os.setsid(); os.execvp(sys.argv[1], sys.argv[1:])' \
+      python3 -m sglang.launch_server "${COMMON[@]}" --port "$port" "$@") > "$RUN/$name.log" 2>&1 &
+    echo $! > "$RUN/$name.pid"
+    for i in $(seq 1 150); do
+      health "$port" && return 0
+      kill -0 "$(cat "$RUN/$name.pid")" 2>/dev/null || { echo "$name server died"; tail -80 "$RUN/$name.log" | cut -c1-400; cp "$RUN"/*.log "$OUT"/; exit 5; }
+      sleep 2
     done
-    sleep 2
-  done
-  health 30000 && health 30001 || { echo "servers not healthy after 300 s"; tail -40 "$RUN"/*.log; cp "$RUN"/*.log "$OUT"/; exit 6; }
-  echo "both servers up"; grep -h -i -E "agentkv|max_total_num_tokens|KV Cache is allocated" "$RUN"/plugin.log | head -20
-  grep -h -E "max_total_num_tokens|KV Cache is allocated" "$RUN"/stock.log | head -5
+    echo "$name server not healthy after 300 s"; tail -40 "$RUN/$name.log" | cut -c1-400; cp "$RUN"/*.log "$OUT"/; exit 6
+  }
+  # `cd "$RUN"` keeps the checkout off sys.path[0]: agentkv comes from /tmp/site
+  launch stock 30000 --attention-backend triton
+  SGLANG_PLUGINS=agentkv launch plugin 30001 --attention-backend agentkv \
+    --radix-cache-backend agentkv --page-size 1 ${SGL_PLUGIN_ARGS:-}
+  echo "both servers up"; grep -h -i -E "agentkv|max_total_num_tokens|KV Cache is allocated" "$RUN"/plugin.log | cut -c1-300 | head -20
+  grep -h -E "max_total_num_tokens|KV Cache is allocated" "$RUN"/stock.log | cut -c1-300 | head -5
   ;;
 check)
   python3 -P benchmarks/sglang_plugin.py check --stock http://127.0.0.1:30000 --plugin http://127.0.0.1:30001 \
