@@ -94,7 +94,7 @@ class RefCountedTokenAllocator(TokenToKVPoolAllocator):
         if not self.is_not_in_free_group:  # freed at free_group_end, through this method
             self.free_group.append(free_index)
             return
-        super().free(self._decref(free_index, tree=False))
+        self._release(self._decref(free_index, tree=False))
 
     # ---- tree references ---------------------------------------------------------------------
 
@@ -116,7 +116,7 @@ class RefCountedTokenAllocator(TokenToKVPoolAllocator):
         if slots.numel() == 0:
             return 0
         released = self._decref(slots, tree=True)
-        super().free(released)
+        self._release(released)
         return int(released.numel())
 
     def pin(self, slots: torch.Tensor, delta: int) -> None:
@@ -166,6 +166,17 @@ class RefCountedTokenAllocator(TokenToKVPoolAllocator):
             )
 
     # ---- internals ---------------------------------------------------------------------------
+
+    def _release(self, slots: torch.Tensor) -> None:
+        """Put slots whose count reached 0 on the free list now. Not through SGLang's ``free``:
+        inside a free group (SGLang's decode-result step) that would queue them for
+        ``free_group_end``, which calls :meth:`free` and would count them down a second time."""
+        if slots.numel() == 0:
+            return
+        if self.need_sort:
+            self.release_pages = torch.cat((self.release_pages, slots))
+        else:
+            self.free_pages = torch.cat((self.free_pages, slots))
 
     def _live(self, slots: torch.Tensor) -> torch.Tensor:
         s = slots.reshape(-1).to(device=self.refs.device, dtype=torch.int64)

@@ -181,10 +181,17 @@ class Steps:
             req.kv_committed_len += 1
             req.kv.kv_allocated_len += 1
 
-    def finish(self, req, insert: bool = True) -> None:
+    def finish(self, req, insert: bool = True, grouped: bool = True) -> None:
+        """Release a finished request as SGLang's decode-result step does: inside a free
+        group (``free_group_begin`` .. ``free_group_end``), so frees made while the group is
+        open (the tree's too) are applied together at its end."""
         from sglang.srt.mem_cache.common import release_kv_cache
 
+        if grouped:
+            self.alloc.free_group_begin()
         release_kv_cache(req, self.cache, is_insert=insert)
+        if grouped:
+            self.alloc.free_group_end()
 
     def row(self, req) -> torch.Tensor:
         return self.r2t.req_to_token[req.req_pool_idx, : req.kv_committed_len].to(torch.int64)
