@@ -616,7 +616,7 @@ def log_stats(path: str | None, since: int = 0) -> dict[str, Any]:
         "peak_running_req": max((d[0] for d in dec), default=0),
         "peak_kv_tokens": max((d[1] for d in dec), default=0),
         "peak_token_usage": max((d[2] for d in dec), default=0.0),
-        "retractions": len(re.findall(r"[Rr]etract", text)),
+        "retractions": sum(int(x) for x in re.findall(r"#retracted_reqs: (\d+)", text)),
         "agentkv_plans": text.count("agentkv plan"),
         "agentkv_evicted": sum(int(x) for x in re.findall(r"agentkv plan .*?evicted (\d+)", text)),
         "log_bytes": len(text),

@@ -148,7 +148,7 @@ replay)
   ;;
 langgraph)
   LG=/tmp/lgsite
-  [ -d "$LG/langgraph" ] || python3 -m pip install -q --no-deps --no-index --no-compile --target "$LG" \
+  [ -d "$LG/jiter" ] || python3 -m pip install -q --no-deps --no-index --no-compile --target "$LG" \
     .carry_sgl/wheels/*.whl || exit 4
   AGENTKV_LANGGRAPH_SITE=$LG python3 -P benchmarks/sglang_plugin.py langgraph --plugin http://127.0.0.1:30001 \
     --plugin-log "$RUN/plugin.log" --out "$OUT" "$@"

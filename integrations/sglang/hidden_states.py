@@ -71,6 +71,7 @@ class _BatchRows:
         if extend:
             starts = forward_batch.extend_start_loc.tolist()
             lens = forward_batch.extend_seq_lens.tolist()
+            prefix = forward_batch.extend_prefix_lens.tolist()
         else:
             starts, lens = list(range(len(pool_idx))), [1] * len(pool_idx)
         for i, idx in enumerate(pool_idx):
@@ -79,6 +80,10 @@ class _BatchRows:
             if observer is None or lens[i] == 0:
                 continue
             s, n = starts[i], lens[i]
+            if extend:  # prompt rows only (a retracted request runs its output again too)
+                n = min(n, len(entry.tags) - prefix[i])
+                if n <= 0:
+                    continue
             pos = forward_batch.positions[s : s + n].to(torch.int64)
             if not extend:
                 entry.fed.append(pos)  # this step's position (read back after the step)

@@ -319,7 +319,11 @@ def observe_extend(backend: Any, q: torch.Tensor, layer: Any, forward_batch: Any
         state = OBSERVING.get(idx)
         if state is None or state.observer is None:
             continue
-        s, n = starts[i], lens[i]
+        # prompt positions only: a retracted request runs its generated tokens again too, and
+        # the observer covers the prompt (``len(state.tags)``) it was made for
+        s, n = starts[i], min(lens[i], len(state.tags) - prefix[i])
+        if n <= 0:
+            continue
         qi = q[s : s + n].reshape(n, hq, d).transpose(0, 1).float()
         q_pos = forward_batch.positions[s : s + n].to(torch.int64)
         slots = backend.req_to_token[idx, : prefix[i] + n].to(torch.int64)

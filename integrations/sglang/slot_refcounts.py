@@ -27,6 +27,8 @@ All counts are int32 tensors on the allocator's device; shapes are ``[size + 1]`
 
 from __future__ import annotations
 
+import os
+
 import torch
 from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
 
@@ -78,13 +80,18 @@ class RefCountedTokenAllocator(TokenToKVPoolAllocator):
         self._version = 0  # bumped by every change of counts; keys the cached sizes
         self._sizes: tuple[int, tuple[int, int]] | None = None
 
+    #: check every allocation against the counts (a host sync per call: tests and debugging;
+    #: ``AGENTKV_SGLANG_STRICT=1``). Off, ``alloc`` only queues one index_put on the device.
+    strict: bool = os.environ.get("AGENTKV_SGLANG_STRICT") == "1"
+
     def alloc(self, need_size: int):
         select = super().alloc(need_size)
         if select is not None and select.numel():
-            if bool((self.refs[select] != 0).any()):
+            if self.strict and bool((self.refs[select] != 0).any()):
                 raise SlotRefcountError("allocator handed out a slot that is still referenced")
+            # no version bump: a slot held by a request alone is neither evictable nor
+            # protected, so the cached sizes stay right (and decode steps need no host sync)
             self.refs[select] = 1
-            self._version += 1
         return select
 
     def free(self, free_index: torch.Tensor) -> None:

@@ -220,6 +220,7 @@ def make_steps(
         enable_memory_saver=False,
     )
     alloc = RefCountedTokenAllocator(size, torch.float32, "cpu", kv, need_sort=False)
+    alloc.strict = True  # every allocation checked against the counts
     planner = Planner(ModelShape(layers, heads * 2, heads, dim), 2 * layers * heads * dim * 4)
     cache = AgentKVRadixCache(
         CacheInitParams(

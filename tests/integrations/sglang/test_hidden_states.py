@@ -303,12 +303,13 @@ def test_hook_skips_unobserved_batches():
         def observe_hidden(self, layer, hidden, positions):
             raise AssertionError("observed")
 
-    state = SimpleNamespace(observer=Boom())
+    state = SimpleNamespace(observer=Boom(), tags=[None] * 10)
     fb = SimpleNamespace(
         forward_mode=ForwardMode.DECODE,
         req_pool_indices=torch.tensor([3]),
         extend_start_loc=torch.tensor([0]),
         extend_seq_lens=torch.tensor([1]),
+        extend_prefix_lens=torch.tensor([9]),
         positions=torch.tensor([9]),
     )
     h = torch.zeros(1, 32)

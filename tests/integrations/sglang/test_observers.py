@@ -138,3 +138,70 @@ def test_observers_see_each_requests_rows_and_live_keys(steps):
     for r in (a, b):
         steps.finish(r)
     steps.cache.check_invariants()
+
+
+def test_a_retracted_request_rerun_with_its_output_observes_its_prompt_only(steps):
+    """SGLang runs a retracted request's prefill again over prompt + generated tokens; the
+    observer was made for the prompt: it sees the prompt's rows and keys (as if fed directly)
+    and the plan covers the prompt. (On the H100 an H2O observer indexed past its prompt.)"""
+    from sglang.srt.layers.radix_attention import RadixAttention
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+
+    import agentkv.integrations.sglang.runtime as runtime
+    from agentkv.policies import H2O
+
+    T, extra = 30, 5
+    r = steps.request(
+        tokens(T, 12), encode_payload(KVPayload(session_id="r", policy=H2O(budget=12, recent=4)))
+    )
+    steps.prefill(r, plan=False)
+    steps.decode(r, tokens(extra, 13))  # the output a retraction re-runs
+    HOLEY.dead_slot = steps.alloc.dead_slot
+    runtime._PLANNER = steps.planner
+    state = request_state(r)
+    state.planned, state.observer = False, None
+    r.prefix_indices = steps.row(r)[:0]
+    sched = SimpleNamespace(
+        token_to_kv_pool_allocator=steps.alloc,
+        model_config=SimpleNamespace(num_attention_heads=steps.planner.shape.num_q_heads),
+        tp_size=1,
+    )
+    before_extend(sched, SimpleNamespace(reqs=[r]))
+    shape = steps.planner.shape
+    hq, d, n = shape.num_q_heads, shape.head_dim, T + extra
+    fb = ForwardBatch(
+        forward_mode=ForwardMode.EXTEND,
+        batch_size=1,
+        input_ids=torch.zeros(n, dtype=torch.int64),
+        req_pool_indices=torch.tensor([r.req_pool_idx]),
+        seq_lens=torch.tensor([n]),
+        out_cache_loc=torch.zeros(n, dtype=torch.int64),
+        seq_lens_sum=n,
+        positions=torch.arange(n),
+        extend_start_loc=torch.tensor([0]),
+        extend_seq_lens=torch.tensor([n]),
+        extend_prefix_lens=torch.tensor([0]),
+    )
+    backend = SimpleNamespace(token_to_kv_pool=steps.kv, req_to_token=steps.r2t.req_to_token)
+    torch.manual_seed(1)
+    qs = [torch.randn(n, hq * d) for _ in range(shape.num_layers)]
+    method = steps.planner.methods.for_policy(state.payload.policy)
+    ref = method.observer(
+        state.payload.policy,
+        ObserveRequest(T, 0, torch.tensor(state.tags.actionable), shape),
+    )
+    row = steps.row(r)
+    for layer in range(shape.num_layers):
+        observe_extend(
+            backend, qs[layer], RadixAttention(hq, d, d**-0.5, shape.num_kv_heads, layer), fb
+        )
+        q = qs[layer][:T].reshape(T, hq, d).transpose(0, 1)
+        k = steps.kv.get_key_buffer(layer)[row[:T]].transpose(0, 1)
+        ref.observe(layer, q, torch.arange(T), k, torch.arange(T), None)
+    got, want = state.observer.result(), ref.result()
+    for f in ("sums", "counts", "seen"):
+        torch.testing.assert_close(getattr(got, f), getattr(want, f))
+    assert plan_one(steps.planner, steps.r2t, steps.alloc, r, state) == T - 12
+    assert (steps.row(r)[T:] != steps.alloc.dead_slot).all()  # the output stays
+    steps.finish(r)
+    steps.cache.check_invariants()
