@@ -650,7 +650,8 @@ def main() -> None:
     ap.add_argument(
         "--policies",
         default="stock,full,streamingllm:budget=512,intentkv:budget=512",
-        help="runs in order: 'stock' = the stock server without payload, else a policy spec "
+        help="runs in order: 'stock' = the stock server without payload, 'nopayload' = the "
+        "plugin server without payload, else a policy spec "
         "sent to the plugin server",
     )
     ap.add_argument("--seed", type=int, default=0)
@@ -723,6 +724,8 @@ def main() -> None:
         for spec in a.policies.split(","):
             if spec == "stock":
                 name, url, log, spec = "stock", a.stock, a.stock_log, None
+            elif spec == "nopayload":  # the plugin server, requests without an agentkv payload
+                name, url, log, spec = "plugin nopayload", a.plugin, a.plugin_log, None
             else:
                 name, url, log = f"plugin {spec}", a.plugin, a.plugin_log
             flush(url)
