@@ -318,7 +318,7 @@ INT4_CONFIGS = [
 )  # both dtypes at the main shape; the odd groups once each (the suite's time budget)
 def test_int4_variants_match_reference(name, cfg, group, d, dtype) -> None:
     mb = build_mixed_batch(
-        [(0, 150, 0), (1, 70, 9)],
+        [(0, 90, 0), (1, 40, 9)],
         hq=2 * group,
         hkv=2,
         d=d,
