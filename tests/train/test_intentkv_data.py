@@ -12,12 +12,21 @@ from agentkv import IntentKV
 pytestmark = pytest.mark.slow
 
 
-def test_rows_from_a_replayed_session(engine, short_session):
-    from agentkv.train.intentkv_data import argument_values, collect_rows
+@pytest.fixture(scope="module")
+def argument_rows(engine, short_session):
+    """``(rows, stats)``: the session's rows with the default (future-argument) labels, collected
+    once for the tests below (a deterministic replay: the union test compares against them)."""
+    from agentkv.train.intentkv_data import collect_rows
 
-    rows, stats = collect_rows(
+    return collect_rows(
         engine, [short_session], IntentKV(budget=128, protect_system=False), progress=False
     )
+
+
+def test_rows_from_a_replayed_session(engine, short_session, argument_rows):
+    from agentkv.train.intentkv_data import argument_values
+
+    rows, stats = argument_rows
     # three requests, each over budget; only the last has the id in its history (at the second
     # the id is the actionable query, forced and never a candidate): one row
     assert (stats.sessions, stats.requests, stats.events) == (1, 3, 3)
@@ -42,7 +51,7 @@ def labeler():
     return AttentionLabeler.load(None, "cpu")
 
 
-def test_attention_and_union_rows(engine, short_session, labeler, monkeypatch):
+def test_attention_and_union_rows(engine, short_session, labeler, argument_rows, monkeypatch):
     import agentkv.train.intentkv_data as data
     from agentkv.train.intentkv_data import collect_rows
 
@@ -66,7 +75,7 @@ def test_attention_and_union_rows(engine, short_session, labeler, monkeypatch):
         # the default: as many positives as the policy keeps (the total budget reading)
         assert row.positives == k == 128 - forced
         assert bool((row.labels >= 0).all())  # no exclusions: every candidate labelled
-    args, _ = collect_rows(engine, [short_session], policy, progress=False)
+    args, _ = argument_rows  # the same policy, default labels
     both, _ = collect_rows(
         engine, [short_session], policy, progress=False, label="both", labeler=labeler
     )
