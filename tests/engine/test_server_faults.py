@@ -266,7 +266,7 @@ def long_request(sid: str, max_tokens: int, **extra: Any) -> dict[str, Any]:
     }
 
 
-MAX = 96
+MAX = 64
 
 
 @pytest.fixture(scope="module")
