@@ -95,17 +95,19 @@ def test_attention_and_union_rows(engine, short_session, labeler, argument_rows,
 def test_alpha_max_calibration_writes_the_choice(engine, short_session, tmp_path):
     """A tiny calibration: one short session, two grid points, a head whose residual is not
     zero; the better grid point is chosen, written into the checkpoint and used by default."""
+    from agentkv.bench.traces import Trace
     from agentkv.methods.intentkv_head import HEAD_FILE, HeadConfig, ResidualHead
     from agentkv.train.intentkv_fit import calibrate_alpha_max, plot_calibration
 
     torch.manual_seed(0)
     head = ResidualHead(HeadConfig.for_shape(engine.shape, model="test"))
     torch.nn.init.normal_(head.mlp[2].weight, std=2.0)
-    c = calibrate_alpha_max(
-        engine, head, [short_session], budget=128, grid=(1.0, 0.0), progress=False
-    )
+    # its first two turns (the third, the tool call, has the longest prompt)
+    held_out = Trace(short_session.id, short_session.source, short_session.messages[:5], None)
+    assert [m["role"] for m in held_out.messages][-1] == "assistant"
+    c = calibrate_alpha_max(engine, head, [held_out], budget=128, grid=(1.0, 0.0), progress=False)
     table = c["table"]
-    assert [r["alpha_max"] for r in table] == [0.0, 1.0] and c["traces"] == [short_session.id]
+    assert [r["alpha_max"] for r in table] == [0.0, 1.0] and c["traces"] == [held_out.id]
     assert all(r["tokens"] > 0 and 0 <= r["top1_agreement"] <= 1 for r in table)
     best = max(r["top1_agreement"] for r in table)
     assert c["alpha_max"] == min(r["alpha_max"] for r in table if r["top1_agreement"] == best)
