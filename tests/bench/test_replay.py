@@ -29,6 +29,17 @@ def agentkv_cli(*args: str, timeout: float = 120, **env: str) -> subprocess.Comp
     )
 
 
+def agentkv_cli_in_process(*args: str):
+    """``agentkv bench ...`` through the same typer app in this process (a ``click`` Result):
+    for input errors, which exit before any model work, without an interpreter's start-up
+    (the subprocess calls above and below cover the installed entry point)."""
+    from typer.testing import CliRunner
+
+    from agentkv.engine.cli import app
+
+    return CliRunner().invoke(app, ["bench", *args])
+
+
 def _short(trace: Trace, n_messages: int = 8) -> Trace:
     """The trajectory's opening, with the 1.3k-token airline policy cut to its first lines and
     no tool schemas, so a CPU replay stays quick; messages are the real ones."""
@@ -216,13 +227,13 @@ def test_cli_exports_a_source_that_replays_as_jsonl(tmp_path):
     assert [(t.id, t.messages, t.tools) for t in exported] == [
         (t.id, t.messages, t.tools) for t in original
     ]
-    bad = agentkv_cli("export", "--source", "nope", "--out", str(out))
-    assert bad.returncode == 2 and "unknown trace source 'nope'" in bad.stderr
+    bad = agentkv_cli_in_process("export", "--source", "nope", "--out", str(out))
+    assert bad.exit_code == 2 and "unknown trace source 'nope'" in bad.stderr
 
 
 def test_cli_rejects_bad_input(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"messages": "nope"}\n')
-    proc = agentkv_cli("replay", str(bad), "--out", str(tmp_path))
-    assert proc.returncode != 0
-    assert "bad.jsonl:1" in proc.stderr
+    res = agentkv_cli_in_process("replay", str(bad), "--out", str(tmp_path))
+    assert res.exit_code == 2
+    assert "bad.jsonl:1" in res.stderr
