@@ -30,9 +30,9 @@ def agentkv_cli(*args: str, timeout: float = 120, **env: str) -> subprocess.Comp
 
 
 def agentkv_cli_in_process(*args: str):
-    """``agentkv bench ...`` through the same typer app in this process (a ``click`` Result):
-    for input errors, which exit before any model work, without an interpreter's start-up
-    (the subprocess calls above and below cover the installed entry point)."""
+    """``agentkv bench ...`` through the same typer app in this process (a ``click`` Result),
+    without an interpreter's start-up (torch and transformers: ~7 s); the installed entry
+    point runs as a subprocess in :func:`test_cli_replays_a_user_jsonl`."""
     from typer.testing import CliRunner
 
     from agentkv.engine.cli import app
@@ -120,9 +120,9 @@ def test_compare_policies_is_paired_and_names_the_winner(report, tmp_path):
         compare_policies(report, "h2o", full.label)
     # the CLI reads a results.json
     path = write_outputs(report, tmp_path)["results"]
-    proc = agentkv_cli("compare", str(path), "full", "full")
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "full() - full(): top-1 agreement +0.0000" in proc.stdout
+    res = agentkv_cli_in_process("compare", str(path), "full", "full")
+    assert res.exit_code == 0, res.output[-2000:]
+    assert "full() - full(): top-1 agreement +0.0000" in res.stdout
 
 
 def test_evicting_policies_respect_their_budgets(report):
@@ -219,9 +219,11 @@ def test_cli_exports_a_source_that_replays_as_jsonl(tmp_path):
     from agentkv.bench.replay import load_traces
 
     out = tmp_path / "tau.jsonl"
-    proc = agentkv_cli("export", "--source", "tau-bench", "--limit", "3", "--out", str(out))
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "wrote 3 trajectories" in proc.stderr
+    res = agentkv_cli_in_process(
+        "export", "--source", "tau-bench", "--limit", "3", "--out", str(out)
+    )
+    assert res.exit_code == 0, res.output[-2000:]
+    assert "wrote 3 trajectories" in res.stderr
     exported = load_traces(out, None, None)
     original = load_traces(None, "tau-bench", 3)
     assert [(t.id, t.messages, t.tools) for t in exported] == [
