@@ -17,8 +17,16 @@ def test_demo_reports_per_node_kv_telemetry(engine):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
+        # `agentkv demo --budgets 32 --trace 145 --max-messages 5`: the shortest opening of any
+        # tau-bench trajectory that routes through both nodes (respond, then observe after a
+        # tool result), so two model calls per policy
         results = run_demo(
-            engine=engine, budgets=[32], max_messages=10, max_tokens=2, print_fn=lines.append
+            engine=engine,
+            budgets=[32],
+            trace_index=145,
+            max_messages=5,
+            max_tokens=2,
+            print_fn=lines.append,
         )
     finally:
         torch.set_num_threads(threads)

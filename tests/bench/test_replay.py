@@ -29,6 +29,17 @@ def agentkv_cli(*args: str, timeout: float = 120, **env: str) -> subprocess.Comp
     )
 
 
+def agentkv_cli_in_process(*args: str):
+    """``agentkv bench ...`` through the same typer app in this process (a ``click`` Result),
+    without an interpreter's start-up (torch and transformers: ~7 s); the installed entry
+    point runs as a subprocess in :func:`test_cli_replays_a_user_jsonl`."""
+    from typer.testing import CliRunner
+
+    from agentkv.engine.cli import app
+
+    return CliRunner().invoke(app, ["bench", *args])
+
+
 def _short(trace: Trace, n_messages: int = 8) -> Trace:
     """The trajectory's opening, with the 1.3k-token airline policy cut to its first lines and
     no tool schemas, so a CPU replay stays quick; messages are the real ones."""
@@ -39,12 +50,19 @@ def _short(trace: Trace, n_messages: int = 8) -> Trace:
     return Trace(id=trace.id, source=trace.source, messages=msgs, tools=None)
 
 
+#: messages kept per trajectory: system, user, assistant, user, assistant (two turns each,
+#: the fewest that has a later turn to hit the prefix cache)
+N_MESSAGES = 5
+
+
 @pytest.fixture(scope="module")
 def traces() -> list[Trace]:
     picked = [
-        t for t in load_tau_bench() if sum(m["role"] == "assistant" for m in t.messages[:8]) >= 2
+        t
+        for t in load_tau_bench()
+        if sum(m["role"] == "assistant" for m in t.messages[:N_MESSAGES]) >= 2
     ]
-    return [_short(t) for t in picked[:2]]
+    return [_short(t, N_MESSAGES) for t in picked[:2]]
 
 
 @pytest.fixture(scope="module")
@@ -102,9 +120,9 @@ def test_compare_policies_is_paired_and_names_the_winner(report, tmp_path):
         compare_policies(report, "h2o", full.label)
     # the CLI reads a results.json
     path = write_outputs(report, tmp_path)["results"]
-    proc = agentkv_cli("compare", str(path), "full", "full")
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "full() - full(): top-1 agreement +0.0000" in proc.stdout
+    res = agentkv_cli_in_process("compare", str(path), "full", "full")
+    assert res.exit_code == 0, res.output[-2000:]
+    assert "full() - full(): top-1 agreement +0.0000" in res.stdout
 
 
 def test_evicting_policies_respect_their_budgets(report):
@@ -175,8 +193,12 @@ def test_merge_of_shards_equals_the_whole(report, tmp_path):
 
 
 def test_cli_replays_a_user_jsonl(traces, tmp_path):
+    # the opening up to its first assistant turn: one turn per policy is enough for the CLI's
+    # path (reading, replaying, writing); turns >= 2 are checked on `report` above
+    msgs = traces[0].messages
+    first = next(i for i, m in enumerate(msgs) if i > 0 and m["role"] == "assistant")
     src = tmp_path / "traces.jsonl"
-    src.write_text(json.dumps({"messages": traces[0].messages}) + "\n")
+    src.write_text(json.dumps({"messages": msgs[: first + 1]}) + "\n")
     out = tmp_path / "out"
     proc = agentkv_cli(
         *["replay", str(src), "--policy", "full", "--policy", "streamingllm:budget=64"],
@@ -197,21 +219,23 @@ def test_cli_exports_a_source_that_replays_as_jsonl(tmp_path):
     from agentkv.bench.replay import load_traces
 
     out = tmp_path / "tau.jsonl"
-    proc = agentkv_cli("export", "--source", "tau-bench", "--limit", "3", "--out", str(out))
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "wrote 3 trajectories" in proc.stderr
+    res = agentkv_cli_in_process(
+        "export", "--source", "tau-bench", "--limit", "3", "--out", str(out)
+    )
+    assert res.exit_code == 0, res.output[-2000:]
+    assert "wrote 3 trajectories" in res.stderr
     exported = load_traces(out, None, None)
     original = load_traces(None, "tau-bench", 3)
     assert [(t.id, t.messages, t.tools) for t in exported] == [
         (t.id, t.messages, t.tools) for t in original
     ]
-    bad = agentkv_cli("export", "--source", "nope", "--out", str(out))
-    assert bad.returncode == 2 and "unknown trace source 'nope'" in bad.stderr
+    bad = agentkv_cli_in_process("export", "--source", "nope", "--out", str(out))
+    assert bad.exit_code == 2 and "unknown trace source 'nope'" in bad.stderr
 
 
 def test_cli_rejects_bad_input(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"messages": "nope"}\n')
-    proc = agentkv_cli("replay", str(bad), "--out", str(tmp_path))
-    assert proc.returncode != 0
-    assert "bad.jsonl:1" in proc.stderr
+    res = agentkv_cli_in_process("replay", str(bad), "--out", str(tmp_path))
+    assert res.exit_code == 2
+    assert "bad.jsonl:1" in res.stderr

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow
 
 SESSIONS = 8
 TURNS = 3
-MAX_TOKENS = 4
+MAX_TOKENS = 2
 TOPICS = ["cats", "rivers", "trains", "apples", "stars", "bread", "music", "snow"]
 FOLLOW_UPS = ["Why?", "Say more."]
 

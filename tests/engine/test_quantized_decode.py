@@ -18,14 +18,21 @@ MESSAGES = [
 ]
 
 
-def _decode(engine, policy, path: str, n: int):
+#: 30 tokens: under the interpreter a kernel call costs about linearly in the cells it reads
+SHORT = [
+    {"role": "system", "content": "You answer in one short sentence."},
+    {"role": "user", "content": "Name three colors of the sea at dusk."},
+]
+
+
+def _decode(engine, policy, path: str, n: int, messages=MESSAGES):
     from agentkv.engine.engine import GenerationConfig
 
     engine.decode_attention = path
     try:
         res = engine.chat(
-            MESSAGES,
-            payload=build_payload(MESSAGES, policy, f"req:{path}"),
+            messages,
+            payload=build_payload(messages, policy, f"req:{path}"),
             gen=GenerationConfig(max_tokens=n, ignore_eos=True),
         )
     finally:
@@ -35,15 +42,16 @@ def _decode(engine, policy, path: str, n: int):
 
 
 @pytest.mark.parametrize(
-    "policy",
-    [UniformQuant(bits=2, residual=16), H2O(budget=48, recent=8)],
+    ("policy", "steps"),
+    [(UniformQuant(bits=2, residual=16), 40), (H2O(budget=48, recent=8), 12)],
     ids=["uniform_quant2", "h2o48"],
 )
-def test_reference_decode_matches_dense_path(engine, policy):
-    """40 decode steps: the residual window (16) fills and pages of 32 quantize during
-    decode; both paths read the same dequantized values and pick the same tokens."""
-    dense = _decode(engine, policy, "dense", 40)
-    ref = _decode(engine, policy, "reference", 40)
+def test_reference_decode_matches_dense_path(engine, policy, steps):
+    """UniformQuant, 40 decode steps: the residual window (16) fills and pages of 32 quantize
+    during decode; H2O (holes from its prefill plan, nothing changes during decode), 12 steps
+    over the holes. Both paths read the same dequantized values and pick the same tokens."""
+    dense = _decode(engine, policy, "dense", steps)
+    ref = _decode(engine, policy, "reference", steps)
     assert ref.token_ids == dense.token_ids
     u = dense.usage
     if policy.quantizes:
@@ -59,8 +67,16 @@ def test_reference_decode_matches_dense_path(engine, policy):
 
 
 def test_triton_decode_kernel_matches_dense_path(engine):
-    """The fused Triton decode kernel (CPU interpreter) over INT4 cells, a few steps."""
+    """The fused Triton decode kernel (CPU interpreter) over INT4 cells and the full-precision
+    window, one decode step in every layer: the step's new cell is appended to the index and
+    read in place (the Triton kernel itself: tests/kernels; many steps through the same
+    ``KernelDecode``: the reference test above; index appends: tests/cache/test_decode_index)."""
     policy = UniformQuant(bits=4, residual=8)
-    dense = _decode(engine, policy, "dense", 3)
-    kern = _decode(engine, policy, "kernels", 3)
+    dense = _decode(engine, policy, "dense", 2, SHORT)
+    kern = _decode(engine, policy, "kernels", 2, SHORT)
+    assert len(dense.token_ids) == 2
     assert kern.token_ids == dense.token_ids
+    u = kern.usage
+    assert u.resident_kv_bytes_by_precision["int4"] > 0  # the kernel read INT4 cells
+    shape = engine.shape  # every prompt cell before the window of 8 is INT4
+    assert u.quantized_entries >= (u.prompt_tokens - 8) * shape.num_layers * shape.num_kv_heads

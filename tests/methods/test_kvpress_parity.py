@@ -15,6 +15,7 @@ token ids through :meth:`Engine.compress`.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import sys
 import types
@@ -73,21 +74,31 @@ def context_ids(engine) -> list[int]:
     return engine.tokenizer(text)["input_ids"]
 
 
-def kvpress_kept(model, press, ids: list[int]) -> torch.Tensor:
-    """bool ``[L, Hkv, T]``: the cells ``press`` keeps in one prefill of ``ids``."""
+def prefill_keys(model, ids: list[int], press=None) -> list[torch.Tensor]:
+    """Per layer ``[Hkv, T | n, D]``: the keys one prefill of ``ids`` leaves in the cache
+    (all ``T`` without a press; the ``n`` that ``press`` kept with one)."""
     from transformers import DynamicCache
 
-    x = torch.tensor([ids])
-    pos = torch.arange(len(ids))
-    full, pressed = DynamicCache(), DynamicCache()
-    with torch.no_grad():
-        model(x, past_key_values=full, cache_position=pos)
-        with press(model):
-            model(x, past_key_values=pressed, cache_position=pos)
-    n_layers, n_heads = len(full.layers), full.layers[0].keys.shape[1]
+    cache = DynamicCache()
+    with torch.no_grad(), press(model) if press is not None else contextlib.nullcontext():
+        model(torch.tensor([ids]), past_key_values=cache, cache_position=torch.arange(len(ids)))
+    return [layer.keys[0] for layer in cache.layers]
+
+
+@pytest.fixture(scope="module")
+def full_keys(eager_model, context_ids) -> list[torch.Tensor]:
+    """The uncompressed prefill's keys, computed once for every press and budget."""
+    return prefill_keys(eager_model, context_ids)
+
+
+def kvpress_kept(model, press, ids: list[int], full: list[torch.Tensor]) -> torch.Tensor:
+    """bool ``[L, Hkv, T]``: the cells ``press`` keeps in one prefill of ``ids``, found among
+    ``full`` (:func:`full_keys`: the same forward without the press computes them)."""
+    pressed = prefill_keys(model, ids, press)
+    n_layers, n_heads = len(full), full[0].shape[0]
     kept = torch.zeros(n_layers, n_heads, len(ids), dtype=torch.bool)
     for layer in range(n_layers):
-        fk, ck = full.layers[layer].keys[0], pressed.layers[layer].keys[0]  # [H, T|n, D]
+        fk, ck = full[layer], pressed[layer]  # [H, T|n, D]
         for h in range(n_heads):
             diff = (ck[h][:, None, :] - fk[h][None]).abs().amax(-1)  # [n, T]
             assert float(diff.min(-1).values.max()) == 0.0  # each kept key is one of the T
@@ -117,11 +128,12 @@ def kvpress_kept(model, press, ids: list[int]) -> torch.Tensor:
     ],
 )
 def test_same_cells_as_kvpress(
-    engine, eager_model, presses, context_ids, budget, name, press_of, policy_of
+    engine, eager_model, presses, context_ids, full_keys, budget, name, press_of, policy_of
 ):
     T = len(context_ids)
     assert budget + 64 < T  # the press must evict
-    theirs = kvpress_kept(eager_model, press_of(presses, 1 - budget / T), context_ids)
+    press = press_of(presses, 1 - budget / T)
+    theirs = kvpress_kept(eager_model, press, context_ids, full_keys)
     n_kept = int(theirs[0, 0].sum())
     assert (theirs.sum(-1) == n_kept).all()  # kvpress keeps n per (layer, head)
     ours = engine.compress(context_ids, policy_of(n_kept)).kept

@@ -12,12 +12,21 @@ from agentkv import IntentKV
 pytestmark = pytest.mark.slow
 
 
-def test_rows_from_a_replayed_session(engine, short_session):
-    from agentkv.train.intentkv_data import argument_values, collect_rows
+@pytest.fixture(scope="module")
+def argument_rows(engine, short_session):
+    """``(rows, stats)``: the session's rows with the default (future-argument) labels, collected
+    once for the tests below (a deterministic replay: the union test compares against them)."""
+    from agentkv.train.intentkv_data import collect_rows
 
-    rows, stats = collect_rows(
+    return collect_rows(
         engine, [short_session], IntentKV(budget=128, protect_system=False), progress=False
     )
+
+
+def test_rows_from_a_replayed_session(engine, short_session, argument_rows):
+    from agentkv.train.intentkv_data import argument_values
+
+    rows, stats = argument_rows
     # three requests, each over budget; only the last has the id in its history (at the second
     # the id is the actionable query, forced and never a candidate): one row
     assert (stats.sessions, stats.requests, stats.events) == (1, 3, 3)
@@ -42,7 +51,7 @@ def labeler():
     return AttentionLabeler.load(None, "cpu")
 
 
-def test_attention_and_union_rows(engine, short_session, labeler, monkeypatch):
+def test_attention_and_union_rows(engine, short_session, labeler, argument_rows, monkeypatch):
     import agentkv.train.intentkv_data as data
     from agentkv.train.intentkv_data import collect_rows
 
@@ -66,7 +75,7 @@ def test_attention_and_union_rows(engine, short_session, labeler, monkeypatch):
         # the default: as many positives as the policy keeps (the total budget reading)
         assert row.positives == k == 128 - forced
         assert bool((row.labels >= 0).all())  # no exclusions: every candidate labelled
-    args, _ = collect_rows(engine, [short_session], policy, progress=False)
+    args, _ = argument_rows  # the same policy, default labels
     both, _ = collect_rows(
         engine, [short_session], policy, progress=False, label="both", labeler=labeler
     )
@@ -86,17 +95,19 @@ def test_attention_and_union_rows(engine, short_session, labeler, monkeypatch):
 def test_alpha_max_calibration_writes_the_choice(engine, short_session, tmp_path):
     """A tiny calibration: one short session, two grid points, a head whose residual is not
     zero; the better grid point is chosen, written into the checkpoint and used by default."""
+    from agentkv.bench.traces import Trace
     from agentkv.methods.intentkv_head import HEAD_FILE, HeadConfig, ResidualHead
     from agentkv.train.intentkv_fit import calibrate_alpha_max, plot_calibration
 
     torch.manual_seed(0)
     head = ResidualHead(HeadConfig.for_shape(engine.shape, model="test"))
     torch.nn.init.normal_(head.mlp[2].weight, std=2.0)
-    c = calibrate_alpha_max(
-        engine, head, [short_session], budget=128, grid=(1.0, 0.0), progress=False
-    )
+    # its first two turns (the third, the tool call, has the longest prompt)
+    held_out = Trace(short_session.id, short_session.source, short_session.messages[:5], None)
+    assert [m["role"] for m in held_out.messages][-1] == "assistant"
+    c = calibrate_alpha_max(engine, head, [held_out], budget=128, grid=(1.0, 0.0), progress=False)
     table = c["table"]
-    assert [r["alpha_max"] for r in table] == [0.0, 1.0] and c["traces"] == [short_session.id]
+    assert [r["alpha_max"] for r in table] == [0.0, 1.0] and c["traces"] == [held_out.id]
     assert all(r["tokens"] > 0 and 0 <= r["top1_agreement"] <= 1 for r in table)
     best = max(r["top1_agreement"] for r in table)
     assert c["alpha_max"] == min(r["alpha_max"] for r in table if r["top1_agreement"] == best)
