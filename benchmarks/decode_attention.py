@@ -452,7 +452,7 @@ def tune_grid(impl: str) -> list[DecodeConfig]:
     if impl == "int4":
         grid = [DecodeConfig()]
         grid += [  # the kernel before issue 10's recipe
-            DecodeConfig(int4_legacy=True, block_n_int4=32, programs_per_sm_int4=pps)
+            DecodeConfig(int4_legacy=True, block_n_int4=32, num_warps=2, programs_per_sm_int4=pps)
             for pps in (8, 16)
         ]
         grid += [  # (query head, channel group) pairs stacked as dot rows
@@ -501,7 +501,8 @@ def mixed_grid(best4: DecodeConfig, best2: DecodeConfig) -> list[DecodeConfig]:
     int2_fields = {k: getattr(best2, k) for k in ("prefetch", "programs_per_sm_int2")}
     return [
         DecodeConfig(num_warps=w, **int4_fields, **int2_fields)
-        for w in sorted({best4.num_warps, best2.num_warps})
+        # None: the launch's default (1 warp with INT4 segments, 2 without)
+        for w in sorted({best4.num_warps or 1, best2.num_warps or 2})
     ]
 
 

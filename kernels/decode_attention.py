@@ -70,7 +70,10 @@ class DecodeConfig:
     """Tuning knobs (``benchmarks/decode_attention.py --tune`` sweeps them on the GPU).
 
     block_n_full / block_n_int4: positions per inner iteration (INT2 is one 32-token page).
-    num_warps, num_stages: per program (one launch: shared by every segment).
+    num_warps, num_stages: per program (one launch: shared by every segment); num_warps None:
+    1 when the launch has INT4 segments, else 2 (the H100 tuning winners, docs/benchmarks.md
+    §3: INT4 and mixed at 1 warp, 32 positions per block, 16 programs per SM; bf16 and INT2
+    at 2).
     programs_per_sm / _int4 / _int2: target programs per SM when choosing the split length
     of the full / INT4 / INT2 segments (more programs: more splits, shorter ones).
     min_split_len: shortest split. min_block_hq: least query rows per program on the
@@ -86,11 +89,11 @@ class DecodeConfig:
     of the merge kernel."""
 
     block_n_full: int = 64
-    block_n_int4: int = 64
-    num_warps: int = 2
+    block_n_int4: int = 32
+    num_warps: int | None = None
     num_stages: int = 2
     programs_per_sm: int = 16
-    programs_per_sm_int4: int = 8
+    programs_per_sm_int4: int = 16
     programs_per_sm_int2: int = 16
     min_split_len: int = 256
     min_block_hq: int = 1
@@ -1402,7 +1405,7 @@ def decode_attention(
         V_FOLD=v_fold,
         INT4_LEGACY=cfg.int4_legacy,
         STACKED=stacked,
-        num_warps=cfg.num_warps,
+        num_warps=cfg.num_warps if cfg.num_warps is not None else (1 if m4 > 0 else 2),
         num_stages=cfg.num_stages,
     )
     _merge_splits_kernel[(b * hq,)](

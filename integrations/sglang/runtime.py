@@ -3,8 +3,9 @@ the scheduler process.
 
 - **HTTP process** (:func:`tag_chat_request`, an AFTER hook on
   ``OpenAIServingChat._convert_to_internal_request``): validates ``custom_params["agentkv"]``
-  (a malformed payload is SGLang's HTTP 400, the message naming the field), renders the
-  request with agentkv's chat renderer on SGLang's tokenizer and template, and when those
+  (a malformed payload is SGLang's HTTP 400, the message naming the field), and for evicting
+  policies (no plan reads a FullCache request's tags) renders the request with agentkv's chat
+  renderer on SGLang's tokenizer and template, and when those
   tokens are SGLang's prompt tokens adds the per-token tags as
   ``custom_params["agentkv_tags"]``. When they differ (another template path), the request
   runs untagged (plan note says so).
@@ -121,6 +122,8 @@ def tag_chat_request(result: Any, serving: Any, request: Any, *args: Any, **kwar
         tp = getattr(getattr(serving.tokenizer_manager, "server_args", None), "tp_size", 1)
         check_method(payload, model_config, tp if isinstance(tp, int) else 1)
     stream_usage_by_default(request)  # usage.agentkv in a stream's last chunk, as embedded
+    if not getattr(type(payload.policy), "evicts", False):
+        return  # FullCache: no plan reads tags; skip the second render (~2x SGLang's own)
     ids = getattr(adapted, "input_ids", None)
     if not isinstance(ids, list) or not ids or not isinstance(ids[0], int):
         return

@@ -12,7 +12,7 @@ import pytest
 
 from agentkv.integrations.sglang.request_plan import TAGS_KEY, decode_tags, request_state
 from agentkv.integrations.sglang.runtime import tag_chat_request
-from agentkv.policies import IntentKV, parse_policy
+from agentkv.policies import FullCache, IntentKV, parse_policy
 from agentkv.wire import KVPayload, PayloadError, build_payload, encode_payload
 
 REPO = Path(__file__).resolve().parents[3]
@@ -75,6 +75,16 @@ def test_tags_travel_in_custom_params_and_fit_sglangs_tokens(qwen):
     state = request_state(req)
     assert state.tagged and state.tags.actionable == tags.actionable
     assert state.payload.session_id == "s1"
+
+
+def test_fullcache_requests_are_not_rendered_again(qwen):
+    """No plan reads a FullCache request's tags: the HTTP hook does not render it a second
+    time (a client's forged tags are still dropped)."""
+    payload = encode_payload(build_payload(MESSAGES, FullCache(), "s1"))
+    adapted, request, serving = chat(qwen, payload)
+    adapted.sampling_params["custom_params"][TAGS_KEY] = "forged"
+    tag_chat_request((adapted, request), serving, request)
+    assert TAGS_KEY not in adapted.sampling_params["custom_params"]
 
 
 def test_other_tokens_run_untagged(qwen):
