@@ -112,12 +112,19 @@ def check(stock: str, plugin: str, n: int, seed: int) -> dict[str, Any]:
 # ---- replay ------------------------------------------------------------------------------
 
 
-def session_requests(trace, policy, session_id: str, max_tokens: int, tools: bool):
-    """One chat request per assistant turn: the trajectory's history up to it."""
+def session_requests(
+    trace, policy, session_id: str, max_tokens: int, tools: bool, max_turns: int | None = None
+):
+    """One chat request per assistant turn: the trajectory's history up to it (the first
+    ``max_turns`` turns when given)."""
     msgs = trace.messages
+    turns = 0
     for i, m in enumerate(msgs):
         if m["role"] != "assistant" or i == 0:
             continue
+        if max_turns is not None and turns >= max_turns:
+            return
+        turns += 1
         history = msgs[:i]
         body = {
             "model": "default",
@@ -134,7 +141,16 @@ def session_requests(trace, policy, session_id: str, max_tokens: int, tools: boo
         yield body
 
 
-def replay(url: str, traces, policy, concurrency: int, max_tokens: int, tools: bool, tag: str):
+def replay(
+    url: str,
+    traces,
+    policy,
+    concurrency: int,
+    max_tokens: int,
+    tools: bool,
+    tag: str,
+    max_turns: int | None = None,
+):
     lock = threading.Lock()
     stats = {
         "requests": 0,
@@ -147,7 +163,7 @@ def replay(url: str, traces, policy, concurrency: int, max_tokens: int, tools: b
     errors: list[str] = []
 
     def run_session(k: int):
-        for body in session_requests(traces[k], policy, f"{tag}-{k}", max_tokens, tools):
+        for body in session_requests(traces[k], policy, f"{tag}-{k}", max_tokens, tools, max_turns):
             t = time.perf_counter()
             r = post(url + "/v1/chat/completions", body)
             dt = time.perf_counter() - t
@@ -603,6 +619,7 @@ def langgraph_run(url: str, turns: int, trace: int, max_tokens: int) -> dict[str
 
 
 _DECODE = re.compile(r"Decode batch.*?#running-req: (\d+).*?#token: (\d+).*?token usage: ([\d.]+)")
+_QUEUE = re.compile(r"(?:Decode|Prefill) batch.*?#queue-req: (\d+)")
 
 
 def log_stats(path: str | None, since: int = 0) -> dict[str, Any]:
@@ -616,11 +633,69 @@ def log_stats(path: str | None, since: int = 0) -> dict[str, Any]:
         "peak_running_req": max((d[0] for d in dec), default=0),
         "peak_kv_tokens": max((d[1] for d in dec), default=0),
         "peak_token_usage": max((d[2] for d in dec), default=0.0),
+        "peak_queue_req": max((int(q) for q in _QUEUE.findall(text)), default=0),
         "retractions": sum(int(x) for x in re.findall(r"#retracted_reqs: (\d+)", text)),
         "agentkv_plans": text.count("agentkv plan"),
         "agentkv_evicted": sum(int(x) for x in re.findall(r"agentkv plan .*?evicted (\d+)", text)),
         "log_bytes": len(text),
     }
+
+
+def capacity(
+    a: argparse.Namespace, levels: list[int], specs: list[str], out: Path
+) -> dict[str, Any]:
+    """Max concurrent sessions without retraction, per policy: at each level L (ascending),
+    L sessions replay their first ``--max-turns`` turns at once (concurrency L); a level
+    holds when the server retracted nothing and ran every session at once (peak running
+    requests = L). Stops at a policy's first failing level."""
+    pool = load_tau_bench(seed=a.seed)
+    # more sessions than trajectories: trajectories repeat (as distinct sessions)
+    traces = [pool[i % len(pool)] for i in range(max(levels))]
+    rows = []
+    for spec in specs:
+        name, url, log, policy = _target(a, spec)
+        held = 0
+        for level in levels:
+            flush(url)
+            since = Path(log).stat().st_size if log and Path(log).is_file() else 0
+            r = replay(
+                url,
+                traces[:level],
+                policy,
+                level,
+                a.max_tokens,
+                a.tools,
+                tag=f"cap{level}-{name}".replace(" ", "_"),
+                max_turns=a.max_turns,
+            )
+            r.update(log_stats(log, since))
+            if "retractions" not in r:
+                raise SystemExit(f"capacity needs the server's log ({name}: --*-log)")
+            ok = r["errors"] == 0 and r["retractions"] == 0 and r["peak_running_req"] >= level
+            r.update(run=name, level=level, holds=ok)
+            rows.append(r)
+            print(
+                f"{name} L={level}: holds={ok} retracted={r['retractions']} "
+                f"peak running={r['peak_running_req']} queue={r['peak_queue_req']} "
+                f"kv={r['peak_kv_tokens']} hit={r['prefix_hit_rate']:.3f}"
+            )
+            (out / "capacity.json").write_text(
+                json.dumps({"levels": levels, "rows": rows}, indent=1)
+            )
+            if not ok:
+                break
+            held = level
+        print(f"{name}: max concurrent sessions without retraction >= {held}")
+    return {"levels": levels, "max_turns": a.max_turns, "rows": rows}
+
+
+def _target(a: argparse.Namespace, spec: str):
+    """(run name, server URL, server log, policy or None) of one ``--policies`` entry."""
+    if spec == "stock":
+        return "stock", a.stock, a.stock_log, None
+    if spec == "nopayload":  # the plugin server, requests without an agentkv payload
+        return "plugin nopayload", a.plugin, a.plugin_log, None
+    return f"plugin {spec}", a.plugin, a.plugin_log, parse_policy(spec)
 
 
 def main() -> None:
@@ -630,6 +705,7 @@ def main() -> None:
         choices=[
             "check",
             "replay",
+            "capacity",
             "langgraph",
             "positions-prompt",
             "positions-embedded",
@@ -646,6 +722,12 @@ def main() -> None:
     ap.add_argument("--sessions", type=int, default=64)
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--max-turns", type=int, help="replay / capacity: first N turns per session")
+    ap.add_argument(
+        "--levels",
+        default="32,64,96,128,192,256",
+        help="capacity: concurrent-session levels, ascending",
+    )
     ap.add_argument("--tools", action="store_true", help="send the trajectories' tool schemas")
     ap.add_argument(
         "--policies",
@@ -714,6 +796,10 @@ def main() -> None:
         print(json.dumps(res["checks"], indent=1))
         (out / "langgraph.json").write_text(json.dumps(res, indent=1))
         return
+    if a.phase == "capacity":
+        res = capacity(a, [int(x) for x in a.levels.split(",")], a.policies.split(","), out)
+        (out / "capacity.json").write_text(json.dumps(res, indent=1))
+        return
     if a.phase == "check":
         res = check(a.stock, a.plugin, a.prompts, a.seed)
         res["plugin_log"] = log_stats(a.plugin_log)
@@ -722,15 +808,9 @@ def main() -> None:
         traces = load_tau_bench(limit=a.sessions, seed=a.seed)
         runs = []
         for spec in a.policies.split(","):
-            if spec == "stock":
-                name, url, log, spec = "stock", a.stock, a.stock_log, None
-            elif spec == "nopayload":  # the plugin server, requests without an agentkv payload
-                name, url, log, spec = "plugin nopayload", a.plugin, a.plugin_log, None
-            else:
-                name, url, log = f"plugin {spec}", a.plugin, a.plugin_log
+            name, url, log, policy = _target(a, spec)
             flush(url)
             since = Path(log).stat().st_size if log and Path(log).is_file() else 0
-            policy = parse_policy(spec) if spec else None
             r = replay(
                 url,
                 traces,
@@ -739,6 +819,7 @@ def main() -> None:
                 a.max_tokens,
                 a.tools,
                 tag=name.replace(" ", "_"),
+                max_turns=a.max_turns,
             )
             r.update(log_stats(log, since))
             r["run"] = name

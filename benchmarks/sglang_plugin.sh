@@ -27,6 +27,10 @@
 #                bash benchmarks/sglang_plugin.sh positions
 #                carry: [".carry_model/gguf.part01", ".carry_model/gguf.sha256",
 #                        ".carry_model/llm_init.py", ".whl", ".carry_pos"]
+#   capacity (servers up; one call per policy pair if long): max concurrent sessions without
+#                retraction, levels ascending, e.g. with BOTH_ARGS="--max-total-tokens 16384":
+#                bash benchmarks/sglang_plugin.sh capacity --levels 32,64,128,192,256 --max-turns 4 \
+#                  --policies stock,intentkv:budget=512
 #   last:        bash benchmarks/sglang_plugin.sh stop
 #
 # `start` installs the bundle and this checkout into /tmp/site, then starts two servers on
@@ -51,7 +55,7 @@
 # -> $OUT/positions.json (POS_LOADS="hf gguf" picks the loaders).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-cmd=${1:?usage: sglang_plugin.sh prepare|start|check|replay|langgraph|positions|stop [args]}
+cmd=${1:?usage: sglang_plugin.sh prepare|start|check|replay|capacity|langgraph|positions|stop [args]}
 shift || true
 OUT=${OUT:-/tmp/out}
 RUN=/tmp/sglplugin
@@ -141,8 +145,8 @@ check)
     --plugin-log "$RUN/plugin.log" --out "$OUT" "$@"
   rc=$?; cp "$RUN"/*.log "$OUT"/ 2>/dev/null; exit $rc
   ;;
-replay)
-  python3 -P benchmarks/sglang_plugin.py replay --stock http://127.0.0.1:30000 --plugin http://127.0.0.1:30001 \
+replay|capacity)
+  python3 -P benchmarks/sglang_plugin.py "$cmd" --stock http://127.0.0.1:30000 --plugin http://127.0.0.1:30001 \
     --stock-log "$RUN/stock.log" --plugin-log "$RUN/plugin.log" --out "$OUT" "$@"
   rc=$?; cp "$RUN"/*.log "$OUT"/ 2>/dev/null; exit $rc
   ;;
