@@ -58,6 +58,9 @@ class AttentionColumnSums(PrefillObserver):
         counts: float32 ``[L, T]``, observed queries that can see each key (causal).
         seen: bool ``[L, T]``, key was visible to the observer in that layer.
         head_live: bool ``[L, Hkv, T]``, the KV head still held the key when it was observed.
+
+    The buffers live on the device of the observed tensors while observing (no host copy per
+    layer: on a GPU every copy would stall the prefill), and on the CPU after :meth:`result`.
     """
 
     def __init__(self, req: ObserveRequest, first_query: int = 0):
@@ -75,12 +78,20 @@ class AttentionColumnSums(PrefillObserver):
                 return
             q, q_positions = q[:, sel], q_positions[sel]
         probs = attention_probs(q, q_positions, k, k_positions, head_mask)
-        pos = k_positions.cpu()
-        self.sums[layer][:, pos] += probs.sum(dim=1).cpu()
+        self._move(probs.device)
+        pos = k_positions.to(probs.device)
+        self.sums[layer][:, pos] += probs.sum(dim=1)
         visible = (k_positions[None, :] <= q_positions[:, None]).sum(dim=0)
-        self.counts[layer, pos] += visible.cpu().float()
+        self.counts[layer, pos] += visible.to(probs.device, torch.float32)
         self.seen[layer, pos] = True
-        self.head_live[layer][:, pos] = True if head_mask is None else head_mask.cpu()
+        self.head_live[layer][:, pos] = True if head_mask is None else head_mask.to(probs.device)
 
     def result(self) -> AttentionColumnSums:
+        self._move(torch.device("cpu"))
         return self
+
+    def _move(self, device: torch.device) -> None:
+        if self.sums.device != device:
+            self.sums, self.counts, self.seen, self.head_live = (
+                t.to(device) for t in (self.sums, self.counts, self.seen, self.head_live)
+            )
