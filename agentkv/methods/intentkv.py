@@ -52,6 +52,9 @@ class QueryMean(PrefillObserver):
     Fallback, when no actionable token is computed in this request: the mean over the last
     ``window`` computed positions (a bounded tail window: the generation prompt and the end of
     the newest message), never a single token.
+
+    The sums live on the queries' device while observing (masked sums: no host read per
+    layer, which on a GPU would stall the prefill) and come to the CPU in :meth:`result`.
     """
 
     def __init__(self, req: ObserveRequest, window: int = 32):
@@ -62,20 +65,32 @@ class QueryMean(PrefillObserver):
         self.count = torch.zeros(s.num_layers)
         self.tail_sum = torch.zeros(s.num_layers, s.num_q_heads, s.head_dim)
         self.tail_count = torch.zeros(s.num_layers)
+        self._act = self.actionable  # the actionable flags on the observed device
 
     def observe(self, layer, q, q_positions, k, k_positions, head_mask):
-        pos = q_positions.cpu()
-        sel = self.actionable[pos]
-        if bool(sel.any()):
-            self.sum[layer] += q[:, sel.to(q.device)].float().sum(dim=1).cpu()
-            self.count[layer] += int(sel.sum())
+        self._move(q.device)
+        pos = q_positions.to(q.device)
+        sel = self._act[pos]  # bool [n], actionable
         tail = pos >= self.tail_from
-        if bool(tail.any()):
-            self.tail_sum[layer] += q[:, tail.to(q.device)].float().sum(dim=1).cpu()
-            self.tail_count[layer] += int(tail.sum())
+        for rows, total, count in (
+            (sel, self.sum, self.count),
+            (tail, self.tail_sum, self.tail_count),
+        ):
+            # q [Hq, n, D] times a 0/1 row weight is exact in q's dtype; summed in float32
+            total[layer] += (q * rows.to(q.dtype)[None, :, None]).sum(dim=1, dtype=torch.float32)
+            count[layer] += rows.sum()
+
+    def _move(self, device: torch.device) -> None:
+        if self.sum.device != device:
+            self.sum, self.count, self.tail_sum, self.tail_count = (
+                t.to(device) for t in (self.sum, self.count, self.tail_sum, self.tail_count)
+            )
+        if self._act.device != device:
+            self._act = self.actionable.to(device)
 
     def result(self) -> torch.Tensor:
         """``q_bar`` float32 ``[L, Hq, D]`` (zeros for a layer that saw no query)."""
+        self._move(torch.device("cpu"))
         has = self.count > 0
         q_bar = self.tail_sum / self.tail_count.clamp_min(1)[:, None, None]
         q_bar[has] = self.sum[has] / self.count[has][:, None, None]
