@@ -1,6 +1,8 @@
 """Stock SGLang vs SGLang + the agentkv plugin, on two running servers (GPU machine).
 
     python benchmarks/sglang_plugin.py check  --stock URL --plugin URL --out DIR
+    python benchmarks/sglang_plugin.py capacity --stock URL --plugin URL --stock-log F \\
+        --plugin-log F --levels 32,64,128 --max-turns 4 --policies stock,intentkv:budget=512 --out DIR
     python benchmarks/sglang_plugin.py replay --stock URL --plugin URL --out DIR \\
         --sessions 64 --concurrency 32 --policies stock,full,streamingllm:budget=512,intentkv:budget=512
 
@@ -8,6 +10,10 @@
 sent) and a request without payload must give stock SGLang's tokens exactly (same dummy
 weights, same kernels, same indices); an evicting policy must run and be planned (the plugin
 logs one ``agentkv plan`` line per planned request; the shell script counts them).
+
+``capacity``: max concurrent sessions without retraction per policy (``--levels`` ascending,
+``--max-turns`` per session; a level holds when nothing was retracted and every session ran at
+once), written to ``DIR/capacity.json`` as it goes.
 
 ``replay``: tau-bench trajectories as concurrent agent sessions, turn by turn (each assistant
 turn is one chat-completions request on the trajectory's real history, ``max_tokens`` capped),
