@@ -92,14 +92,15 @@ prepare)
   cp ../shared/data/qwen3-tokenizer/tokenizer.json ../shared/data/qwen3-tokenizer/tokenizer_config.json .carry_sgl/
   cp ../shared/data/tau-bench/gpt-4o-airline.json .carry_sgl/
   # `langgraph`: LangGraph + LangChain core for CPython 3.12, what the GPU image (httpx,
-  # requests, pyyaml, packaging, xxhash) and the bundle (openai, pydantic, orjson) lack
+  # requests, pyyaml, packaging, xxhash) and the bundle (openai without its jiter, pydantic,
+  # orjson) lack
   rm -rf .carry_sgl/wheels
   $PY -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
     --platform any -d .carry_sgl/wheels langgraph==1.2.22 langgraph-checkpoint==4.3.2 \
     langgraph-prebuilt==1.1.2 langgraph-sdk==0.4.14 langchain-core==1.7.2 langchain-protocol==0.0.20 \
     langsmith==0.15.0 jsonpatch==1.47 jsonpointer==3.12 ormsgpack==1.13.1 tenacity==9.2.1 \
-    uuid_utils==0.19.0 requests-toolbelt==1.0.0 websockets==17.4 || exit 4
+    uuid_utils==0.19.0 requests-toolbelt==1.0.0 websockets==17.4 jiter==0.19.0 || exit 4
   # `positions`: the default model's GGUF in two parts, pydantic/gguf wheels (replay_device.sh)
   # and the prompt
   [ -f .carry_model/gguf.part01 ] && [ -d .whl ] || bash benchmarks/replay_device.sh prepare || exit 4
