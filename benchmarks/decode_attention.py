@@ -501,8 +501,7 @@ def mixed_grid(best4: DecodeConfig, best2: DecodeConfig) -> list[DecodeConfig]:
     int2_fields = {k: getattr(best2, k) for k in ("prefetch", "programs_per_sm_int2")}
     return [
         DecodeConfig(num_warps=w, **int4_fields, **int2_fields)
-        # None: the launch's default (1 warp with INT4 segments, 2 without)
-        for w in sorted({best4.num_warps or 1, best2.num_warps or 2})
+        for w in sorted({best4.warps(has_int4=True), best2.warps(has_int4=False)})
     ]
 
 

@@ -103,6 +103,12 @@ class DecodeConfig:
     merge_block_s: int = 32
     prefetch: bool = True
 
+    def warps(self, has_int4: bool) -> int:
+        """``num_warps`` of a launch (None: 1 with INT4 segments, else 2)."""
+        if self.num_warps is not None:
+            return self.num_warps
+        return 1 if has_int4 else 2
+
 
 @triton.jit
 def _mma(a, b, IEEE_F32: tl.constexpr):
@@ -1405,7 +1411,7 @@ def decode_attention(
         V_FOLD=v_fold,
         INT4_LEGACY=cfg.int4_legacy,
         STACKED=stacked,
-        num_warps=cfg.num_warps if cfg.num_warps is not None else (1 if m4 > 0 else 2),
+        num_warps=cfg.warps(m4 > 0),
         num_stages=cfg.num_stages,
     )
     _merge_splits_kernel[(b * hq,)](

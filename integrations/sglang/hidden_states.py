@@ -80,9 +80,9 @@ class _BatchRows:
             if observer is None or lens[i] == 0:
                 continue
             s, n = starts[i], lens[i]
-            if extend:  # prompt rows only (a retracted request runs its output again too)
-                n = min(n, len(entry.tags) - prefix[i])
-                if n <= 0:
+            if extend:
+                n = entry.prompt_rows(prefix[i], n)
+                if n == 0:
                     continue
             pos = forward_batch.positions[s : s + n].to(torch.int64)
             if not extend:

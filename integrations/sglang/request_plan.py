@@ -199,7 +199,13 @@ class AgentKVRequest:
 
     @property
     def evicts(self) -> bool:
-        return bool(getattr(type(self.payload.policy), "evicts", False))
+        return self.payload.policy.evicts
+
+    def prompt_rows(self, prefix: int, n: int) -> int:
+        """Of an extend chunk of ``n`` rows after ``prefix`` computed positions, how many are
+        prompt positions (the ones its observer covers): a retracted request is run again over
+        its prompt and the tokens it had generated."""
+        return max(0, min(n, len(self.tags) - prefix))
 
 
 def request_state(req: Any) -> AgentKVRequest | None:

@@ -122,7 +122,7 @@ def tag_chat_request(result: Any, serving: Any, request: Any, *args: Any, **kwar
         tp = getattr(getattr(serving.tokenizer_manager, "server_args", None), "tp_size", 1)
         check_method(payload, model_config, tp if isinstance(tp, int) else 1)
     stream_usage_by_default(request)  # usage.agentkv in a stream's last chunk, as embedded
-    if not getattr(type(payload.policy), "evicts", False):
+    if not payload.policy.evicts:
         return  # FullCache: no plan reads tags; skip the second render (~2x SGLang's own)
     ids = getattr(adapted, "input_ids", None)
     if not isinstance(ids, list) or not ids or not isinstance(ids[0], int):
@@ -322,10 +322,8 @@ def observe_extend(backend: Any, q: torch.Tensor, layer: Any, forward_batch: Any
         state = OBSERVING.get(idx)
         if state is None or state.observer is None:
             continue
-        # prompt positions only: a retracted request runs its generated tokens again too, and
-        # the observer covers the prompt (``len(state.tags)``) it was made for
-        s, n = starts[i], min(lens[i], len(state.tags) - prefix[i])
-        if n <= 0:
+        s, n = starts[i], state.prompt_rows(prefix[i], lens[i])
+        if n == 0:
             continue
         qi = q[s : s + n].reshape(n, hq, d).transpose(0, 1).float()
         q_pos = forward_batch.positions[s : s + n].to(torch.int64)

@@ -303,7 +303,14 @@ def test_hook_skips_unobserved_batches():
         def observe_hidden(self, layer, hidden, positions):
             raise AssertionError("observed")
 
-    state = SimpleNamespace(observer=Boom(), tags=[None] * 10)
+    from agentkv.integrations.sglang.request_plan import AgentKVRequest, untagged
+    from agentkv.policies import FullCache
+    from agentkv.wire import KVPayload
+
+    state = AgentKVRequest(
+        KVPayload(session_id="s", policy=FullCache()), untagged(list(range(10))), False, None
+    )
+    state.observer = Boom()
     fb = SimpleNamespace(
         forward_mode=ForwardMode.DECODE,
         req_pool_indices=torch.tensor([3]),
