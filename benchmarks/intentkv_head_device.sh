@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Issue 16 on the GPU machine: train IntentKV's residual head with one labelling, then replay
+# the learned mode (alpha_max 1) beside the rule at 256/512/1024 (s17b.args) with that head.
+#   GPU call 1: bash benchmarks/replay_device.sh stage          (carry .carry_model/gguf.part00)
+#   GPU call 2: bash benchmarks/intentkv_head_device.sh LABEL [TRAIN_SECONDS] [REPLAY_SECONDS]
+#               carry: .carry_model/gguf.part01 .carry_model/gguf.sha256 .carry_model/llm_init.py
+#                      .whl .carry_tau .carry_bfcl   (tau-bench gzipped: the call's 64 MiB limit)
+# Writes $OUT/heads/LABEL (head.safetensors, metrics.json, curves.png) and $OUT/replay_LABEL.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+label=${1:?usage: intentkv_head_device.sh arguments|attention|both [train_s] [replay_s]}
+train_s=${2:-360}
+replay_s=${3:-150}
+out=${OUT:-/tmp/out}
+args=$(tr '\n' ' ' < docs/benchmarks/replay_h100_pieces/s17b.args)  # one line: it goes into bash -c
+bash benchmarks/replay_device.sh exec bash -c "
+set -euo pipefail
+if [ -f .carry_tau/gpt-4o-airline.json.gz ]; then
+  gunzip -c .carry_tau/gpt-4o-airline.json.gz > /tmp/akv/tau.json
+  export AGENTKV_TAU_BENCH=/tmp/akv/tau.json
+fi
+gunzip -c .carry_bfcl/bfcl_mix32.jsonl.gz > /tmp/akv/bfcl_mix32.jsonl
+timeout $train_s python3 -P -m agentkv.engine.cli train-intentkv --device cuda \
+  --out $out/heads/$label --tau-sessions 24 --bfcl-sessions 0 \
+  --traces /tmp/akv/bfcl_mix32.jsonl --budget 256 --label $label --calibrate-traces 8 \
+  > $out/train_$label.log 2>&1 || { tail -c 4000 $out/train_$label.log; exit 1; }
+tail -c 3000 $out/train_$label.log
+AGENTKV_INTENTKV_HEADS=$out/heads python3 -P -m agentkv.engine.cli bench replay --device cuda \
+  --out $out/replay_$label $args --max-seconds $replay_s > $out/replay_$label.log 2>&1 \
+  || { tail -c 4000 $out/replay_$label.log; exit 1; }
+tail -c 2500 $out/replay_$label.log
+"
