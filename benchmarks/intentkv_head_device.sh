@@ -1,6 +1,11 @@
 #!/usr/bin/env bash
 # Issue 16 on the GPU machine: train IntentKV's residual head with one labelling, then replay
 # the learned mode (alpha_max 1) beside the rule at 256/512/1024 (s17b.args) with that head.
+#   here, once: bash benchmarks/replay_device.sh prepare; mkdir -p .carry_tau .carry_bfcl
+#               gzip -9c .carry_data/gpt-4o-airline.json > .carry_tau/gpt-4o-airline.json.gz
+#               agentkv bench export --source bfcl:multi_turn_miss_param --limit 16 --out p.jsonl
+#               agentkv bench export --source bfcl:multi_turn_miss_func --limit 16 --out f.jsonl
+#               cat p.jsonl f.jsonl | gzip -9 > .carry_bfcl/bfcl_mix32.jsonl.gz
 #   GPU call 1: bash benchmarks/replay_device.sh stage          (carry .carry_model/gguf.part00)
 #   GPU call 2: bash benchmarks/intentkv_head_device.sh LABEL [TRAIN_SECONDS] [REPLAY_SECONDS]
 #               carry: .carry_model/gguf.part01 .carry_model/gguf.sha256 .carry_model/llm_init.py
