@@ -71,6 +71,7 @@ class TurnRecord:
     wall_time_s: float
     resident_kv_bytes: int = 0  # what the pools hold (all precisions); 0 in older results
     quantized_entries: int = 0
+    plan_time_s: float = 0.0  # observer result + scoring + applying the plan; 0 in older results
 
 
 @dataclass
@@ -96,6 +97,7 @@ class PolicySummary:
     effective_kv_reads: int = 0
     prefix_hit_rate_turn2plus: float = 0.0
     wall_time_s: float = 0.0
+    mean_plan_ms: float = 0.0  # per request: observer result + scoring + applying the plan
     per_node: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
@@ -188,6 +190,7 @@ def _run_policy(
                     wall_time_s=u.wall_time_s,
                     resident_kv_bytes=u.resident_kv_bytes,
                     quantized_entries=u.quantized_entries,
+                    plan_time_s=u.plan_time_s,
                     **fid,
                 )
             )
@@ -252,6 +255,7 @@ def summarize(label: str, policy: KVPolicy, records: Sequence[TurnRecord]) -> Po
         sum(r.prefix_hit_tokens for r in later) / prompt if prompt else 0.0
     )
     s.wall_time_s = sum(r.wall_time_s for r in records)
+    s.mean_plan_ms = 1000 * sum(r.plan_time_s for r in records) / len(records)
     nodes: dict[str, list[TurnRecord]] = defaultdict(list)
     for r in records:
         if r.node:
@@ -375,8 +379,8 @@ def _report(
 def summary_table(report: ReplayReport) -> str:
     lines = [
         f"| policy | top-1 agree [95% CI] | mean KL | ΔNLL | greedy EM@{report.greedy_tokens} | peak req tokens | mean peak live KV "
-        "tokens | mean peak live KV MiB | mean peak resident KV MiB | eff/raw KV reads | prefix-hit rate (turn≥2) | wall s |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "tokens | mean peak live KV MiB | mean peak resident KV MiB | eff/raw KV reads | prefix-hit rate (turn≥2) | plan ms | wall s |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for s in report.summaries:
         ratio = s.effective_kv_reads / s.raw_kv_reads if s.raw_kv_reads else 0.0
@@ -385,7 +389,7 @@ def summary_table(report: ReplayReport) -> str:
             f"| {s.greedy_exact_match:.2f} | {s.peak_request_tokens} | {s.mean_peak_live_kv_tokens:.0f} "
             f"| {s.mean_peak_live_kv_bytes / 2**20:.1f} | {s.mean_peak_resident_kv_bytes / 2**20:.1f} "
             f"| {ratio:.2f} | {s.prefix_hit_rate_turn2plus:.2f} "
-            f"| {s.wall_time_s:.0f} |"
+            f"| {s.mean_plan_ms:.1f} | {s.wall_time_s:.0f} |"
         )
     return "\n".join(lines)
 

@@ -649,6 +649,7 @@ class Engine:
                 cache = StoreCache(view, positions, slots[:, c0 - start : c1 - start], observer)
                 logits = self._forward(tags.token_ids[c0:c1], positions, cache, keep=1)[-1]
             assert logits is not None
+            t_plan = self._sync_time()
             ctx = PlanContext(
                 policy=policy,
                 session_id=payload.session_id,
@@ -663,6 +664,7 @@ class Engine:
             )
             plan = method.plan(ctx)
             info = self._apply(req, plan)
+            info["plan_time_s"] = self._sync_time() - t_plan
             info["forced"] = int(ctx.forced.sum())
             info["forced_mask"] = ctx.forced
             info["decode_pruning"] = DecodePruning.for_request(
@@ -882,6 +884,7 @@ class Engine:
             planned_live_kv_tokens=round(plan_info["planned_live"], 2),
             compression_ratio=round(1 - stats.effective_live_tokens / max(stats.seq_len, 1), 4),
             forced_tokens=plan_info["forced"],
+            plan_time_s=round(plan_info["plan_time_s"], 5),
             evicted_tokens=plan_info["evicted_tokens"],
             evicted_entries=plan_info["evicted_entries"],
             raw_kv_reads=0,

@@ -65,6 +65,11 @@ class KVUsage(BaseModel):
     wall_time_s: float
     prefill_time_s: float = Field(0.0, description="prefill + plan (s), chat requests")
     decode_time_s: float = Field(0.0, description="decode steps (s), chat requests")
+    plan_time_s: float = Field(
+        0.0,
+        description="planning (s): the observer's result, the method's scoring and applying "
+        "the plan (evict / quantize), after the prefill; embedded engine",
+    )
     plan_note: str = ""
 
 

@@ -143,6 +143,15 @@ def test_evicting_policies_respect_their_budgets(report):
     assert stream.mean_kl > 0 and stream.top1_agreement < 1.0
 
 
+def test_planning_time_is_measured_per_request_and_within_the_request(report):
+    for s in report.summaries:
+        records = report.turns[s.label]
+        assert all(0 < r.plan_time_s < r.wall_time_s for r in records), s.label
+        assert s.mean_plan_ms == pytest.approx(
+            1000 * sum(r.plan_time_s for r in records) / len(records)
+        )
+
+
 def test_later_turns_hit_the_prefix_cache(report):
     for label, records in report.turns.items():
         by_trace: dict[str, list] = {}
