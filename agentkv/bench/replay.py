@@ -536,6 +536,12 @@ def run_replay_cli(
         on_trace=lambda partial: write_outputs(partial, out),
         max_seconds=max_seconds,
     )
+    if loaded and not report.traces and (max_seconds is None or max_seconds > 0):
+        raise ValueError(
+            f"no trajectory replayed: none of the {len(loaded)} has an assistant turn within "
+            f"--max-tokens {max_tokens} (a trajectory is cut before its first request longer "
+            "than that); raise --max-tokens"
+        )
     paths = write_outputs(report, out)
     print(summary_table(report))
     print(f"\nwrote {', '.join(str(p) for p in paths.values())}", file=sys.stderr)

@@ -248,3 +248,11 @@ def test_cli_rejects_bad_input(tmp_path):
     res = agentkv_cli_in_process("replay", str(bad), "--out", str(tmp_path))
     assert res.exit_code == 2
     assert "bad.jsonl:1" in res.stderr
+    short = tmp_path / "short.jsonl"
+    msgs = [{"role": "user", "content": "hi " * 40}, {"role": "assistant", "content": "hello"}]
+    short.write_text(json.dumps({"messages": msgs}) + "\n")
+    args = ("--max-tokens", "16", "--device", "cpu", "--out", str(tmp_path / "o"))
+    res = agentkv_cli_in_process("replay", str(short), *args)
+    assert res.exit_code == 2, res.output[-2000:]
+    assert "none of the 1 has an assistant turn within --max-tokens 16" in res.stderr
+    assert not (tmp_path / "o" / "results.json").exists()
