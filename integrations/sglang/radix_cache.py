@@ -65,6 +65,15 @@ def _stop_watching(pool_idx: Any, state: AgentKVRequest) -> None:
         del HIDDEN_DECODING[pool_idx]
 
 
+def _may_hold_dead(req: Any, state: AgentKVRequest | None) -> bool:
+    """Whether the request's row can hold DEAD: only when it has agentkv state and either a
+    plan made holes (``state.holey``) or its prefix was not matched in the shared namespace
+    (which holds intact runs only). Without a payload a request matches only there."""
+    return state is not None and (
+        state.holey or getattr(req, "prefix_indices", None) is not state.intact_prefix
+    )
+
+
 class AgentKVRadixCache(RadixCache):
     """Radix cache with per-session hole-preserving namespaces and reference-counted frees.
 
@@ -111,12 +120,15 @@ class AgentKVRadixCache(RadixCache):
             key = RadixKey(key.token_ids, key.extra_key, key.is_bigram, limit)
         best = super().match_prefix(MatchPrefixParams(key=key, req=req))
         ns = self.session_namespace(state)
+        from_session = False
         if ns is not None:
             mine = super().match_prefix(
                 MatchPrefixParams(key=RadixKey(key.token_ids, ns, key.is_bigram, key.limit))
             )
             if len(mine.device_indices) >= len(best.device_indices):
-                best = mine
+                best, from_session = mine, True  # a session's sequence: it may hold DEAD
+        # the shared namespace holds intact runs only: this prefix needs no DEAD count
+        state.intact_prefix = None if from_session else best.device_indices
         return best
 
     def _reuse_limit(self, state: AgentKVRequest, n: int) -> int:
@@ -153,8 +165,14 @@ class AgentKVRadixCache(RadixCache):
         generation, or a new one when ``new_gen``). Returns the extra_key that covers the whole
         sequence (None: nothing covers it) and the previous generation's key to drop."""
         dead = self.allocator.dead_slot
-        holes = torch.nonzero(row == dead).reshape(-1)
-        intact = int(holes[0]) if holes.numel() else len(token_ids)
+        if not _may_hold_dead(req, state):  # no host read for an intact row
+            if self.allocator.strict and bool((row == dead).any()):
+                raise RuntimeError("agentkv radix cache: DEAD in the row of an intact request")
+            holes = row.new_empty(0)
+            intact = len(token_ids)
+        else:
+            holes = torch.nonzero(row == dead).reshape(-1)
+            intact = int(holes[0]) if holes.numel() else len(token_ids)
         prio = getattr(req, "priority", 0) or 0
         if intact:
             self.insert(
@@ -214,6 +232,8 @@ class AgentKVRadixCache(RadixCache):
             ns = req.extra_key
         match = super().match_prefix(MatchPrefixParams(key=RadixKey(token_ids, ns)))
         new_indices, new_last_node = match.device_indices, match.last_device_node
+        if state is not None:  # the next chunk's prefix; intact when the shared copy covers it
+            state.intact_prefix = new_indices if ns == req.extra_key else None
         if len(new_indices) != len(token_ids):
             raise RuntimeError(
                 f"agentkv radix cache: re-match found {len(new_indices)} of {len(token_ids)} tokens"
@@ -232,27 +252,39 @@ class AgentKVRadixCache(RadixCache):
 
     def evict(self, params: EvictParams) -> EvictResult:
         """LRU eviction counted in slots actually freed (an aliased or DEAD entry frees
-        nothing), so SGLang gets the room it asked for whenever the tree can give it."""
+        nothing), so SGLang gets the room it asked for whenever the tree can give it.
+
+        In rounds, without a host read per node: leaves are taken until their entries
+        (an upper bound of what they free) cover what is still missing, then the allocator
+        settles once and says what was freed; another round only when aliasing or DEAD
+        entries freed less (stock SGLang's count of ``len(value)`` is exact for FullCache)."""
         if self.disable:
             return EvictResult()
         start = time.perf_counter()
         heap = [(self.eviction_strategy.get_priority(n), n) for n in self.evictable_leaves]
         heapq.heapify(heap)
+        base = self.allocator.available_size()  # settles earlier frees (usually none pending)
         freed = 0
         while freed < params.num_tokens and heap:
-            _, x = heapq.heappop(heap)
-            freed += self.allocator.tree_decref(x.value)
-            self._delete_leaf(x)
-            if len(x.parent.children) == 0 and x.parent.lock_ref == 0:
-                heapq.heappush(heap, (self.eviction_strategy.get_priority(x.parent), x.parent))
-            self._record_remove_event(x)
+            bound = freed
+            while bound < params.num_tokens and heap:
+                _, x = heapq.heappop(heap)
+                bound += len(x.value)
+                self.allocator.tree_decref(x.value)
+                self._delete_leaf(x)
+                if len(x.parent.children) == 0 and x.parent.lock_ref == 0:
+                    heapq.heappush(
+                        heap, (self.eviction_strategy.get_priority(x.parent), x.parent)
+                    )
+                self._record_remove_event(x)
+            freed = self.allocator.available_size() - base  # one host read per round
         self.update_eviction_metrics(freed, start)
         return EvictResult(num_tokens_evicted=freed)
 
     def drop_namespace(self, extra_key: str) -> int:
         """Delete every node of one namespace (a superseded session generation) unless one of
         them is locked (a request of the session still runs on it: LRU takes it later).
-        Returns the slots freed."""
+        Returns the nodes deleted (their slots are freed at the allocator's next settle)."""
         tops = [
             c
             for k, c in self.root_node.children.items()
@@ -266,12 +298,11 @@ class AgentKVRadixCache(RadixCache):
             stack.extend(n.children.values())
         if any(n.lock_ref > 0 for n in nodes):
             return 0
-        freed = 0
         for n in reversed(nodes):  # children before parents
-            freed += self.allocator.tree_decref(n.value)
+            self.allocator.tree_decref(n.value)
             self._delete_leaf(n)
             self._record_remove_event(n)
-        return freed
+        return len(nodes)
 
     def inc_lock_ref(self, node: TreeNode) -> IncLockRefResult:
         if self.disable:

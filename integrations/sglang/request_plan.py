@@ -179,6 +179,8 @@ class AgentKVRequest:
             ``plan_note``, ``planned_at``, ...; :mod:`.usage` reads it).
         seen_at: ``time.perf_counter()`` when the request entered the scheduler's queue.
         dead_in_prefix: DEAD positions in the prefix it matched (a session's holes).
+        intact_prefix: the prefix indices last matched in the shared namespace, which holds
+            no DEAD (``req.prefix_indices is intact_prefix``: no count, no host read).
     """
 
     payload: KVPayload
@@ -191,6 +193,7 @@ class AgentKVRequest:
     usage: dict[str, Any] = field(default_factory=dict)
     seen_at: float = 0.0
     dead_in_prefix: int = 0
+    intact_prefix: Any = None
 
     @property
     def session_key(self) -> str:

@@ -180,7 +180,7 @@ def before_extend(scheduler: Any, batch: Any) -> None:
         if state.planned:
             continue
         if HOLEY.dead_slot is not None:
-            state.dead_in_prefix = int((req.prefix_indices == HOLEY.dead_slot).sum())
+            state.dead_in_prefix = _dead_in_prefix(req, state, HOLEY.dead_slot)
             if state.dead_in_prefix:
                 HOLEY.mark(state)
         if not state.evicts:
@@ -192,6 +192,16 @@ def before_extend(scheduler: Any, batch: Any) -> None:
             state.observer = None
             state.planned = True
             state.usage = {"plan_note": f"no plan ({type(e).__name__}); nothing evicted"}
+
+
+def _dead_in_prefix(req: Any, state: AgentKVRequest, dead: int) -> int:
+    """DEAD positions in the request's matched prefix. A prefix matched in the shared
+    namespace (intact runs only) has none: counted without a host read; a session's prefix
+    (it may hold holes) is counted on the device and read back."""
+    prefix = req.prefix_indices
+    if len(prefix) == 0 or prefix is state.intact_prefix:
+        return 0
+    return int((prefix == dead).sum())
 
 
 def _takes_hidden(observer: Any) -> bool:
