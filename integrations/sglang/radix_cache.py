@@ -45,7 +45,12 @@ from sglang.srt.mem_cache.base_prefix_cache import (
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
 
-from agentkv.integrations.sglang.request_plan import HOLEY, AgentKVRequest, request_state
+from agentkv.integrations.sglang.request_plan import (
+    HOLEY,
+    SESSION_MARK,
+    AgentKVRequest,
+    request_state,
+)
 from agentkv.integrations.sglang.slot_refcounts import RefCountedTokenAllocator
 
 logger = logging.getLogger(__name__)
@@ -63,6 +68,11 @@ def _stop_watching(pool_idx: Any, state: AgentKVRequest) -> None:
     watch = HIDDEN_DECODING.get(pool_idx)
     if watch is not None and watch.state is state:
         del HIDDEN_DECODING[pool_idx]
+
+
+def _is_session_key(extra_key: Any) -> bool:
+    """Whether a radix key's ``extra_key`` is a session namespace (:data:`SESSION_MARK`)."""
+    return isinstance(extra_key, str) and SESSION_MARK in extra_key
 
 
 def _may_hold_dead(req: Any, state: AgentKVRequest | None) -> bool:
@@ -90,6 +100,8 @@ class AgentKVRadixCache(RadixCache):
         self.methods = methods
         #: session key -> current generation number (its sequence lives at f"{key}#{gen}")
         self.session_generation: dict[str, int] = {}
+        #: tokens in session namespaces: the only nodes that alias slots or hold DEAD
+        self.session_tokens = 0
         super().__init__(params)
 
     @property
@@ -106,6 +118,7 @@ class AgentKVRadixCache(RadixCache):
     def reset(self) -> None:
         super().reset()
         self.session_generation = {}
+        self.session_tokens = 0
 
     # ---- matching ----------------------------------------------------------------------------
 
@@ -157,7 +170,14 @@ class AgentKVRadixCache(RadixCache):
             n = len(params.key)
             # a new node is created unlocked: nothing to pin
             self.allocator.tree_incref(params.value[result.prefix_len : n])
+            if _is_session_key(params.key.extra_key):
+                self.session_tokens += n - result.prefix_len
         return result
+
+    def _delete_leaf(self, node: TreeNode) -> None:
+        super()._delete_leaf(node)
+        if _is_session_key(node.key.extra_key):
+            self.session_tokens -= len(node.key)
 
     def _insert_sequence(self, state: AgentKVRequest | None, req: Any, token_ids, row, new_gen):
         """Insert one request's sequence: the intact leading run into the shared namespace;
@@ -333,10 +353,20 @@ class AgentKVRadixCache(RadixCache):
     # ---- accounting --------------------------------------------------------------------------
 
     def evictable_size(self) -> int:
-        return self.allocator.physical_sizes()[0]
+        return self.physical_sizes()[0]
 
     def protected_size(self) -> int:
-        return self.allocator.physical_sizes()[1]
+        return self.physical_sizes()[1]
+
+    def physical_sizes(self) -> tuple[int, int]:
+        """``(evictable, protected)`` slots (DEAD counted as protected). With no session
+        namespace in the tree no slot is aliased and no node holds DEAD, so SGLang's own
+        counters (kept by the tree on every insert, lock and delete) are exact: no host read,
+        as in stock SGLang. Otherwise the allocator's recount
+        (:meth:`~.slot_refcounts.RefCountedTokenAllocator.physical_sizes`)."""
+        if self.session_tokens == 0:
+            return self.evictable_size_, self.protected_size_ + 1
+        return self.allocator.physical_sizes()
 
     def check_invariants(self) -> None:
         """Recount every reference and pin from the tree and the given request rows: raises
@@ -344,13 +374,18 @@ class AgentKVRadixCache(RadixCache):
         self.allocator.check()
         cached = self.allocator.physical_sizes()
         self.allocator._sizes = None
-        assert cached == self.allocator.physical_sizes(), "stale cached evictable/protected sizes"
+        recount = self.allocator.physical_sizes()
+        assert cached == recount, "stale cached evictable/protected sizes"
+        assert self.physical_sizes() == recount, "the tree's counters differ from the recount"
         tree = torch.zeros_like(self.allocator.tree_refs)
         pins = torch.zeros_like(self.allocator.pins)
         stack = list(self.root_node.children.values())
         dead = self.allocator.dead_slot
+        session = 0
         while stack:
             n = stack.pop()
+            if _is_session_key(n.key.extra_key):
+                session += len(n.key)
             v = n.value.to(torch.int64)
             v = v[v != dead]
             tree.index_add_(0, v, torch.ones_like(v, dtype=torch.int32))
@@ -358,4 +393,5 @@ class AgentKVRadixCache(RadixCache):
                 pins.index_add_(0, v, torch.ones_like(v, dtype=torch.int32))
             stack.extend(n.children.values())
         assert torch.equal(tree, self.allocator.tree_refs), "tree references differ from the tree"
+        assert self.session_tokens == session, "session-namespace tokens miscounted"
         assert torch.equal(pins, self.allocator.pins), "pins differ from the locked nodes"

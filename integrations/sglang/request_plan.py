@@ -26,6 +26,9 @@ from agentkv.tags import NUM_TAG_CODES, Role, TagCode
 from agentkv.token_tagger import TokenTags
 from agentkv.wire import WIRE_KEY, KVPayload, PayloadError, decode_payload
 
+#: marks a radix namespace (``extra_key``) as a session's: ``<tenant>SESSION_MARK<session>#<gen>``
+SESSION_MARK = "\x1fagentkv-session\x1f"
+
 #: ``custom_params`` key of the tags the HTTP process computed (a JSON string).
 TAGS_KEY = "agentkv_tags"
 
@@ -198,7 +201,7 @@ class AgentKVRequest:
     @property
     def session_key(self) -> str:
         """The session's radix namespace root: tenant namespace + session id."""
-        return f"{self.namespace or ''}\x1fagentkv-session\x1f{self.payload.session_id}"
+        return f"{self.namespace or ''}{SESSION_MARK}{self.payload.session_id}"
 
     @property
     def evicts(self) -> bool:

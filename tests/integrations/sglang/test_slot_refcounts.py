@@ -263,9 +263,10 @@ def test_free_group_frees_once(monkeypatch):
 
 def test_fullcache_and_stock_requests_need_no_host_read_in_the_tree(steps, monkeypatch):
     """A FullCache request and one without payload, through SGLang's real radix cache and
-    release path: no host read in the tree's insert, free and lock steps (the scheduler's
-    one settle per step is the only one), and ``before_extend``'s DEAD count of a prefix
-    matched in the shared namespace costs none either."""
+    release path: no host read in the tree's insert, free and lock steps nor in the
+    evictable / protected sizes admission asks for (the scheduler's one settle per step is
+    the only one), and ``before_extend``'s DEAD count of a prefix matched in the shared
+    namespace costs none either."""
     steps.alloc.strict = False
     reads = HostReads(monkeypatch)
     system = tokens(24, 7)
@@ -290,7 +291,14 @@ def test_fullcache_and_stock_requests_need_no_host_read_in_the_tree(steps, monke
 
             release_kv_cache(req, steps.cache, is_insert=True)
             steps.alloc.free_group_end()
+            # admission's sizes: the tree's own counters (no session namespace, no alias)
+            sizes = steps.cache.evictable_size(), steps.cache.protected_size()
         assert reads.count == 0, reads.ops
+        with reads:
+            steps.alloc.available_size()  # the step's one settle of the frees above
+        assert reads.ops == ["tolist"]
+        assert sizes == steps.alloc.physical_sizes()
+    assert steps.cache.session_tokens == 0
     steps.cache.check_invariants()
 
 
