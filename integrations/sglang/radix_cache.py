@@ -183,7 +183,9 @@ class AgentKVRadixCache(RadixCache):
         """Insert one request's sequence: the intact leading run into the shared namespace;
         with holes and a session, the whole sequence into the session's namespace (the current
         generation, or a new one when ``new_gen``). Returns the extra_key that covers the whole
-        sequence (None: nothing covers it) and the previous generation's key to drop."""
+        sequence (None: nothing covers it), the previous generation's key to drop, and for an
+        intact row where the request's own duplicates end (SGLang's ``prefix_len`` of the
+        insert: the tree holds the row from there on), None for a holey row."""
         dead = self.allocator.dead_slot
         if not _may_hold_dead(req, state):  # no host read for an intact row
             if self.allocator.strict and bool((row == dead).any()):
@@ -194,18 +196,19 @@ class AgentKVRadixCache(RadixCache):
             holes = torch.nonzero(row == dead).reshape(-1)
             intact = int(holes[0]) if holes.numel() else len(token_ids)
         prio = getattr(req, "priority", 0) or 0
+        owned_end = len(token_ids)
         if intact:
-            self.insert(
+            owned_end = self.insert(
                 InsertParams(
                     key=RadixKey(token_ids[:intact], req.extra_key),
                     value=row[:intact].to(torch.int64),
                     priority=prio,
                 )
-            )
+            ).prefix_len
         if not holes.numel():
-            return req.extra_key, None
+            return req.extra_key, None, owned_end
         if state is None:
-            return None, None
+            return None, None, None
         old = self.session_namespace(state)
         if new_gen or old is None:
             self.session_generation[state.session_key] = (
@@ -215,7 +218,21 @@ class AgentKVRadixCache(RadixCache):
         self.insert(
             InsertParams(key=RadixKey(token_ids, ns), value=row.to(torch.int64), priority=prio)
         )
-        return ns, (old if old != ns else None)
+        return ns, (old if old != ns else None), None
+
+    def _let_go(self, req: Any, row: torch.Tensor, owned_end: int | None) -> None:
+        """The request lets go of every slot it allocated (``row[cache_protected_len:]``; the
+        tree holds its own references). An intact row does it as stock SGLang does, with no
+        host read: the request's duplicates (before ``owned_end``) are freed now, the rest is
+        the tree's now and stays. A holey row's slots (aliases, DEAD) are counted down and
+        settled later."""
+        start = req.cache_protected_len
+        if owned_end is None:
+            self.allocator.free(row[start:])
+            return
+        cut = max(start, owned_end)
+        self.allocator.release_owned(row[start:cut])
+        self.allocator.drop_refs(row[cut:])
 
     def cache_finished_req(self, req: Any, is_insert: bool = True, *, kv_len_to_handle: int):
         if self.disable_finished_insert:
@@ -227,9 +244,10 @@ class AgentKVRadixCache(RadixCache):
         row = self.req_to_token_pool.req_to_token[req.req_pool_idx, : len(token_ids)]
         drop = None
         if is_insert:
-            _, drop = self._insert_sequence(state, req, token_ids, row, new_gen=True)
-        # the request lets go of every slot it allocated (the tree holds its own references)
-        self.allocator.free(row[req.cache_protected_len :])
+            _, drop, owned_end = self._insert_sequence(state, req, token_ids, row, new_gen=True)
+        else:  # aborted / retracted: nothing inserted, every slot it allocated is its own
+            owned_end = len(token_ids) if not _may_hold_dead(req, state) else None
+        self._let_go(req, row, owned_end)
         if req.last_node is not None:
             self.dec_lock_ref(req.last_node)
         if drop is not None:
@@ -246,8 +264,8 @@ class AgentKVRadixCache(RadixCache):
         state = request_state(req)
         token_ids = req.get_fill_ids()
         row = self.req_to_token_pool.req_to_token[req.req_pool_idx, : len(token_ids)]
-        ns, _ = self._insert_sequence(state, req, token_ids, row, new_gen=False)
-        self.allocator.free(row[req.cache_protected_len :])
+        ns, _, owned_end = self._insert_sequence(state, req, token_ids, row, new_gen=False)
+        self._let_go(req, row, owned_end)
         if ns is None:  # holes but no session: nothing in the tree covers the row
             ns = req.extra_key
         match = super().match_prefix(MatchPrefixParams(key=RadixKey(token_ids, ns)))
@@ -283,6 +301,21 @@ class AgentKVRadixCache(RadixCache):
         start = time.perf_counter()
         heap = [(self.eviction_strategy.get_priority(n), n) for n in self.evictable_leaves]
         heapq.heapify(heap)
+        if self.session_tokens == 0:
+            # no slot aliased: a leaf's slots are its alone, freed as stock SGLang frees them
+            freed = 0
+            while freed < params.num_tokens and heap:
+                _, x = heapq.heappop(heap)
+                self.allocator.release_owned(x.value, tree=True)
+                freed += len(x.value)
+                self._delete_leaf(x)
+                if len(x.parent.children) == 0 and x.parent.lock_ref == 0:
+                    heapq.heappush(
+                        heap, (self.eviction_strategy.get_priority(x.parent), x.parent)
+                    )
+                self._record_remove_event(x)
+            self.update_eviction_metrics(freed, start)
+            return EvictResult(num_tokens_evicted=freed)
         base = self.allocator.available_size()  # settles earlier frees (usually none pending)
         freed = 0
         while freed < params.num_tokens and heap:

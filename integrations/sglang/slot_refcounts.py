@@ -57,6 +57,7 @@ class SlotRefcountError(RuntimeError):
 #: bits of the device-side fault flag (raised at the next settle)
 _NEGATIVE = 1
 _TREE_ON_FREE = 2
+_NOT_OWNED = 4
 
 
 class RefCountedTokenAllocator(TokenToKVPoolAllocator):
@@ -170,6 +171,45 @@ class RefCountedTokenAllocator(TokenToKVPoolAllocator):
             return
         self._decref(free_index, tree=False)
 
+    def release_owned(self, slots: torch.Tensor, tree: bool = False) -> None:
+        """Drop the one reference each of ``slots`` has and free them now, as stock SGLang's
+        ``free`` does: nothing pending, nothing read back. The caller guarantees what makes
+        that exact: distinct live slots (no DEAD, no 0), each held by exactly one holder (the
+        request, or with ``tree`` one tree node): a request's duplicates after a radix insert,
+        an intact request's slots on abort, an LRU leaf while no slot is aliased. Checked
+        eagerly when ``strict``, else on the device (raised at the next settle)."""
+        if slots.numel() == 0:
+            return
+        s, w = self._weighted(slots)
+        bad = (self.refs[s] != 1) | (w == 0)
+        bad = bad | (self.tree_refs[s] != (1 if tree else 0))
+        if self.strict:
+            if bool(bad.any()) or torch.unique(s).numel() != s.numel():
+                raise SlotRefcountError("release_owned: a slot not held by exactly one holder")
+        else:
+            self._fault.bitwise_or_(bad.any().to(torch.int32) * _NOT_OWNED)
+        self.refs.index_add_(0, s, -w)
+        if tree:
+            self.tree_refs.index_add_(0, s, -w)
+        self._version += 1
+        self._put_free(s.to(self._free_pages.dtype))
+
+    def drop_refs(self, slots: torch.Tensor) -> None:
+        """Drop one request reference on each of ``slots``, which a tree node also holds (just
+        inserted): none reaches 0, so nothing is pending. Checked eagerly when ``strict``, else
+        on the device."""
+        if slots.numel() == 0:
+            return
+        s, w = self._weighted(slots)
+        bad = ((self.refs[s] < 2) | (self.tree_refs[s] < 1)) & (w > 0)
+        if self.strict:
+            if bool(bad.any()):
+                raise SlotRefcountError("drop_refs: a slot the tree does not hold")
+        else:
+            self._fault.bitwise_or_(bad.any().to(torch.int32) * _NOT_OWNED)
+        self.refs.index_add_(0, s, -w)
+        self._version += 1
+
     # ---- tree references ---------------------------------------------------------------------
 
     def tree_incref(self, slots: torch.Tensor) -> None:
@@ -222,6 +262,8 @@ class RefCountedTokenAllocator(TokenToKVPoolAllocator):
         """Recount: no negative count, free list == unreferenced slots (DEAD and 0 excluded),
         no duplicate in the free list. Raises :class:`SlotRefcountError`."""
         self._settle()
+        if int(self._fault):
+            self._settle(sizes=True, force=True)  # raises it
         if bool((self.refs < 0).any() | (self.tree_refs < 0).any() | (self.pins < 0).any()):
             raise SlotRefcountError("negative reference count")
         if bool((self.tree_refs > self.refs).any()):
@@ -269,7 +311,7 @@ class RefCountedTokenAllocator(TokenToKVPoolAllocator):
                     f"slot freed more often than referenced: {s.tolist()[:8]}"
                 )
 
-    def _settle(self, sizes: bool = False) -> None:
+    def _settle(self, sizes: bool = False, force: bool = False) -> None:
         """Put the pending slots whose count is 0 on the free list (each once; DEAD and slot 0
         never), raise any fault seen on the device, and with ``sizes`` (or when the cached
         sizes are stale anyway) recount ``physical_sizes``: one host read in all, none when
@@ -279,7 +321,7 @@ class RefCountedTokenAllocator(TokenToKVPoolAllocator):
         would queue them for ``free_group_end``, which calls :meth:`free` and would count them
         down a second time."""
         stale = self._sizes is None or self._sizes[0] != self._version
-        if not self._pending and not (sizes and stale):
+        if not self._pending and not (sizes and stale) and not force:
             return
         parts = [self._fault.to(torch.int64).reshape(1)]
         p = None
@@ -308,6 +350,8 @@ class RefCountedTokenAllocator(TokenToKVPoolAllocator):
                 what.append("slot freed more often than referenced (negative count)")
             if fault & _TREE_ON_FREE:
                 what.append("a tree node took a reference on a free slot")
+            if fault & _NOT_OWNED:
+                what.append("release_owned / drop_refs on a slot with other holders")
             raise SlotRefcountError("; ".join(what))
         if p is not None:
             n = host.pop(0)

@@ -185,8 +185,8 @@ def test_retracted_request_is_planned_again(steps):
 
 @pytest.mark.parametrize(
     "strict,evicting",
-    [(True, True), (False, True), (False, False)],
-    ids=["strict", "deferred-checks", "fullcache-and-stock"],
+    [(True, True), (False, True), (True, False), (False, False)],
+    ids=["strict", "deferred-checks", "fullcache-and-stock-strict", "fullcache-and-stock"],
 )
 @pytest.mark.parametrize("seed", [0])
 def test_randomised_1000_requests_with_sessions_and_evictions(

@@ -10,6 +10,7 @@ from collections import Counter
 
 import pytest
 import torch
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from agentkv.integrations.sglang.request_plan import request_state
@@ -243,6 +244,36 @@ def test_faults_are_raised_at_the_next_settle_or_at_once_when_strict():
     c.free(got)
     with pytest.raises(SlotRefcountError, match="more often than referenced"):
         c.free(got[:1])
+    for strict in (True, False):  # freed at once though another holder holds it
+        d = allocator()
+        d.strict = strict
+        got = d.alloc(4)
+        d.tree_incref(got[:2])
+        if strict:
+            with pytest.raises(SlotRefcountError, match="release_owned"):
+                d.release_owned(got)
+            with pytest.raises(SlotRefcountError, match="drop_refs"):
+                d.drop_refs(got)  # slots 2, 3: the tree does not hold them
+        else:
+            d.release_owned(got)
+            with pytest.raises(SlotRefcountError, match="other holders"):
+                d.check()
+
+
+def test_owned_slots_are_freed_at_once_and_tree_held_ones_stay(monkeypatch):
+    a = allocator()
+    got = a.alloc(6)
+    a.tree_incref(got[3:])  # inserted: the tree holds 3.., the request's 0..2 are duplicates
+    reads = HostReads(monkeypatch)
+    with reads:
+        a.release_owned(got[:3])
+        a.drop_refs(got[3:])
+        assert a.available_size() == a.size - 1 - 3
+        a.release_owned(got[3:], tree=True)  # the leaf evicted
+        assert a.available_size() == a.size - 1
+    assert reads.count == 0, reads.ops
+    a.check()
+    assert a.physical_sizes() == (0, 1)
 
 
 def test_free_group_frees_once(monkeypatch):
@@ -263,10 +294,10 @@ def test_free_group_frees_once(monkeypatch):
 
 def test_fullcache_and_stock_requests_need_no_host_read_in_the_tree(steps, monkeypatch):
     """A FullCache request and one without payload, through SGLang's real radix cache and
-    release path: no host read in the tree's insert, free and lock steps nor in the
-    evictable / protected sizes admission asks for (the scheduler's one settle per step is
-    the only one), and ``before_extend``'s DEAD count of a prefix matched in the shared
-    namespace costs none either."""
+    release path: no host read in the tree's insert, free and lock steps, in the free /
+    evictable / protected sizes admission asks for, or in LRU eviction (as stock SGLang), and
+    ``before_extend``'s DEAD count of a prefix matched in the shared namespace costs none
+    either. Every count recounted afterwards."""
     steps.alloc.strict = False
     reads = HostReads(monkeypatch)
     system = tokens(24, 7)
@@ -291,13 +322,18 @@ def test_fullcache_and_stock_requests_need_no_host_read_in_the_tree(steps, monke
 
             release_kv_cache(req, steps.cache, is_insert=True)
             steps.alloc.free_group_end()
-            # admission's sizes: the tree's own counters (no session namespace, no alias)
+            # admission's sizes: the allocator's free list (nothing pending: the row's
+            # duplicates were freed at once) and the tree's own counters (no alias)
+            assert steps.alloc.pending_slots == 0
+            free = steps.alloc.available_size()
             sizes = steps.cache.evictable_size(), steps.cache.protected_size()
         assert reads.count == 0, reads.ops
-        with reads:
-            steps.alloc.available_size()  # the step's one settle of the frees above
-        assert reads.ops == ["tolist"]
-        assert sizes == steps.alloc.physical_sizes()
+        assert sizes == steps.alloc.physical_sizes()  # == the recount
+        assert free + sum(sizes) == steps.alloc.size  # SGLang's idle invariant
+    with reads:  # LRU eviction of unaliased leaves: freed at once too
+        steps.cache.evict(EvictParams(num_tokens=10**9))
+        assert steps.alloc.available_size() == steps.alloc.size - 1
+    assert reads.count == 0, reads.ops
     assert steps.cache.session_tokens == 0
     steps.cache.check_invariants()
 
