@@ -292,45 +292,34 @@ class AgentKVRadixCache(RadixCache):
         """LRU eviction counted in slots actually freed (an aliased or DEAD entry frees
         nothing), so SGLang gets the room it asked for whenever the tree can give it.
 
-        In rounds, without a host read per node: leaves are taken until their entries
-        (an upper bound of what they free) cover what is still missing, then the allocator
-        settles once and says what was freed; another round only when aliasing or DEAD
-        entries freed less (stock SGLang's count of ``len(value)`` is exact for FullCache)."""
+        No host read per node. While no session namespace exists no slot is aliased: a
+        leaf's slots are its alone and are freed at once, counted as stock SGLang counts them
+        (``len(value)``). Otherwise in rounds: leaves are taken until their entries (an upper
+        bound of what they free) cover what is still missing, then the allocator settles once
+        and says what was freed; another round only when aliases or DEAD freed less."""
         if self.disable:
             return EvictResult()
         start = time.perf_counter()
         heap = [(self.eviction_strategy.get_priority(n), n) for n in self.evictable_leaves]
         heapq.heapify(heap)
-        if self.session_tokens == 0:
-            # no slot aliased: a leaf's slots are its alone, freed as stock SGLang frees them
-            freed = 0
-            while freed < params.num_tokens and heap:
-                _, x = heapq.heappop(heap)
-                self.allocator.release_owned(x.value, tree=True)
-                freed += len(x.value)
-                self._delete_leaf(x)
-                if len(x.parent.children) == 0 and x.parent.lock_ref == 0:
-                    heapq.heappush(
-                        heap, (self.eviction_strategy.get_priority(x.parent), x.parent)
-                    )
-                self._record_remove_event(x)
-            self.update_eviction_metrics(freed, start)
-            return EvictResult(num_tokens_evicted=freed)
-        base = self.allocator.available_size()  # settles earlier frees (usually none pending)
+        aliased = self.session_tokens > 0
+        base = self.allocator.available_size() if aliased else 0  # (settles earlier frees)
         freed = 0
         while freed < params.num_tokens and heap:
             bound = freed
             while bound < params.num_tokens and heap:
                 _, x = heapq.heappop(heap)
                 bound += len(x.value)
-                self.allocator.tree_decref(x.value)
+                if aliased:
+                    self.allocator.tree_decref(x.value)
+                else:
+                    self.allocator.release_owned(x.value, tree=True)
                 self._delete_leaf(x)
                 if len(x.parent.children) == 0 and x.parent.lock_ref == 0:
-                    heapq.heappush(
-                        heap, (self.eviction_strategy.get_priority(x.parent), x.parent)
-                    )
+                    heapq.heappush(heap, (self.eviction_strategy.get_priority(x.parent), x.parent))
                 self._record_remove_event(x)
-            freed = self.allocator.available_size() - base  # one host read per round
+            # aliased: one host read per round
+            freed = self.allocator.available_size() - base if aliased else bound
         self.update_eviction_metrics(freed, start)
         return EvictResult(num_tokens_evicted=freed)
 

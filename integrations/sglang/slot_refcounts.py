@@ -29,10 +29,15 @@ admission and ``alloc_token_slots`` ask it every step), ``alloc`` when the free 
 ``free_pages`` / ``release_pages`` (properties: SGLang's ``merge_and_sort_free``, its idle
 invariant checker), :meth:`physical_sizes`, :meth:`used_slots`, :meth:`check`. A settle costs
 one device-to-host read (a few integers, the evictable / protected recount folded in when
-stale) and none when nothing is pending. Faults the eager code raised at once (a count going
-negative, a tree reference on a free slot) are raised at the next settle;
-``strict`` (``AGENTKV_SGLANG_STRICT=1``, the tests) still checks them eagerly, at a sync per
-call.
+stale) and none when nothing is pending. Where the caller knows every slot has exactly one
+holder (an intact request row's duplicates after a radix insert, an LRU leaf while no slot is
+aliased) :meth:`release_owned` frees at once, as stock SGLang does, and :meth:`drop_refs`
+drops a request's references on slots the tree just took: nothing pending, nothing read
+(the agentkv radix cache does that for FullCache requests and requests without payload).
+Faults the eager code raised at once (a count going negative, a tree reference on a free
+slot, a shared slot released as owned) are flagged on the device and raised at the next
+settle or :meth:`check`; ``strict`` (``AGENTKV_SGLANG_STRICT=1``, the tests) still checks
+them eagerly, at a sync per call.
 
 Why not slot 0 for DEAD, as the embedded engine does: SGLang writes the K/V of padded batch
 entries (CUDA-graph padding) into slot 0, so it is not a slot nobody writes. DEAD is the
@@ -307,9 +312,7 @@ class RefCountedTokenAllocator(TokenToKVPoolAllocator):
             if tree:
                 neg = neg | (self.tree_refs[s] < 0).any()
             if bool(neg):
-                raise SlotRefcountError(
-                    f"slot freed more often than referenced: {s.tolist()[:8]}"
-                )
+                raise SlotRefcountError(f"slot freed more often than referenced: {s.tolist()[:8]}")
 
     def _settle(self, sizes: bool = False, force: bool = False) -> None:
         """Put the pending slots whose count is 0 on the free list (each once; DEAD and slot 0
