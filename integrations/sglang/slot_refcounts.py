@@ -306,7 +306,8 @@ class RefCountedTokenAllocator(TokenToKVPoolAllocator):
         if tree:
             self.tree_refs.index_add_(0, s, -w)
         self._version += 1
-        self._pending.append(s)
+        # pending until the next settle: never a view of the caller's (reusable) buffer
+        self._pending.append(s.clone() if s.data_ptr() == slots.data_ptr() else s)
         if self.strict:
             neg = (self.refs[s] < 0).any()
             if tree:

@@ -276,6 +276,31 @@ def test_owned_slots_are_freed_at_once_and_tree_held_ones_stay(monkeypatch):
     assert a.physical_sizes() == (0, 1)
 
 
+def test_pending_frees_do_not_alias_the_callers_buffer():
+    a = allocator()
+    got = a.alloc(4)
+    buf = got.clone()
+    a.free(buf)
+    buf.fill_(a.dead_slot)  # SGLang reuses its index buffers
+    assert a.available_size() == a.size - 1
+    a.check()
+
+
+def test_adopt_turns_sglangs_allocator_into_a_counted_one():
+    from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
+
+    plain = TokenToKVPoolAllocator(32, torch.float32, "cpu", None, need_sort=True)
+    a = RefCountedTokenAllocator.adopt(plain)
+    assert a is plain and "free_pages" not in a.__dict__
+    assert a.available_size() == 31 and a.dead_slot not in a.free_pages.tolist()
+    a.strict = False
+    got = a.alloc(31)
+    assert a.alloc(1) is None
+    a.free(got)
+    assert len(a.release_pages) == 31  # need_sort: freed slots wait in release_pages
+    assert sorted(a.alloc(31).tolist()) == list(range(1, 32))  # merged, sorted, handed out
+
+
 def test_free_group_frees_once(monkeypatch):
     """SGLang's decode-result step: frees inside a free group are applied at its end, through
     ``free``; a tree decref inside the group must not be counted down again there."""
