@@ -129,12 +129,13 @@ class RefCountedTokenAllocator(TokenToKVPoolAllocator):
     def clear(self) -> None:
         self._pending = []
         super().clear()
-        self._free_pages = self._free_pages[self._free_pages != self.dead_slot]
+        self._free_pages = self._free_pages[:-1]  # arange(1, size + 1) without DEAD (= size)
         n = self.size + 1
         self.refs = torch.zeros(n, dtype=torch.int32, device=self.device)
         self.tree_refs = torch.zeros(n, dtype=torch.int32, device=self.device)
         self.pins = torch.zeros(n, dtype=torch.int32, device=self.device)
-        #: nonzero: a fault seen on the device (``_NEGATIVE`` / ``_TREE_ON_FREE`` bits)
+        #: nonzero: a fault seen on the device (``_NEGATIVE`` / ``_TREE_ON_FREE`` /
+        #: ``_NOT_OWNED`` bits), raised at the next settle
         self._fault = torch.zeros((), dtype=torch.int32, device=self.device)
         self._version = 0  # bumped by every change of counts; keys the cached sizes
         self._sizes: tuple[int, tuple[int, int]] | None = None
