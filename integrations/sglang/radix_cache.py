@@ -79,9 +79,12 @@ def _may_hold_dead(req: Any, state: AgentKVRequest | None) -> bool:
     """Whether the request's row can hold DEAD: only when it has agentkv state and either a
     plan made holes (``state.holey``) or its prefix was not matched in the shared namespace
     (which holds intact runs only). Without a payload a request matches only there."""
-    return state is not None and (
-        state.holey or getattr(req, "prefix_indices", None) is not state.intact_prefix
-    )
+    if state is None:
+        return False
+    prefix = getattr(req, "prefix_indices", None)
+    if prefix is None:
+        return True
+    return state.holey or (len(prefix) > 0 and prefix is not state.intact_prefix)
 
 
 class AgentKVRadixCache(RadixCache):
