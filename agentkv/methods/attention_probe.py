@@ -61,11 +61,14 @@ class AttentionColumnSums(PrefillObserver):
 
     The buffers live on the device of the observed tensors while observing (no host copy per
     layer: on a GPU every copy would stall the prefill), and on the CPU after :meth:`result`.
+    With ``first_query > 0`` and ``q_positions`` off the CPU, the window's queries are masked,
+    not selected (:meth:`_observe_window`: no host read either).
     """
 
     def __init__(self, req: ObserveRequest, first_query: int = 0):
         s = req.shape
         self.first_query = first_query
+        self.seq_len = req.seq_len
         self.sums = torch.zeros(s.num_layers, s.num_q_heads, req.seq_len)
         self.counts = torch.zeros(s.num_layers, req.seq_len)
         self.seen = torch.zeros(s.num_layers, req.seq_len, dtype=torch.bool)
@@ -73,6 +76,9 @@ class AttentionColumnSums(PrefillObserver):
 
     def observe(self, layer, q, q_positions, k, k_positions, head_mask):
         if self.first_query > 0:
+            if q_positions.device.type != "cpu":
+                self._observe_window(layer, q, q_positions, k, k_positions, head_mask)
+                return
             sel = q_positions >= self.first_query
             if not bool(sel.any()):
                 return
@@ -85,6 +91,29 @@ class AttentionColumnSums(PrefillObserver):
         self.counts[layer, pos] += visible.to(probs.device, torch.float32)
         self.seen[layer, pos] = True
         self.head_live[layer][:, pos] = True if head_mask is None else head_mask.to(probs.device)
+
+    def _observe_window(self, layer, q, q_positions, k, k_positions, head_mask):
+        """:meth:`observe` for ``first_query > 0`` without a host read: the queries before
+        ``first_query`` get zero weight instead of being selected out (a selection reads its
+        length back). Same result as the selection for ascending ``q_positions < seq_len``
+        (every caller's prefill chunk): the window's queries are then among the last
+        ``seq_len - first_query`` rows, the only ones computed."""
+        w = self.seq_len - self.first_query
+        if q.shape[1] > w:
+            q, q_positions = q[:, -w:], q_positions[-w:]
+        sel = q_positions >= self.first_query  # [n]
+        probs = attention_probs(q, q_positions, k, k_positions, head_mask)
+        probs = torch.where(sel[None, :, None], probs, 0.0)
+        self._move(probs.device)
+        pos = k_positions.to(probs.device)
+        self.sums[layer][:, pos] += probs.sum(dim=1)
+        visible = ((k_positions[None, :] <= q_positions[:, None]) & sel[:, None]).sum(dim=0)
+        self.counts[layer, pos] += visible.to(probs.device, torch.float32)
+        any_sel = sel.any().to(probs.device)  # stays on the device
+        self.seen[layer, pos] = self.seen[layer, pos] | any_sel
+        live = True if head_mask is None else head_mask.to(probs.device)
+        old = self.head_live[layer][:, pos]
+        self.head_live[layer][:, pos] = torch.where(any_sel, live, old)
 
     def result(self) -> AttentionColumnSums:
         self._move(torch.device("cpu"))

@@ -26,28 +26,28 @@ from agentkv.integrations.sglang.request_plan import HOLEY
 from agentkv.integrations.sglang.runtime import OBSERVING, observe_extend
 
 
-def drop_dead_kv_indices(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, dead: int) -> int:
+def drop_dead_kv_indices(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, dead: int) -> None:
     """Remove every ``dead`` entry of ``kv_indices[: kv_indptr[-1]]`` in place and rewrite
-    ``kv_indptr`` (``[bs + 1]``, int32 or int64) to match. Returns the live entries left.
+    ``kv_indptr`` (``[bs + 1]``, int32 or int64) to match; the live entries left end at the
+    new ``kv_indptr[-1]`` (entries after it are stale and never read).
 
     One stable compaction over the batch: an exclusive prefix sum of the live flags gives each
     live entry its new place, and the prefix sum read at the old segment starts gives the new
-    ``kv_indptr``. Costs one device-to-host read (the total length)."""
+    ``kv_indptr``. Costs one device-to-host read (the batch's length: ``kv_indices`` may be
+    a larger CUDA-graph buffer)."""
     n = int(kv_indptr[-1])
     if n == 0:
-        return 0
+        return
     idx = kv_indices[:n]
     live = idx != dead
     csum = torch.cumsum(live, dim=0)
     ends = torch.cat((csum.new_zeros(1), csum))
     new_indptr = ends[kv_indptr.to(torch.int64)]
     target = torch.where(live, csum - 1, torch.full_like(csum, n))
-    out = idx.new_empty(n + 1)
+    out = torch.cat((idx, idx.new_empty(1)))  # the tail keeps its old (unread) entries
     out.scatter_(0, target, idx)
-    total = int(new_indptr[-1])
-    idx[:total] = out[:total]
+    idx.copy_(out[:n])
     kv_indptr.copy_(new_indptr.to(kv_indptr.dtype))
-    return total
 
 
 def make_backend_class():

@@ -26,6 +26,9 @@ from agentkv.tags import NUM_TAG_CODES, Role, TagCode
 from agentkv.token_tagger import TokenTags
 from agentkv.wire import WIRE_KEY, KVPayload, PayloadError, decode_payload
 
+#: marks a radix namespace (``extra_key``) as a session's: ``<tenant>SESSION_MARK<session>#<gen>``
+SESSION_MARK = "\x1fagentkv-session\x1f"
+
 #: ``custom_params`` key of the tags the HTTP process computed (a JSON string).
 TAGS_KEY = "agentkv_tags"
 
@@ -179,6 +182,8 @@ class AgentKVRequest:
             ``plan_note``, ``planned_at``, ...; :mod:`.usage` reads it).
         seen_at: ``time.perf_counter()`` when the request entered the scheduler's queue.
         dead_in_prefix: DEAD positions in the prefix it matched (a session's holes).
+        intact_prefix: the prefix indices last matched in the shared namespace, which holds
+            no DEAD (``req.prefix_indices is intact_prefix``: no count, no host read).
     """
 
     payload: KVPayload
@@ -191,11 +196,12 @@ class AgentKVRequest:
     usage: dict[str, Any] = field(default_factory=dict)
     seen_at: float = 0.0
     dead_in_prefix: int = 0
+    intact_prefix: Any = None
 
     @property
     def session_key(self) -> str:
         """The session's radix namespace root: tenant namespace + session id."""
-        return f"{self.namespace or ''}\x1fagentkv-session\x1f{self.payload.session_id}"
+        return f"{self.namespace or ''}{SESSION_MARK}{self.payload.session_id}"
 
     @property
     def evicts(self) -> bool:

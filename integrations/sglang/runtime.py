@@ -158,6 +158,7 @@ def run_batch(original: Any, scheduler: Any, batch: Any, *args: Any, **kwargs: A
         result = original(scheduler, batch, *args, **kwargs)
     finally:
         reset_rows()
+        reset_extend_rows()
     if extend:
         after_extend(scheduler, batch)
     elif HIDDEN_DECODING and batch is not None and batch.forward_mode.is_decode():
@@ -180,7 +181,7 @@ def before_extend(scheduler: Any, batch: Any) -> None:
         if state.planned:
             continue
         if HOLEY.dead_slot is not None:
-            state.dead_in_prefix = int((req.prefix_indices == HOLEY.dead_slot).sum())
+            state.dead_in_prefix = _dead_in_prefix(req, state, HOLEY.dead_slot)
             if state.dead_in_prefix:
                 HOLEY.mark(state)
         if not state.evicts:
@@ -192,6 +193,16 @@ def before_extend(scheduler: Any, batch: Any) -> None:
             state.observer = None
             state.planned = True
             state.usage = {"plan_note": f"no plan ({type(e).__name__}); nothing evicted"}
+
+
+def _dead_in_prefix(req: Any, state: AgentKVRequest, dead: int) -> int:
+    """DEAD positions in the request's matched prefix. A prefix matched in the shared
+    namespace (intact runs only) has none: counted without a host read; a session's prefix
+    (it may hold holes) is counted on the device and read back."""
+    prefix = req.prefix_indices
+    if len(prefix) == 0 or prefix is state.intact_prefix:
+        return 0
+    return int((prefix == dead).sum())
 
 
 def _takes_hidden(observer: Any) -> bool:
@@ -305,30 +316,58 @@ def plan_one(planner: Planner, req_to_token_pool: Any, allocator: Any, req: Any,
     return n
 
 
+class _ExtendRows:
+    """Per extend batch, the observed requests' rows, positions and live key slots: read
+    back once at the first layer and reused by the others (the rows and ``req_to_token``
+    do not change during the forward), not once per layer."""
+
+    def __init__(self) -> None:
+        self.batch: Any = None
+        self.rows: list[tuple[AgentKVRequest, int, int, torch.Tensor, torch.Tensor, torch.Tensor]]
+        self.rows = []
+
+    def of(self, backend: Any, forward_batch: Any) -> list:
+        if forward_batch is self.batch:
+            return self.rows
+        self.batch, self.rows = forward_batch, []
+        pool_idx = forward_batch.req_pool_indices.tolist()
+        starts = forward_batch.extend_start_loc.tolist()
+        lens = forward_batch.extend_seq_lens.tolist()
+        prefix = forward_batch.extend_prefix_lens.tolist()
+        dead = HOLEY.dead_slot
+        for i, idx in enumerate(pool_idx):
+            state = OBSERVING.get(idx)
+            if state is None or state.observer is None:
+                continue
+            s, n = starts[i], state.prompt_rows(prefix[i], lens[i])
+            if n == 0:
+                continue
+            q_pos = forward_batch.positions[s : s + n].to(torch.int64)
+            slots = backend.req_to_token[idx, : prefix[i] + n].to(torch.int64)
+            live = slots != dead
+            k_pos = torch.nonzero(live).reshape(-1)
+            self.rows.append((state, s, n, q_pos, slots[live], k_pos))
+        return self.rows
+
+
+_EXTEND_ROWS = _ExtendRows()
+
+
+def reset_extend_rows() -> None:
+    """Forget the last extend batch's rows (around every batch, with :func:`reset_rows`)."""
+    _EXTEND_ROWS.batch = None
+    _EXTEND_ROWS.rows = []
+
+
 def observe_extend(backend: Any, q: torch.Tensor, layer: Any, forward_batch: Any) -> None:
     """Feed the prefill observers of the batch's observed requests one layer's post-RoPE
     queries (``q [n_tokens, Hq·D]``) and the live keys they attend to (from the KV pool, which
     the backend wrote first)."""
     if not OBSERVING:
         return
-    pool_idx = forward_batch.req_pool_indices.tolist()
-    starts = forward_batch.extend_start_loc.tolist()
-    lens = forward_batch.extend_seq_lens.tolist()
-    prefix = forward_batch.extend_prefix_lens.tolist()
     hq, d = layer.tp_q_head_num, layer.qk_head_dim
-    dead = HOLEY.dead_slot
     k_buf = backend.token_to_kv_pool.get_key_buffer(layer.layer_id)
-    for i, idx in enumerate(pool_idx):
-        state = OBSERVING.get(idx)
-        if state is None or state.observer is None:
-            continue
-        s, n = starts[i], state.prompt_rows(prefix[i], lens[i])
-        if n == 0:
-            continue
+    for state, s, n, q_pos, live_slots, k_pos in _EXTEND_ROWS.of(backend, forward_batch):
         qi = q[s : s + n].reshape(n, hq, d).transpose(0, 1).float()
-        q_pos = forward_batch.positions[s : s + n].to(torch.int64)
-        slots = backend.req_to_token[idx, : prefix[i] + n].to(torch.int64)
-        live = slots != dead
-        k_pos = torch.nonzero(live).reshape(-1)
-        k = k_buf[slots[live]].transpose(0, 1).float()
+        k = k_buf[live_slots].transpose(0, 1).float()
         state.observer.observe(layer.layer_id, qi, q_pos, k, k_pos, None)

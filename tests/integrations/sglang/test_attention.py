@@ -22,13 +22,15 @@ def test_compaction_keeps_order_and_rewrites_indptr():
     for dtype in (torch.int32, torch.int64):
         indptr = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=dtype)
         indices = torch.tensor(flat + [DEAD, 7, 7], dtype=torch.int64)  # over-allocated tail
-        total = drop_dead_kv_indices(indptr, indices, DEAD)
+        drop_dead_kv_indices(indptr, indices, DEAD)
+        total = int(indptr[-1])
         want = [[s for s in r if s != DEAD] for r in rows]
         assert total == sum(map(len, want))
         assert indptr.dtype == dtype
         assert indptr.tolist() == [0, *torch.tensor([len(w) for w in want]).cumsum(0).tolist()]
         got = [indices[indptr[i] : indptr[i + 1]].tolist() for i in range(len(lens))]
         assert got == want
+        assert indices[len(flat) :].tolist() == [DEAD, 7, 7]  # past the batch: untouched
 
 
 def test_backend_is_sglangs_triton_backend_with_the_override():
