@@ -29,24 +29,27 @@ from agentkv.integrations.sglang.runtime import OBSERVING, observe_extend
 def drop_dead_kv_indices(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, dead: int) -> None:
     """Remove every ``dead`` entry of ``kv_indices[: kv_indptr[-1]]`` in place and rewrite
     ``kv_indptr`` (``[bs + 1]``, int32 or int64) to match; the live entries left end at the
-    new ``kv_indptr[-1]`` (entries after it are stale and never read).
+    new ``kv_indptr[-1]`` (entries after it are stale and never read; entries past the old
+    ``kv_indptr[-1]`` are left as they were).
 
     One stable compaction over the batch: an exclusive prefix sum of the live flags gives each
     live entry its new place, and the prefix sum read at the old segment starts gives the new
-    ``kv_indptr``. Costs one device-to-host read (the batch's length: ``kv_indices`` may be
-    a larger CUDA-graph buffer)."""
-    n = int(kv_indptr[-1])
+    ``kv_indptr``. No host read: the batch's length stays on the device (compared, not read),
+    so the pass covers the whole ``kv_indices`` given: exactly the batch in SGLang's eager
+    path; on CUDA-graph replay the caller passes the buffer's first ``bs × max context``
+    entries (a host-known bound of the batch's length)."""
+    n = kv_indices.numel()
     if n == 0:
         return
-    idx = kv_indices[:n]
-    live = idx != dead
-    csum = torch.cumsum(live, dim=0)
+    end = kv_indptr[-1:].to(torch.int64)  # [1], on the device
+    live = (kv_indices != dead) & (torch.arange(n, device=kv_indices.device) < end)
+    csum = torch.cumsum(live, dim=0, dtype=torch.int32 if n < 2**31 else torch.int64)
     ends = torch.cat((csum.new_zeros(1), csum))
     new_indptr = ends[kv_indptr.to(torch.int64)]
     target = torch.where(live, csum - 1, torch.full_like(csum, n))
-    out = torch.cat((idx, idx.new_empty(1)))  # the tail keeps its old (unread) entries
-    out.scatter_(0, target, idx)
-    idx.copy_(out[:n])
+    out = torch.cat((kv_indices, kv_indices.new_empty(1)))  # the rest keeps its old entries
+    out.scatter_(0, target, kv_indices)
+    kv_indices.copy_(out[:n])
     kv_indptr.copy_(new_indptr.to(kv_indptr.dtype))
 
 
@@ -65,7 +68,8 @@ def make_backend_class():
                 bs, seq_lens, req_pool_indices, kv_indices
             )
             if HOLEY.count > 0 and HOLEY.dead_slot is not None:
-                drop_dead_kv_indices(kv_indptr, kv_indices, HOLEY.dead_slot)
+                bound = bs * self.req_to_token.shape[1]  # >= the batch's entries, host-known
+                drop_dead_kv_indices(kv_indptr, kv_indices[:bound], HOLEY.dead_slot)
             return kv_indptr
 
         def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):

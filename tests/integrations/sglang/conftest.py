@@ -18,6 +18,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 # (this folder is on sys.path as a namespace package named sglang too: no origin)
 _spec = importlib.util.find_spec("sglang")
@@ -240,3 +242,55 @@ def steps() -> Steps:
 def steps_factory():
     """:func:`make_steps` with other sizes."""
     return make_steps
+
+
+#: aten ops that read a device tensor back to the host (a stall under the overlap scheduler)
+_READS = {
+    "aten._local_scalar_dense.default",  # .item(), bool(t), int(t)
+    "aten.nonzero.default",
+    "aten._unique2.default",
+    "aten.unique_consecutive.default",
+    "aten.unique_dim.default",
+    "aten.masked_select.default",
+    "aten.is_nonzero.default",
+    "aten.equal.default",
+}
+
+
+class HostReads(TorchDispatchMode):
+    """Counts host reads: the ops above, boolean-mask indexing and ``Tensor.tolist``."""
+
+    def __init__(self, monkeypatch):
+        super().__init__()
+        self.ops: list[str] = []
+        tolist = torch.Tensor.tolist
+
+        def counted(t):
+            self.ops.append("tolist")
+            return tolist(t)
+
+        monkeypatch.setattr(torch.Tensor, "tolist", counted)
+
+    def __enter__(self):
+        self.ops = []  # counted per block
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func)
+        if name in _READS:
+            self.ops.append(name)
+        elif name.startswith("aten.index.Tensor") and any(
+            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1]
+        ):
+            self.ops.append("bool-mask index")
+        return func(*args, **(kwargs or {}))
+
+    @property
+    def count(self) -> int:
+        return len(self.ops)
+
+
+@pytest.fixture
+def host_reads(monkeypatch) -> HostReads:
+    """A :class:`HostReads` counter: ``with host_reads: ...``, then ``host_reads.count``."""
+    return HostReads(monkeypatch)

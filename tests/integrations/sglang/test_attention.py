@@ -33,6 +33,18 @@ def test_compaction_keeps_order_and_rewrites_indptr():
         assert indices[len(flat) :].tolist() == [DEAD, 7, 7]  # past the batch: untouched
 
 
+def test_compaction_reads_nothing_back_to_the_host(host_reads):
+    """Run per attention-metadata build under the overlap scheduler: no device-to-host read
+    (the batch's length is compared on the device)."""
+    indptr = torch.tensor([0, 3, 3, 7], dtype=torch.int32)
+    indices = torch.tensor([1, DEAD, 2, 3, DEAD, DEAD, 4, DEAD, 9], dtype=torch.int64)
+    with host_reads:
+        drop_dead_kv_indices(indptr, indices, DEAD)
+    assert host_reads.count == 0, host_reads.ops
+    assert indptr.tolist() == [0, 2, 2, 4]
+    assert indices[:4].tolist() == [1, 2, 3, 4] and indices[-2:].tolist() == [DEAD, 9]
+
+
 def test_backend_is_sglangs_triton_backend_with_the_override():
     from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
 

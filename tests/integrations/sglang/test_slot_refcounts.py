@@ -11,7 +11,6 @@ from collections import Counter
 import pytest
 import torch
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from agentkv.integrations.sglang.request_plan import request_state
 from agentkv.integrations.sglang.runtime import _dead_in_prefix
@@ -21,51 +20,6 @@ from agentkv.integrations.sglang.slot_refcounts import (
 )
 from agentkv.policies import FullCache, StreamingLLM
 from agentkv.wire import KVPayload, encode_payload
-
-#: aten ops that read a device tensor back to the host (a stall under the overlap scheduler)
-_READS = {
-    "aten._local_scalar_dense.default",  # .item(), bool(t), int(t)
-    "aten.nonzero.default",
-    "aten._unique2.default",
-    "aten.unique_consecutive.default",
-    "aten.unique_dim.default",
-    "aten.masked_select.default",
-    "aten.is_nonzero.default",
-    "aten.equal.default",
-}
-
-
-class HostReads(TorchDispatchMode):
-    """Counts host reads: the ops above, boolean-mask indexing and ``Tensor.tolist``."""
-
-    def __init__(self, monkeypatch):
-        super().__init__()
-        self.ops: list[str] = []
-        tolist = torch.Tensor.tolist
-
-        def counted(t):
-            self.ops.append("tolist")
-            return tolist(t)
-
-        monkeypatch.setattr(torch.Tensor, "tolist", counted)
-
-    def __enter__(self):
-        self.ops = []  # counted per block
-        return super().__enter__()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = str(func)
-        if name in _READS:
-            self.ops.append(name)
-        elif name.startswith("aten.index.Tensor") and any(
-            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1]
-        ):
-            self.ops.append("bool-mask index")
-        return func(*args, **(kwargs or {}))
-
-    @property
-    def count(self) -> int:
-        return len(self.ops)
 
 
 def allocator(size: int = 64, need_sort: bool = False) -> RefCountedTokenAllocator:
@@ -83,9 +37,9 @@ def tokens(n: int, seed: int) -> list[int]:
     return [g.randrange(10, 30000) for _ in range(n)]
 
 
-def test_frees_and_tree_references_queue_no_host_read(monkeypatch):
+def test_frees_and_tree_references_queue_no_host_read(host_reads):
     a = allocator()
-    reads = HostReads(monkeypatch)
+    reads = host_reads
     with reads:
         got = a.alloc(10)
         a.tree_incref(got[:6])
@@ -105,12 +59,12 @@ def test_frees_and_tree_references_queue_no_host_read(monkeypatch):
     a.check()
 
 
-def test_a_settle_and_a_size_recount_share_one_host_read(monkeypatch):
+def test_a_settle_and_a_size_recount_share_one_host_read(host_reads):
     a = allocator()
     got = a.alloc(8)
     a.tree_incref(got)
     a.free(got[:5])
-    reads = HostReads(monkeypatch)
+    reads = host_reads
     with reads:
         assert a.physical_sizes() == (5, 1)
     assert reads.ops == ["tolist"]
@@ -260,11 +214,11 @@ def test_faults_are_raised_at_the_next_settle_or_at_once_when_strict():
                 d.check()
 
 
-def test_owned_slots_are_freed_at_once_and_tree_held_ones_stay(monkeypatch):
+def test_owned_slots_are_freed_at_once_and_tree_held_ones_stay(host_reads):
     a = allocator()
     got = a.alloc(6)
     a.tree_incref(got[3:])  # inserted: the tree holds 3.., the request's 0..2 are duplicates
-    reads = HostReads(monkeypatch)
+    reads = host_reads
     with reads:
         a.release_owned(got[:3])
         a.drop_refs(got[3:])
@@ -317,14 +271,14 @@ def test_free_group_frees_once(monkeypatch):
     assert (a.refs == 0).all()
 
 
-def test_fullcache_and_stock_requests_need_no_host_read_in_the_tree(steps, monkeypatch):
+def test_fullcache_and_stock_requests_need_no_host_read_in_the_tree(steps, host_reads):
     """A FullCache request and one without payload, through SGLang's real radix cache and
     release path: no host read in the tree's insert, free and lock steps, in the free /
     evictable / protected sizes admission asks for, or in LRU eviction (as stock SGLang), and
     ``before_extend``'s DEAD count of a prefix matched in the shared namespace costs none
     either. Every count recounted afterwards."""
     steps.alloc.strict = False
-    reads = HostReads(monkeypatch)
+    reads = host_reads
     system = tokens(24, 7)
     first = steps.request(system + tokens(8, 1), payload("s1"), extra_key="t")
     steps.prefill(first)
