@@ -50,6 +50,7 @@ All counts are int32 tensors on the allocator's device; shapes are ``[size + 1]`
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
@@ -63,6 +64,24 @@ class SlotRefcountError(RuntimeError):
 _NEGATIVE = 1
 _TREE_ON_FREE = 2
 _NOT_OWNED = 4
+
+
+class _SettledOnRead:
+    """A free list of :class:`RefCountedTokenAllocator` (stored as ``_<name>``), settled
+    (pending frees put on it) whenever it is read."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.attr = "_" + name
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        if obj is None:
+            return self
+        if obj._pending:
+            obj._settle()
+        return getattr(obj, self.attr)
+
+    def __set__(self, obj: Any, value: torch.Tensor) -> None:
+        setattr(obj, self.attr, value)
 
 
 class RefCountedTokenAllocator(TokenToKVPoolAllocator):
@@ -97,27 +116,10 @@ class RefCountedTokenAllocator(TokenToKVPoolAllocator):
         allocator.clear()
         return allocator
 
-    # ---- the free lists (settled on read) ------------------------------------------------------
+    # ---- the free lists (settled on read: SGLang's merge_and_sort_free, its idle checker) ------
 
-    @property
-    def free_pages(self) -> torch.Tensor:
-        if self._pending:
-            self._settle()
-        return self._free_pages
-
-    @free_pages.setter
-    def free_pages(self, value: torch.Tensor) -> None:
-        self._free_pages = value
-
-    @property
-    def release_pages(self) -> torch.Tensor:
-        if self._pending:
-            self._settle()
-        return self._release_pages
-
-    @release_pages.setter
-    def release_pages(self, value: torch.Tensor) -> None:
-        self._release_pages = value
+    free_pages = _SettledOnRead()
+    release_pages = _SettledOnRead()
 
     # ---- SGLang's allocator interface ------------------------------------------------------
 
@@ -145,9 +147,7 @@ class RefCountedTokenAllocator(TokenToKVPoolAllocator):
     strict: bool = os.environ.get("AGENTKV_SGLANG_STRICT") == "1"
 
     def available_size(self) -> int:
-        if self._pending:
-            self._settle()
-        return len(self._free_pages) + len(self._release_pages)
+        return len(self.free_pages) + len(self._release_pages)  # free_pages settles
 
     def alloc(self, need_size: int):
         if need_size > len(self._free_pages):
@@ -189,11 +189,9 @@ class RefCountedTokenAllocator(TokenToKVPoolAllocator):
         s, w = self._weighted(slots)
         bad = (self.refs[s] != 1) | (w == 0)
         bad = bad | (self.tree_refs[s] != (1 if tree else 0))
-        if self.strict:
-            if bool(bad.any()) or torch.unique(s).numel() != s.numel():
-                raise SlotRefcountError("release_owned: a slot not held by exactly one holder")
-        else:
-            self._fault.bitwise_or_(bad.any().to(torch.int32) * _NOT_OWNED)
+        if self.strict and torch.unique(s).numel() != s.numel():
+            bad = torch.ones_like(bad)
+        self._fault_if(bad, _NOT_OWNED, "release_owned: a slot not held by exactly one holder")
         self.refs.index_add_(0, s, -w)
         if tree:
             self.tree_refs.index_add_(0, s, -w)
@@ -208,11 +206,7 @@ class RefCountedTokenAllocator(TokenToKVPoolAllocator):
             return
         s, w = self._weighted(slots)
         bad = ((self.refs[s] < 2) | (self.tree_refs[s] < 1)) & (w > 0)
-        if self.strict:
-            if bool(bad.any()):
-                raise SlotRefcountError("drop_refs: a slot the tree does not hold")
-        else:
-            self._fault.bitwise_or_(bad.any().to(torch.int32) * _NOT_OWNED)
+        self._fault_if(bad, _NOT_OWNED, "drop_refs: a slot the tree does not hold")
         self.refs.index_add_(0, s, -w)
         self._version += 1
 
@@ -223,12 +217,8 @@ class RefCountedTokenAllocator(TokenToKVPoolAllocator):
         if slots.numel() == 0:
             return
         s, w = self._weighted(slots)
-        if self.strict:
-            if bool(((self.refs[s] <= 0) & (w > 0)).any()):
-                raise SlotRefcountError("a tree node took a reference on a free slot")
-        else:
-            bad = ((self.refs[s] <= 0) & (w > 0)).any().to(torch.int32) * _TREE_ON_FREE
-            self._fault.bitwise_or_(bad)
+        bad = (self.refs[s] <= 0) & (w > 0)
+        self._fault_if(bad, _TREE_ON_FREE, "a tree node took a reference on a free slot")
         self.refs.index_add_(0, s, w)
         self.tree_refs.index_add_(0, s, w)
         self._version += 1
@@ -300,6 +290,16 @@ class RefCountedTokenAllocator(TokenToKVPoolAllocator):
         s = slots.reshape(-1).to(device=self.refs.device, dtype=torch.int64)
         w = ((s != self.dead_slot) & (s != 0)).to(torch.int32)
         return s, w
+
+    def _fault_if(self, bad: torch.Tensor, bit: int, message: str) -> None:
+        """A fault where ``bad`` (bool, any shape) holds: raised now when ``strict`` (a host
+        read), else flagged on the device (``bit`` of ``_fault``) and raised at the next
+        settle."""
+        if self.strict:
+            if bool(bad.any()):
+                raise SlotRefcountError(message)
+        else:
+            self._fault.bitwise_or_(bad.any().to(torch.int32) * bit)
 
     def _decref(self, slots: torch.Tensor, tree: bool) -> None:
         s, w = self._weighted(slots)
