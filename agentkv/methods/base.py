@@ -269,15 +269,26 @@ class MethodSet:
             inst.end_session(session_id)
 
 
-def topk_positions(scores: torch.Tensor, candidates: torch.Tensor, k: int) -> torch.Tensor:
-    """Positions of the ``k`` highest ``scores`` among bool ``candidates [T]`` (ties: earlier)."""
-    idx = torch.nonzero(candidates).reshape(-1)
-    if k >= idx.numel():
-        return idx
+def topk_mask(scores: torch.Tensor, candidates: torch.Tensor, k: int) -> torch.Tensor:
+    """bool ``[T]``: the ``k`` highest ``scores [T]`` among bool ``candidates [T]`` (all of
+    them when ``k >= |C|``; ties: earlier), on the device of both, with no host read.
+
+    One stable sort by score, then a stable sort that puts the candidates first: the
+    candidates come out in the order a stable sort of their own scores gives."""
+    keep = torch.zeros_like(candidates)
     if k <= 0:
-        return idx[:0]
-    order = torch.sort(scores[idx].float(), descending=True, stable=True).indices
-    return idx[order[:k]].sort().values
+        return keep
+    order = torch.sort(scores.float(), descending=True, stable=True).indices  # [T]
+    order = order[torch.sort((~candidates[order]).to(torch.uint8), stable=True).indices]
+    top = order[:k]
+    keep[top] = candidates[top]
+    return keep
+
+
+def topk_positions(scores: torch.Tensor, candidates: torch.Tensor, k: int) -> torch.Tensor:
+    """Positions (int64, ascending) of the ``k`` highest ``scores`` among bool
+    ``candidates [T]`` (ties: earlier): :func:`topk_mask`'s."""
+    return torch.nonzero(topk_mask(scores, candidates, k)).reshape(-1)
 
 
 def expand_kv_heads(k: torch.Tensor, group: int) -> torch.Tensor:

@@ -39,7 +39,7 @@ from agentkv.methods.base import (
     PlanContext,
     PrefillObserver,
     register_method,
-    topk_positions,
+    topk_mask,
 )
 from agentkv.methods.intentkv_head import ResidualHead, head_for, rule_logit
 from agentkv.methods.query_memory import QueryMemoryStore, normalize
@@ -117,6 +117,58 @@ class ScoringEvent:
     key_means: torch.Tensor
 
 
+class _ScoreSums:
+    """The rule score's sums over layers, on the keys' device (no host read).
+
+    Attributes:
+        scores: float32 ``[T]``, softmax mass over the candidates summed over layers and
+            query heads.
+        ksum: float32 ``[T, D]``, keys averaged over KV heads, summed over the layers that
+            hold the position (None unless key means are wanted).
+        kcount: float32 ``[T]``, those layers' count (None likewise).
+    """
+
+    def __init__(
+        self,
+        seq_len: int,
+        head_dim: int,
+        probe: torch.Tensor,
+        candidates: torch.Tensor,
+        device: torch.device,
+        key_means: bool,
+    ):
+        self.probe = probe.to(device)  # float32 [L, Hq, D]
+        self.candidates = candidates.to(device)  # bool [T]
+        self.scores = torch.zeros(seq_len, device=device)
+        self.ksum = torch.zeros(seq_len, head_dim, device=device) if key_means else None
+        self.kcount = torch.zeros(seq_len, device=device) if key_means else None
+
+    def add_layer(
+        self,
+        layer: int,
+        k: torch.Tensor,
+        positions: torch.Tensor,
+        head_mask: torch.Tensor | None,
+    ) -> None:
+        """Add one layer: ``k [n, Hkv, D]`` post-RoPE keys at int64 ``positions [n]``,
+        ``head_mask`` bool ``[Hkv, n]`` or None (:data:`~agentkv.methods.base.KeyReader`).
+        A layer holding no candidate adds zeros (its softmax rows are all masked)."""
+        pos = positions.to(self.scores.device)
+        if self.ksum is not None and self.kcount is not None:
+            self.ksum[pos] += k.float().mean(dim=1)
+            self.kcount[pos] += 1
+        kt = k.transpose(0, 1)  # [Hkv, n, D]
+        q = self.probe[layer].to(kt.dtype)[:, None, :]  # [Hq, 1, D]
+        probs = attention_probs(q, None, kt, None, head_mask, self.candidates[pos])
+        self.scores[pos] += probs[:, 0, :].sum(dim=0)
+
+    def key_means(self) -> torch.Tensor | None:
+        """float32 ``[T, D]`` (zeros where no layer holds the position), or None."""
+        if self.ksum is None or self.kcount is None:
+            return None
+        return self.ksum / self.kcount.clamp_min(1)[:, None]
+
+
 @register_method
 class IntentKVMethod(Method):
     name = "intentkv"
@@ -175,17 +227,17 @@ class IntentKVMethod(Method):
         if keep_n > 0:
             want_keys = policy.mode == "learned" or self.recorder is not None
             scores, key_means = self.rule_scores(ctx, probe, candidates, want_keys)
+            if want_keys:  # the recorder and the head take host tensors: one read each
+                scores, key_means = scores.cpu(), None if key_means is None else key_means.cpu()
             if self.recorder is not None:
                 self.recorder(ScoringEvent(ctx, probe, candidates, scores, key_means))
             if policy.mode == "learned":
                 scores = self.learned_scores(ctx, policy, probe, candidates, scores, key_means)
-        if scores is None:
-            keep = candidates.nonzero().reshape(-1)[:0]
-        else:
-            keep = topk_positions(scores, candidates, keep_n)
-        keep_mask = torch.zeros_like(candidates)
-        keep_mask[keep] = True
-        evict = torch.nonzero(candidates & ~keep_mask).reshape(-1)
+        keep = torch.zeros_like(candidates)
+        if scores is not None:  # top-k where the scores are; the host reads the mask once
+            keep = topk_mask(scores, candidates.to(scores.device), keep_n).cpu()
+            scores = scores.cpu()
+        evict = torch.nonzero(candidates & ~keep).reshape(-1)
         note = "" if keep_n > 0 else f"forced set ({n_forced}) fills the budget"
         return Plan(evict=evict, scores=scores, note=note)
 
@@ -206,28 +258,21 @@ class IntentKVMethod(Method):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Rule scores float32 ``[T]`` (mean over layers and query heads of the softmax over
         candidates) and, with ``key_means``, float32 ``[T, D]`` keys averaged over layers and
-        KV heads (the mean over GQA-expanded heads is the same)."""
+        KV heads (the mean over GQA-expanded heads is the same).
+
+        Both stay on the keys' device (``ctx.read_keys``): the sums are accumulated there
+        layer by layer, with the probe and the candidate mask moved there once, so scoring
+        reads nothing back to the host (on a GPU a read per layer would stall the stream).
+        """
         s = self.shape
-        scores = torch.zeros(ctx.seq_len)
-        ksum = torch.zeros(ctx.seq_len, s.head_dim) if key_means else None
-        kcount = torch.zeros(ctx.seq_len) if key_means else None
+        acc: _ScoreSums | None = None
         for layer in range(s.num_layers):
             k, positions, head_mask = ctx.read_keys(layer)
-            pos = positions.cpu()
-            if ksum is not None and kcount is not None:
-                ksum[pos] += k.float().mean(dim=1).cpu()
-                kcount[pos] += 1
-            key_mask = candidates[pos]
-            if not bool(key_mask.any()):
-                continue
-            k = k.transpose(0, 1)  # [Hkv, n, D]
-            q = probe[layer].to(k.device, k.dtype)[:, None, :]  # [Hq, 1, D]
-            probs = attention_probs(q, None, k, None, head_mask, key_mask.to(k.device))
-            scores[pos] += probs[:, 0, :].sum(dim=0).cpu()
-        means = None
-        if ksum is not None and kcount is not None:
-            means = ksum / kcount.clamp_min(1)[:, None]
-        return scores / (s.num_layers * s.num_q_heads), means
+            if acc is None:
+                acc = _ScoreSums(ctx.seq_len, s.head_dim, probe, candidates, k.device, key_means)
+            acc.add_layer(layer, k, positions, head_mask)
+        assert acc is not None, "a model has at least one layer"
+        return acc.scores / (s.num_layers * s.num_q_heads), acc.key_means()
 
     def learned_scores(
         self,

@@ -291,14 +291,24 @@ def apply_evictions(
     positions: torch.Tensor,
     protected_len: int,
     allocator: Any,
+    live: torch.Tensor | None = None,
 ) -> int:
-    """Redirect ``positions`` of ``req_to_token[row]`` to DEAD and drop the request's
-    reference on the slots it owns (positions ``>= protected_len``; the matched prefix below
-    it belongs to the radix tree, which keeps it for other requests). Returns the number of
-    positions newly made DEAD."""
-    dead = allocator.dead_slot
+    """Redirect ``positions`` (int64 ``[k]``, on the host) of ``req_to_token[row]`` to DEAD
+    and drop the request's reference on the slots it owns (positions ``>= protected_len``;
+    the matched prefix below it belongs to the radix tree, which keeps it for other requests).
+    Returns the number of positions newly made DEAD.
+
+    ``live``: bool ``[T]`` on the host, the row's positions not DEAD now (what the plan saw):
+    then which positions are new is known on the host and nothing is read back; without it
+    the row is read (one mask and its count)."""
     if positions.numel() == 0:
         return 0
+    if live is not None:
+        positions = positions.cpu()
+        return _redirect_live(
+            req_to_token, row, positions[live[positions]], protected_len, allocator
+        )
+    dead = allocator.dead_slot
     pos = positions.to(device=req_to_token.device, dtype=torch.int64)
     old = req_to_token[row, pos].to(torch.int64)
     fresh = old != dead
@@ -307,3 +317,20 @@ def apply_evictions(
     owned = pos >= protected_len
     allocator.free(old[owned])
     return int(pos.numel())
+
+
+def _redirect_live(
+    req_to_token: torch.Tensor,
+    row: int,
+    positions: torch.Tensor,
+    protected_len: int,
+    allocator: Any,
+) -> int:
+    """:func:`apply_evictions` of host ``positions`` (int64 ``[k]``) known not to be DEAD:
+    the owned ones selected on the host, then gathers and writes on the row's device only."""
+    owned = positions[positions >= protected_len].to(req_to_token.device)
+    if owned.numel():
+        allocator.free(req_to_token[row, owned].to(torch.int64))
+    pos = positions.to(req_to_token.device)
+    req_to_token[row, pos] = allocator.dead_slot
+    return int(positions.numel())

@@ -273,18 +273,20 @@ def plan_one(planner: Planner, req_to_token_pool: Any, allocator: Any, req: Any,
     r2t = req_to_token_pool.req_to_token
     dead = allocator.dead_slot
     row = r2t[req.req_pool_idx, :T].to(torch.int64)
-    live_dev = row != dead
-    live_pos = torch.nonzero(live_dev).reshape(-1)
-    live = live_dev.cpu()
+    live = (row != dead).cpu()  # the row's one read; the live positions found on the host
+    live_pos = torch.nonzero(live).reshape(-1).to(row.device)
+    live_slots = row[live_pos]
 
     def read_keys(layer: int):
         # on the pool's device and dtype, as the embedded engine's store hands them out
-        return pool.get_key_buffer(layer)[row[live_pos]], live_pos, None
+        return pool.get_key_buffer(layer)[live_slots], live_pos, None
 
     plan = plan_request(state, planner.methods, planner.shape, live, read_keys)
     observer, state.observer = state.observer, None
     positions = evicted_positions(plan, T)
-    n = apply_evictions(r2t, req.req_pool_idx, positions, req.cache_protected_len, allocator)
+    n = apply_evictions(
+        r2t, req.req_pool_idx, positions, req.cache_protected_len, allocator, live=live
+    )
     if n or not bool(live.all()):
         HOLEY.mark(state)
     state.planned = True
