@@ -336,3 +336,85 @@ def test_intentkv_without_actionable_tokens_uses_the_tail_window(qk):
         obs.observe(layer, q[layer], torch.arange(T), k[layer], torch.arange(T), None)
     w = policy.fallback_window
     torch.testing.assert_close(obs.result(), q[:, :, -w:].mean(dim=2))
+
+
+# --------------------------------------------------------------------------- host reads
+
+
+def _plan_on_device(policy, layers: int, device: bool):
+    """One plan of ``policy`` on a ``layers``-layer shape, keys (and the observed prefill) on
+    the emulated device of :mod:`device_reads` (``device``) or the CPU. Returns the plan, the
+    reads of the observer's result and of the plan, and the ops mixing host and device."""
+    from device_reads import DeviceReads, on_device
+
+    from agentkv.methods.intentkv_head import HeadConfig, ResidualHead
+
+    shape = ModelShape(layers, 6, 2, 16)
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(layers, 6, T, 16, generator=g) * 1.5
+    k = torch.randn(layers, 2, T, 16, generator=g)
+    wrap = on_device if device else (lambda t: t)
+    method = method_class(policy.method)(shape)
+    if policy.method == "intentkv":
+        torch.manual_seed(0)
+        head = ResidualHead(HeadConfig.for_shape(shape))
+        torch.nn.init.normal_(head.mlp[2].weight, std=2.0)  # not the rule
+        method.use_head(head)
+    actionable = torch.zeros(T, dtype=torch.bool)
+    actionable[T - 12 : T - 3] = True
+    forced = actionable.clone()
+    forced[T - 3 :] = forced[:10] = True
+    live = torch.ones(T, dtype=torch.bool)
+    live[20:30] = False  # an earlier turn's holes
+    pos = torch.nonzero(live).reshape(-1)
+    keys = [(wrap(k[i][:, pos].transpose(0, 1).contiguous()), wrap(pos)) for i in range(layers)]
+    obs = method.observer(policy, ObserveRequest(T, 0, actionable, shape))
+    with DeviceReads() as observed:
+        for layer in range(layers):
+            ar = wrap(torch.arange(T))
+            obs.observe(layer, wrap(q[layer]), ar, wrap(k[layer]), ar, None)
+        result = obs.result()
+    ctx = PlanContext(
+        policy=policy,
+        session_id="x:reads",
+        shape=shape,
+        seq_len=T,
+        live=live,
+        forced=forced,
+        actionable=actionable,
+        tag_codes=torch.zeros(T, dtype=torch.uint8),
+        read_keys=lambda layer: (*keys[layer], None),
+        observation=result,
+    )
+    with DeviceReads() as planned:
+        plan = method.plan(ctx)
+    return plan, observed, planned
+
+
+@pytest.mark.parametrize(
+    ("policy", "reads"),
+    [
+        (IntentKV(budget=30), 2),
+        (IntentKV(budget=30, mode="query"), 2),
+        (IntentKV(budget=30, mode="learned"), 2),
+        (SnapKV(budget=30), 0),
+        (H2O(budget=30), 0),
+    ],
+    ids=["intentkv-memory", "intentkv-query", "intentkv-learned", "snapkv", "h2o"],
+)
+def test_a_plan_reads_back_to_the_host_a_bounded_number_of_times(policy, reads):
+    """Keys and the observed prefill on an (emulated) accelerator: the plan's device-to-host
+    reads do not grow with the layers. IntentKV scores and ranks on the keys' device and
+    reads the keep mask and the scores once (the learned head's inputs, scores and key means,
+    instead); SnapKV and H2O plan on their observer's result, which copies its four buffers
+    to the host once. No op mixes a host tensor with a device one (a GPU would refuse it),
+    and the plans are the CPU's, bit for bit."""
+    for layers in (2, 6):
+        plan, observed, planned = _plan_on_device(policy, layers, device=True)
+        assert planned.count == reads, planned.ops
+        assert observed.count <= 4, observed.ops
+        assert observed.mixed == [] and planned.mixed == []
+        cpu, _, _ = _plan_on_device(policy, layers, device=False)
+        assert not plan.is_noop
+        for a, b in ((plan.evict, cpu.evict), (plan.keep_mask, cpu.keep_mask)):
+            assert (a is None and b is None) or torch.equal(a, b)

@@ -205,3 +205,55 @@ def test_a_retracted_request_rerun_with_its_output_observes_its_prompt_only(step
     assert (steps.row(r)[T:] != steps.alloc.dead_slot).all()  # the output stays
     steps.finish(r)
     steps.cache.check_invariants()
+
+
+def _plan_reads(steps, policy, host_reads) -> tuple[int, list[str], torch.Tensor]:
+    """Prefill a request of ``policy`` with two holes (an earlier turn's), feed its observer
+    every layer's queries directly, then count the host reads of ``plan_one``. Returns the
+    count, the ops and the row's DEAD positions after the plan."""
+    steps.alloc.strict = False  # strict mode checks every free eagerly (a read each)
+    T = 48
+    r = steps.request(tokens(T, 20), encode_payload(KVPayload(session_id="h", policy=policy)))
+    steps.prefill(r, plan=False)
+    dead = steps.alloc.dead_slot
+    HOLEY.dead_slot = dead
+    row = steps.r2t.req_to_token[r.req_pool_idx]
+    steps.alloc.free(row[[3, 7]].to(torch.int64))  # the holes' slots go, as a plan frees them
+    row[[3, 7]] = dead
+    state = request_state(r)
+    shape = steps.planner.shape
+    method = steps.planner.methods.for_policy(policy)
+    state.observer = method.observer(
+        policy, ObserveRequest(T, 0, torch.tensor(state.tags.actionable), shape)
+    )
+    live = torch.nonzero(steps.row(r) != dead).reshape(-1)
+    torch.manual_seed(2)
+    for layer in range(shape.num_layers):
+        q = torch.randn(shape.num_q_heads, T, shape.head_dim)
+        k = steps.kv.get_key_buffer(layer)[steps.row(r)[live]].transpose(0, 1)
+        state.observer.observe(layer, q, torch.arange(T), k / 1000, live, None)
+    with host_reads:
+        n = plan_one(steps.planner, steps.r2t, steps.alloc, r, state)
+    assert n > 0 and state.usage["live_kv_tokens"] == T - 2 - n
+    now_dead = torch.nonzero(steps.row(r) == dead).reshape(-1)
+    assert now_dead.numel() == n + 2
+    steps.finish(r)
+    steps.cache.check_invariants()
+    return host_reads.count, host_reads.ops, now_dead
+
+
+def test_a_plan_reads_the_host_as_often_whatever_the_layers(steps_factory, host_reads):
+    """``plan_one`` of an IntentKV request (the rule scored over every layer's keys): the
+    host reads are as many with 6 layers as with 2, and few. On the CPU the counter sees
+    the ops that would read back on a GPU, host-side ones included (an upper bound;
+    ``tests/methods/test_scoring.py`` counts the plan's on an emulated device: 2). The
+    scoring used to read back per layer (positions, scores, the candidate test)."""
+    from agentkv.policies import IntentKV
+
+    policy = IntentKV(budget=20, mode="query", fallback_window=4)
+    counts = []
+    for layers in (2, 6):
+        count, ops, _ = _plan_reads(steps_factory(layers=layers), policy, host_reads)
+        assert count <= 13, ops
+        counts.append(count)
+    assert counts[0] == counts[1], counts
