@@ -59,8 +59,9 @@ class AttentionColumnSums(PrefillObserver):
         seen: bool ``[L, T]``, key was visible to the observer in that layer.
         head_live: bool ``[L, Hkv, T]``, the KV head still held the key when it was observed.
 
-    The buffers live on the device of the observed tensors while observing (no host copy per
-    layer: on a GPU every copy would stall the prefill), and on the CPU after :meth:`result`.
+    The buffers live on the device of the observed tensors (no host copy per layer: on a GPU
+    every copy would stall the prefill), and stay there after :meth:`result`: SnapKV and H2O
+    rank on that device and read back only what their plan needs.
     With ``first_query > 0`` and ``q_positions`` off the CPU, the window's queries are masked,
     not selected (:meth:`_observe_window`: no host read either).
     """
@@ -116,7 +117,7 @@ class AttentionColumnSums(PrefillObserver):
         self.head_live[layer][:, pos] = torch.where(any_sel, live, old)
 
     def result(self) -> AttentionColumnSums:
-        self._move(torch.device("cpu"))
+        """The sums, on the observed device (the CPU when nothing was observed)."""
         return self
 
     def _move(self, device: torch.device) -> None:

@@ -45,15 +45,18 @@ class H2OMethod(Method):
         recent = torch.zeros(T, dtype=torch.bool)
         recent[live_idx[live_idx.numel() - n_recent :]] = True
         budget_rest = policy.budget - n_recent
+        # ranked on the observed device, positions picked on the host: the keep mask and the
+        # scores are the plan's only reads
+        dev = obs.sums.device
         score = obs.sums / obs.counts.clamp_min(1)[:, None, :]  # [L, Hq, T]
         score = score.view(s.num_layers, s.num_kv_heads, s.group, T).mean(dim=2)
-        keep = torch.zeros(s.num_layers, s.num_kv_heads, T, dtype=torch.bool)
-        keep[:, :, recent] = True
-        idx = torch.nonzero(live & ~recent).reshape(-1)
+        keep = torch.zeros(s.num_layers, s.num_kv_heads, T, dtype=torch.bool, device=dev)
+        keep[:, :, torch.nonzero(recent).reshape(-1).to(dev)] = True
+        idx = torch.nonzero(live & ~recent).reshape(-1).to(dev)
         k = min(budget_rest, idx.numel())
         if k > 0:
             held = obs.head_live[:, :, idx]
             ranked = score[:, :, idx].masked_fill(~held, float("-inf"))
             top = torch.topk(ranked, k, dim=-1).indices  # [L, Hkv, k]
             keep.scatter_(2, idx[top], held.gather(2, top))
-        return Plan(keep_mask=keep, scores=score)
+        return Plan(keep_mask=keep.cpu(), scores=score.cpu())

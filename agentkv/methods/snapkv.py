@@ -50,18 +50,19 @@ class SnapKVMethod(Method):
         in_window = torch.zeros(T, dtype=torch.bool)
         in_window[window_idx] = True
         budget_rest = policy.budget - kept_window.numel()
+        # the sums stay on the observed device; the host reads which keys each layer saw (one
+        # [L, T] read), picks each layer's candidates, and reads the keep mask back at the end
+        dev = obs.sums.device
+        seen = obs.seen.cpu()  # bool [L, T]
         mean = obs.sums / max(T - obs.first_query, 1)  # [L, Hq, T], mean over the window
-        keep = torch.zeros(s.num_layers, s.num_kv_heads, T, dtype=torch.bool)
-        scores_all = torch.zeros(s.num_layers, s.num_kv_heads, T)
+        keep = torch.zeros(s.num_layers, s.num_kv_heads, T, dtype=torch.bool, device=dev)
+        keep[:, :, kept_window.to(dev)] = True
+        scores_all = torch.zeros(s.num_layers, s.num_kv_heads, T, device=dev)
         for layer in range(s.num_layers):
-            keep[layer][:, kept_window] = True
-            idx = torch.nonzero(live & ~in_window & obs.seen[layer]).reshape(-1)
+            idx = torch.nonzero(live & ~in_window & seen[layer]).reshape(-1).to(dev)
             if idx.numel() == 0:
                 continue
-            pooled = F.avg_pool1d(
-                mean[layer][:, idx][None], policy.kernel, stride=1, padding=policy.kernel // 2
-            )[0]  # [Hq, n]
-            per_kv = pooled.view(s.num_kv_heads, s.group, -1).mean(dim=1)  # [Hkv, n]
+            per_kv = self.layer_scores(mean[layer], idx, policy)  # [Hkv, n]
             scores_all[layer][:, idx] = per_kv
             k = min(budget_rest, idx.numel())
             if k > 0:
@@ -69,4 +70,14 @@ class SnapKVMethod(Method):
                 ranked = per_kv.masked_fill(~held, float("-inf"))
                 top = torch.topk(ranked, k, dim=-1).indices  # [Hkv, k]
                 keep[layer].scatter_(1, idx[top], held.gather(1, top))
-        return Plan(keep_mask=keep, scores=scores_all)
+        return Plan(keep_mask=keep.cpu(), scores=scores_all.cpu())
+
+    def layer_scores(self, mean: torch.Tensor, idx: torch.Tensor, policy: SnapKV) -> torch.Tensor:
+        """One layer's scores float32 ``[Hkv, n]`` of the candidate keys ``idx`` (int64
+        ``[n]``, ascending) from the window's mean attention ``mean [Hq, T]``: pooled along
+        the candidates, then averaged over each GQA group."""
+        s = self.shape
+        pooled = F.avg_pool1d(
+            mean[:, idx][None], policy.kernel, stride=1, padding=policy.kernel // 2
+        )[0]  # [Hq, n]
+        return pooled.view(s.num_kv_heads, s.group, -1).mean(dim=1)

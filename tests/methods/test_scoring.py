@@ -397,8 +397,8 @@ def _plan_on_device(policy, layers: int, device: bool):
         (IntentKV(budget=30), 2),
         (IntentKV(budget=30, mode="query"), 2),
         (IntentKV(budget=30, mode="learned"), 2),
-        (SnapKV(budget=30), 0),
-        (H2O(budget=30), 0),
+        (SnapKV(budget=30), 3),
+        (H2O(budget=30), 2),
     ],
     ids=["intentkv-memory", "intentkv-query", "intentkv-learned", "snapkv", "h2o"],
 )
@@ -406,9 +406,9 @@ def test_a_plan_reads_back_to_the_host_a_bounded_number_of_times(policy, reads):
     """Keys and the observed prefill on an (emulated) accelerator: the plan's device-to-host
     reads do not grow with the layers. IntentKV scores and ranks on the keys' device and
     reads the keep mask and the scores once (the learned head's inputs, scores and key means,
-    instead); SnapKV and H2O plan on their observer's result, which copies its four buffers
-    to the host once. No op mixes a host tensor with a device one (a GPU would refuse it),
-    and the plans are the CPU's, bit for bit."""
+    instead); SnapKV and H2O rank on their observer's device and read the keep mask and the
+    scores (SnapKV also which keys each layer saw). No op mixes a host tensor with a device
+    one (a GPU would refuse it), and the plans are the CPU's, bit for bit."""
     for layers in (2, 6):
         plan, observed, planned = _plan_on_device(policy, layers, device=True)
         assert planned.count == reads, planned.ops
