@@ -111,14 +111,20 @@ def sglang_prompt_ids(tokenizer: Any, body: dict[str, Any]) -> list[int]:
     return list(ids["input_ids"]) if hasattr(ids, "keys") else list(ids)
 
 
-def tagged_custom(tokenizer: Any, body: dict[str, Any], ids: list[int]) -> dict[str, Any]:
+def tagged_custom(
+    tokenizer: Any, body: dict[str, Any], ids: list[int], session7_tags: bool = False
+) -> dict[str, Any]:
     """``custom_params`` as the scheduler receives them: the plugin's HTTP hook
-    (``tag_chat_request``) run on SGLang's request types over ``ids``."""
+    (``tag_chat_request``) run on SGLang's request types over ``ids``. ``session7_tags``: as
+    the hook of the Session 7 measurement did, which rendered the client's tool-call argument
+    strings (``{"k":"v"}``) where SGLang's prompt has them re-serialised (``{"k": "v"}``):
+    such requests ran untagged."""
     from types import SimpleNamespace
 
     from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest
     from sglang.srt.managers.io_struct import GenerateReqInput
 
+    from agentkv.integrations.sglang.request_plan import TAGS_KEY, WIRE_KEY
     from agentkv.integrations.sglang.runtime import tag_chat_request
 
     request = ChatCompletionRequest(**body)
@@ -127,11 +133,27 @@ def tagged_custom(tokenizer: Any, body: dict[str, Any], ids: list[int]) -> dict[
     )
     serving = SimpleNamespace(tokenizer_manager=SimpleNamespace(tokenizer=tokenizer))
     tag_chat_request((adapted, request), serving, request)
-    return adapted.sampling_params["custom_params"]
+    custom = adapted.sampling_params["custom_params"]
+    if session7_tags and TAGS_KEY in custom:
+        from agentkv.engine.chat_template import ChatRenderer
+        from agentkv.wire import decode_payload
+
+        renderer = ChatRenderer(tokenizer, template=tokenizer.chat_template)
+        msgs = [m.model_dump(exclude_none=True) for m in request.messages]
+        annotations = decode_payload(custom[WIRE_KEY]).messages
+        if renderer.encode(msgs, tools=None, annotations=annotations).token_ids != ids:
+            del custom[TAGS_KEY]
+    return custom
 
 
 def tau_sessions(
-    tokenizer: Any, spec: str, level: int, max_turns: int, max_tokens: int, cache: dict
+    tokenizer: Any,
+    spec: str,
+    level: int,
+    max_turns: int,
+    max_tokens: int,
+    cache: dict,
+    session7_tags: bool = False,
 ) -> list[list[Turn]]:
     """``level`` sessions as ``capacity`` sends them (trajectory ``i % len(pool)``, session id
     ``cap<level>-<run>-<i>``). ``cache``: per (trajectory, policy) ids and tags (the tags do
@@ -157,7 +179,11 @@ def tau_sessions(
             key = (i % len(pool), k, spec)
             if key not in cache:
                 ids = sglang_prompt_ids(tokenizer, body)
-                custom = tagged_custom(tokenizer, body, ids) if policy is not None else None
+                custom = (
+                    tagged_custom(tokenizer, body, ids, session7_tags)
+                    if policy is not None
+                    else None
+                )
                 cache[key] = (ids, custom)
                 if custom is not None and policy.evicts:  # the plugin's tags fit SGLang's ids?
                     cache.setdefault("tagged", {})[key] = "agentkv_tags" in custom
@@ -591,6 +617,11 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=8192, help="chunked prefill size (H100: 8192)")
     ap.add_argument("--keep", choices=["random", "recent", "oldest"], default="random")
     ap.add_argument("--client-delay", type=int, default=1, help="scheduler steps between turns")
+    ap.add_argument(
+        "--session7-tags",
+        action="store_true",
+        help="tag as the plugin did in the Session 7 measurement (tool-call histories untagged)",
+    )
     ap.add_argument("--tokenizer", default="/work/shared/data/qwen3-tokenizer")
     ap.add_argument("--out", default="/tmp/out")
     a = ap.parse_args()
@@ -607,7 +638,7 @@ def main() -> None:
     summary: dict[str, Any] = {}
 
     def level(spec: str, n: int) -> Result:
-        sessions = tau_sessions(tok, spec, n, a.max_turns, a.max_tokens, cache)
+        sessions = tau_sessions(tok, spec, n, a.max_turns, a.max_tokens, cache, a.session7_tags)
         r = simulate(
             sessions, spec != "stock", a.pool, a.max_tokens, a.chunk, a.keep, a.client_delay
         )
@@ -651,6 +682,7 @@ def main() -> None:
         "max_tokens": a.max_tokens,
         "chunk": a.chunk,
         "keep": a.keep,
+        "session7_tags": a.session7_tags,
         "client_delay": a.client_delay,
         "summary": summary,
         "rows": rows,
