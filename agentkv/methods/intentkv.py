@@ -21,6 +21,9 @@ Once per request after prefill (../shared/methods/NOTES.md, IntentKV):
 5. Mode ``learned`` (Phase-2) ranks by ``s~ = log(|C| s) + alpha MLP(...)`` of the residual
    head (:mod:`agentkv.methods.intentkv_head`) on top of the memory rule score, ``alpha``
    clipped to ``[0, alpha_max]`` (the policy's, else the head's calibrated value, else 1).
+   The paper's ablations (``ablate``): ``memory`` scores with ``normalize(q_bar)`` in place of
+   the memory (rule and head), ``cross_attention`` forces the head's readout ``c = 0``,
+   ``rule`` ranks by ``alpha MLP(...)`` alone (head only); ``alpha_max=0`` is rule only.
 """
 
 from __future__ import annotations
@@ -243,9 +246,10 @@ class IntentKVMethod(Method):
 
     def probe(self, ctx: PlanContext, policy: IntentKV) -> torch.Tensor:
         """The scoring query, float32 ``[L, Hq, D]``, unit norm per (layer, head): the updated
-        session memory (``memory``, ``learned``) or ``normalize(q_bar)`` (``query``)."""
+        session memory (``memory``, ``learned``) or ``normalize(q_bar)`` (``query``, and
+        ``learned`` with ``ablate="memory"``: the memory is neither read nor moved)."""
         q_bar: torch.Tensor = ctx.observation
-        if policy.mode == "query":
+        if policy.mode == "query" or policy.ablate == "memory":
             return normalize(q_bar.float())
         return self.memory.update(ctx.session_id, q_bar, policy.memory_decay)
 
@@ -295,6 +299,8 @@ class IntentKVMethod(Method):
                 probe.mean(dim=(0, 1)),
                 key_means[span],
                 alpha_max=head.inference_alpha_max(policy.alpha_max),
+                cross_attention=policy.ablate != "cross_attention",
+                with_rule=policy.ablate != "rule",
             )
         out = torch.full((ctx.seq_len,), float("-inf"))
         out[idx] = s_tilde

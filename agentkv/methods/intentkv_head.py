@@ -105,14 +105,19 @@ class ResidualHead(nn.Module):
         self.calibrated_alpha_max: float | None = None
 
     def residual(
-        self, k_bar: torch.Tensor, m_bar: torch.Tensor, q_keys: torch.Tensor
+        self,
+        k_bar: torch.Tensor,
+        m_bar: torch.Tensor,
+        q_keys: torch.Tensor,
+        cross_attention: bool = True,
     ) -> torch.Tensor:
         """``MLP([phi ; c])`` float32 ``[N]`` for candidate keys ``k_bar [N, D]``, memory
-        ``m_bar [D]`` and the actionable span's keys ``q_keys [M, D]`` (``M`` may be 0)."""
+        ``m_bar [D]`` and the actionable span's keys ``q_keys [M, D]`` (``M`` may be 0).
+        ``cross_attention=False`` forces ``c = 0`` (the paper's x-attn ablation)."""
         D, H = self.config.head_dim, self.config.attn_heads
         m = m_bar.expand_as(k_bar)
         phi = self.norm_phi(torch.cat([k_bar, m, k_bar * m], dim=-1))  # [N, 3D]
-        if q_keys.shape[0] == 0:
+        if q_keys.shape[0] == 0 or not cross_attention:
             c = torch.zeros_like(k_bar)
         else:
             kv = self.norm_key(q_keys)
@@ -142,10 +147,17 @@ class ResidualHead(nn.Module):
         m_bar: torch.Tensor,
         q_keys: torch.Tensor,
         alpha_max: float | None = None,
+        *,
+        cross_attention: bool = True,
+        with_rule: bool = True,
     ) -> torch.Tensor:
         """``s~ [N] = rule_logit + alpha * MLP(...)`` (``rule_logit = log(|C| s)``, see
-        :func:`rule_logit`)."""
-        return rule_logit + self.alpha_value(alpha_max) * self.residual(k_bar, m_bar, q_keys)
+        :func:`rule_logit`). Ablations: ``cross_attention=False`` forces ``c = 0``;
+        ``with_rule=False`` drops ``rule_logit`` (the head alone ranks)."""
+        res = self.alpha_value(alpha_max) * self.residual(
+            k_bar, m_bar, q_keys, cross_attention=cross_attention
+        )
+        return rule_logit + res if with_rule else res
 
     # ---------------------------------------------------------------- checkpoints
 

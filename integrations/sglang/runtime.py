@@ -106,6 +106,17 @@ def planner_methods(ctx: Any) -> MethodSet:
 # ---- HTTP process --------------------------------------------------------------------------
 
 
+def normalize_tool_call_arguments(message: dict[str, Any]) -> None:
+    """SGLang's ``normalize_assistant_tool_call_arguments`` (non-strict) on one message dict,
+    in place: an assistant message's tool-call ``arguments`` strings become objects, so the
+    chat template renders them as SGLang's prompt has them."""
+    from sglang.srt.entrypoints.openai.serving_chat import (
+        normalize_assistant_tool_call_arguments,
+    )
+
+    normalize_assistant_tool_call_arguments(message, strict=False)
+
+
 def tag_chat_request(result: Any, serving: Any, request: Any, *args: Any, **kwargs: Any) -> None:
     """AFTER hook: ``result`` is ``(GenerateReqInput, ChatCompletionRequest)``."""
     adapted, _ = result
@@ -133,6 +144,9 @@ def tag_chat_request(result: Any, serving: Any, request: Any, *args: Any, **kwar
         tokenizer = serving.tokenizer_manager.tokenizer
         renderer = ChatRenderer(tokenizer, template=tokenizer.chat_template)
         messages = [m.model_dump(exclude_none=True) for m in request.messages]
+        for m in messages:  # as SGLang renders them: tool-call arguments parsed (then the
+            # template re-serialises them, `{"k": "v"}`, not the client's `{"k":"v"}`)
+            normalize_tool_call_arguments(m)
         tools = None  # as SGLang renders them
         if request.tools and request.tool_choice != "none":
             tools = [t.model_dump() for t in request.tools]

@@ -317,3 +317,71 @@ def test_learned_mode_uses_the_calibrated_alpha_max(
     assert not torch.allclose(one.plan.scores[cand], expected)  # the residual is back
     for sid in ("x:intentkv-cal-rule", "x:intentkv-cal-default", "x:intentkv-cal-1"):
         engine.end_session(sid)
+
+
+def test_learned_mode_ablations(engine, airline_cached, intentkv, tmp_path, monkeypatch):
+    """The paper's Phase-2 ablations on one trained-looking head: ``rule`` ranks by the
+    residual alone (s~ minus the rule's logit), ``cross_attention`` is the head with its
+    readout c forced to 0 (a head whose output projection of c is zero gives the same scores),
+    ``memory`` scores a session's turn 2 with the current query (as a request-local session,
+    which holds no memory) and leaves the session memory where it was."""
+    import copy
+
+    from agentkv.methods.intentkv_head import HEAD_FILE, HEADS_ENV, HeadConfig, ResidualHead
+
+    method, records = intentkv
+    torch.manual_seed(1)
+    head = ResidualHead(HeadConfig.for_shape(engine.shape, model="ablations"))
+    torch.nn.init.normal_(head.mlp[2].weight, std=2.0)
+    head.save(tmp_path / "ablations" / HEAD_FILE)
+    monkeypatch.setenv(HEADS_ENV, str(tmp_path))
+    monkeypatch.setattr(method, "_head", None)
+    messages, tools = airline_cached
+    full = IntentKV(budget=160, protect_system=False, mode="learned", alpha_max=1.0)
+
+    def run(policy: IntentKV, sid: str, msgs=messages) -> Record:
+        chat(engine, msgs, tools, policy, sid)
+        return records[-1]
+
+    rule_only = run(full.model_copy(update={"mode": "memory"}), "req:abl-rule")
+    both = run(full, "req:abl-full")
+    head_only = run(full.model_copy(update={"ablate": "rule"}), "req:abl-head")
+    no_xattn = run(full.model_copy(update={"ablate": "cross_attention"}), "req:abl-xattn")
+    cand = both.ctx.live & ~both.ctx.forced
+    logit = torch.log(rule_only.plan.scores[cand].double() * int(cand.sum())).float()
+    torch.testing.assert_close(head_only.plan.scores[cand], both.plan.scores[cand] - logit)
+    assert not torch.equal(head_only.plan.evict, rule_only.plan.evict)
+    zero_c = copy.deepcopy(method.head())
+    torch.nn.init.zeros_(zero_c.attn_o.weight)
+    torch.nn.init.zeros_(zero_c.attn_o.bias)
+    method.use_head(zero_c)
+    twin = run(full, "req:abl-zero-c")
+    method.use_head(None)
+    torch.testing.assert_close(no_xattn.plan.scores[cand], twin.plan.scores[cand])
+    assert not torch.allclose(no_xattn.plan.scores[cand], both.plan.scores[cand])
+
+    # memory ablation on a session's second turn: with a zero residual it is the query mode
+    # (two sessions with the same turn 1, so the same holes), and the memory stays put
+    turn2 = messages + [{"role": "assistant", "content": "ok"}, NEXT_USER]
+    for sid in ("x:abl-memory", "x:abl-query"):
+        run(full, sid)
+    memory = method.memory.get("x:abl-memory").clone()
+    method.use_head(ResidualHead(HeadConfig.for_shape(engine.shape, model="zero")))
+    without = run(full.model_copy(update={"ablate": "memory"}), "x:abl-memory", turn2)
+    query = run(full.model_copy(update={"mode": "query"}), "x:abl-query", turn2)
+    method.use_head(None)
+    assert torch.equal(method.memory.get("x:abl-memory"), memory)  # neither read nor moved
+    c2 = query.ctx.live & ~query.ctx.forced
+    assert torch.equal(without.ctx.live, query.ctx.live) and int(c2.sum()) > 0
+    expected = torch.log(query.plan.scores[c2].double() * int(c2.sum())).float()
+    torch.testing.assert_close(without.plan.scores[c2], expected)
+    for sid in ("x:abl-memory", "x:abl-query"):
+        engine.end_session(sid)
+
+
+def test_ablate_needs_the_learned_mode():
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="ablate"):
+        IntentKV(ablate="memory")
+    assert IntentKV(mode="learned", ablate="cross_attention").ablate == "cross_attention"

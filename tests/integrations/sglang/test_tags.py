@@ -179,3 +179,59 @@ def test_kvzap_is_served_and_a_missing_surrogate_is_a_400(qwen, model_dir, tmp_p
     ).save(tmp_path / "mlp.safetensors")  # fmt: skip
     adapted = run(KVzap(surrogate_path=str(tmp_path)))
     assert decode_tags(adapted.sampling_params["custom_params"][TAGS_KEY], adapted.input_ids)
+
+
+TOOL_MESSAGES = [
+    {"role": "system", "content": "You are an airline agent. Follow the policy."},
+    {"role": "user", "content": "Change my flight, I am sofia_kim_7287."},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {
+                    "name": "get_user_details",
+                    "arguments": '{"user_id":"sofia_kim_7287"}',  # compact, as clients send
+                },
+            }
+        ],
+    },
+    {"role": "tool", "tool_call_id": "call_1", "content": '{"name": "Sofia Kim"}'},
+    {"role": "user", "content": "It is for tomorrow morning please."},
+]
+
+
+def test_tool_call_history_is_tagged_on_sglangs_ids(qwen):
+    """SGLang parses assistant tool-call arguments and the template re-serialises them
+    (``{"user_id": "..."}``); the tagger must render the same, or the request runs untagged."""
+    from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest
+    from sglang.srt.entrypoints.openai.serving_chat import (
+        normalize_assistant_tool_call_arguments,
+    )
+    from sglang.srt.managers.io_struct import GenerateReqInput
+
+    payload = encode_payload(build_payload(TOOL_MESSAGES, IntentKV(budget=64), "s1"))
+    request = ChatCompletionRequest(
+        model="m", messages=TOOL_MESSAGES, custom_params={"agentkv": payload}
+    )
+    msgs = [m.model_dump() for m in request.messages]  # SGLang's _apply_jinja_template
+    for m in msgs:
+        normalize_assistant_tool_call_arguments(m, strict=False)
+        if m.get("content") is None:
+            m["content"] = ""
+    ids = qwen.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True)
+    ids = list(ids["input_ids"]) if isinstance(ids, dict) or hasattr(ids, "keys") else list(ids)
+    assert '"user_id": "sofia' in qwen.decode(ids)
+    adapted = GenerateReqInput(
+        input_ids=ids, sampling_params={"custom_params": dict(request.custom_params)}
+    )
+    serving = SimpleNamespace(tokenizer_manager=SimpleNamespace(tokenizer=qwen))
+    tag_chat_request((adapted, request), serving, request)
+    raw = adapted.sampling_params["custom_params"].get(TAGS_KEY)
+    assert raw is not None, "untagged: the tagger's render differs from SGLang's ids"
+    tags = decode_tags(raw, ids)
+    assert tags is not None and tags.protected_prefix > 0
+    act = [i for i, a in enumerate(tags.actionable) if a]
+    assert "tomorrow morning" in qwen.decode([ids[i] for i in act])

@@ -1,0 +1,710 @@
+"""Predict ``sglang_plugin.py capacity`` on the CPU: SGLang's real pools, allocator and radix
+cache (stock, or the plugin's) driven by a model of SGLang's scheduler, on the same sessions,
+tokenisation and tags the GPU phase sends.
+
+    .venv-sglang/bin/python -P benchmarks/sglang_capacity_predict.py \\
+        --policies stock,intentkv:budget=512 --max-turns 4 --pool 32768 --out DIR
+
+For each policy and a level ``L``: ``L`` sessions (tau-bench trajectories ``i % 200`` of
+``load_tau_bench(seed=0)``, as ``capacity`` picks them) send their first ``--max-turns``
+assistant turns one after another (``max_tokens`` 64, ``ignore_eos``), all sessions at once.
+The prompts are SGLang's (its chat-template path: ``content: None`` -> ``""``, tool-call
+arguments parsed, :func:`sglang_prompt_ids`) and the tags the plugin's HTTP hook
+(``tag_chat_request``) attaches, or none where its render differs from SGLang's ids (the
+request then runs untagged on the server too).
+
+What runs for real (SGLang 0.5.17 classes, ``--page-size 1``): ``ReqToTokenPool``,
+``TokenToKVPoolAllocator`` / the plugin's ``RefCountedTokenAllocator`` (with its DEAD slot),
+``RadixCache`` / the plugin's ``AgentKVRadixCache`` (session namespaces, holey inserts,
+reuse caps, physical evictable size), ``Req.init_next_round_input`` (prefix match),
+``alloc_token_slots`` (LRU eviction when short), ``cache_unfinished_req`` after each prefill,
+``release_kv_cache`` at the end, the plugin's ``apply_evictions`` / ``plan_one``.
+
+What is modelled (:class:`Scheduler`), after SGLang 0.5.17's scheduler with default H100
+settings: FCFS waiting queue; a prefill batch whenever one can be formed, else one decode step
+(no mixed chunks, no overlap); the ``PrefillAdder`` budget (``rem_total`` = available +
+evictable - sum over running requests of ``(max_new - generated) * new_token_ratio``; a request
+needs ``extend + max_new + 1 < rem_total``; ``--chunk`` 8192 prefill tokens per batch, one
+chunked request at a time); ``new_token_ratio`` from 0.7, decaying by ``(0.7 - 0.098) / 600`` a
+decode step; ``check_decode_mem`` (available + evictable >= running requests) before each
+decode step, else a retraction. The first output token comes with the prefill, so a request
+finishes after 63 decode steps; its session's next turn enters the queue ``--client-delay``
+scheduler steps later. Times are not modelled (one scheduler step = one batch).
+
+Plans: ``streamingllm`` runs its real ``plan_one``; ``full`` plans nothing. IntentKV needs
+the model's attention; how many positions go depends only on the tags, the live count and the
+budget (IntentKV ``budget_scope="total"``: the request keeps ``max(B, |forced|)`` live
+positions, ``"history"``: ``|forced| + B``), so the counts are exact; *which* non-forced
+positions survive is a stand-in (``--keep``: ``random``, seeded, the default, as scores on
+dummy weights are; ``recent``: the latest; ``oldest``: the earliest, mostly the shared system
+block: the fewest slots of its own, a lower bound). That choice matters only where ``B > |forced|``
+(untagged requests: forced set empty), through what the kept positions share with the tree.
+SnapKV / H2O are not predicted: on SGLang a slot goes only where no (layer, head) keeps the
+position, so their count is the union of per-head top-k sets, which depends on the scores.
+
+A level holds when no request was retracted and all ``L`` sessions ran at once (peak running
+requests = ``L``), as in ``capacity``. Reported per level: peak ``#token`` (SGLang's
+``max_total - available - evictable``) over all decode steps and over every 40th (what the
+server log samples), per session; max running; retractions; requests planned and evicted.
+The predicted capacity is the largest holding level (bisection between ``--lo`` and ``--hi``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import json
+import sys
+import time
+from array import array
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+for _op in ("nms", "qnms"):  # PyPI's torchvision on CPU torch (as tests/integrations/sglang)
+    with contextlib.suppress(RuntimeError):
+        torch.library.define(
+            f"torchvision::{_op}", "(Tensor dets, Tensor scores, float iou_threshold) -> Tensor"
+        )
+
+#: SGLang 0.5.17 defaults (environ.py, server_args.py for an 80 GB GPU)
+INIT_NEW_TOKEN_RATIO = 0.7
+MIN_NEW_TOKEN_RATIO = 0.7 * 0.14
+NEW_TOKEN_RATIO_DECAY = (INIT_NEW_TOKEN_RATIO - MIN_NEW_TOKEN_RATIO) / 600
+DECODE_LOG_INTERVAL = 40
+#: token ids for generated tokens: past Qwen3's text vocabulary, never in a prompt
+OUTPUT_ID_BASE = 151_700
+
+
+@dataclass
+class Turn:
+    """One request: SGLang's prompt ids and ``custom_params`` (None: no payload)."""
+
+    ids: list[int]
+    custom: dict[str, Any] | None = None
+
+
+# ---- the same requests as the GPU phase ----------------------------------------------------
+
+
+def sglang_prompt_ids(tokenizer: Any, body: dict[str, Any]) -> list[int]:
+    """The prompt ids SGLang 0.5.17's chat endpoint builds for ``body`` (no tools): messages
+    dumped from its pydantic request, ``content: None`` -> ``""``, assistant tool-call
+    arguments parsed to objects (``normalize_assistant_tool_call_arguments``), then the
+    tokenizer's chat template with the generation prompt."""
+    from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest
+    from sglang.srt.entrypoints.openai.serving_chat import (
+        normalize_assistant_tool_call_arguments,
+    )
+
+    req = ChatCompletionRequest(**body)
+    msgs = [m.model_dump() for m in req.messages]
+    for m in msgs:
+        normalize_assistant_tool_call_arguments(m, strict=False)
+        if m.get("content") is None:
+            m["content"] = ""
+    ids = tokenizer.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True)
+    return list(ids["input_ids"]) if hasattr(ids, "keys") else list(ids)
+
+
+def tagged_custom(
+    tokenizer: Any, body: dict[str, Any], ids: list[int], session7_tags: bool = False
+) -> dict[str, Any]:
+    """``custom_params`` as the scheduler receives them: the plugin's HTTP hook
+    (``tag_chat_request``) run on SGLang's request types over ``ids``. ``session7_tags``: as
+    the hook of the Session 7 measurement did, which rendered the client's tool-call argument
+    strings (``{"k":"v"}``) where SGLang's prompt has them re-serialised (``{"k": "v"}``):
+    such requests ran untagged."""
+    from types import SimpleNamespace
+
+    from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest
+    from sglang.srt.managers.io_struct import GenerateReqInput
+
+    from agentkv.integrations.sglang.request_plan import TAGS_KEY, WIRE_KEY
+    from agentkv.integrations.sglang.runtime import tag_chat_request
+
+    request = ChatCompletionRequest(**body)
+    adapted = GenerateReqInput(
+        input_ids=list(ids), sampling_params={"custom_params": dict(request.custom_params)}
+    )
+    serving = SimpleNamespace(tokenizer_manager=SimpleNamespace(tokenizer=tokenizer))
+    tag_chat_request((adapted, request), serving, request)
+    custom = adapted.sampling_params["custom_params"]
+    if session7_tags and TAGS_KEY in custom:
+        from agentkv.engine.chat_template import ChatRenderer
+        from agentkv.wire import decode_payload
+
+        renderer = ChatRenderer(tokenizer, template=tokenizer.chat_template)
+        msgs = [m.model_dump(exclude_none=True) for m in request.messages]
+        annotations = decode_payload(custom[WIRE_KEY]).messages
+        if renderer.encode(msgs, tools=None, annotations=annotations).token_ids != ids:
+            del custom[TAGS_KEY]
+    return custom
+
+
+def tau_sessions(
+    tokenizer: Any,
+    spec: str,
+    level: int,
+    max_turns: int,
+    max_tokens: int,
+    cache: dict,
+    session7_tags: bool = False,
+) -> list[list[Turn]]:
+    """``level`` sessions as ``capacity`` sends them (trajectory ``i % len(pool)``, session id
+    ``cap<level>-<run>-<i>``). ``cache``: per (trajectory, policy) ids and tags (the tags do
+    not depend on the session id; the payload does, and is rebuilt)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from sglang_plugin import session_requests
+
+    from agentkv.bench.traces import load_tau_bench
+    from agentkv.policies import parse_policy
+    from agentkv.wire import build_payload, encode_payload
+
+    if "pool" not in cache:
+        cache["pool"] = load_tau_bench(seed=0)
+    pool = cache["pool"]
+    policy = None if spec in ("stock", "nopayload") else parse_policy(spec)
+    sessions = []
+    for i in range(level):
+        trace = pool[i % len(pool)]
+        sid = f"cap{level}-{spec}-{i}"
+        turns = []
+        bodies = session_requests(trace, policy, sid, max_tokens, False, max_turns)
+        for k, body in enumerate(bodies):
+            key = (i % len(pool), k, spec)
+            if key not in cache:
+                ids = sglang_prompt_ids(tokenizer, body)
+                custom = (
+                    tagged_custom(tokenizer, body, ids, session7_tags)
+                    if policy is not None
+                    else None
+                )
+                cache[key] = (ids, custom)
+                if custom is not None and policy.evicts:  # the plugin's tags fit SGLang's ids?
+                    cache.setdefault("tagged", {})[key] = "agentkv_tags" in custom
+            ids, custom = cache[key]
+            if custom is not None:
+                custom = dict(custom)
+                custom["agentkv"] = encode_payload(build_payload(body["messages"], policy, sid))
+            turns.append(Turn(ids, custom))
+        sessions.append(turns)
+    return sessions
+
+
+def publish_context() -> None:
+    """SGLang's process-wide config (``runtime_context.publish``) for a Qwen3 model dir with
+    only a config.json, as tests/integrations/sglang/conftest.py does (``Req`` reads it)."""
+    import os
+    import tempfile
+
+    from sglang.srt.runtime_context import publish
+    from sglang.srt.server_args import ServerArgs
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    d = Path(tempfile.mkdtemp(prefix="qwen3-config-"))
+    config = {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "head_dim": 8,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_attention_heads": 4,
+        "num_hidden_layers": 2,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 40960,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000,
+        "tie_word_embeddings": True,
+        "torch_dtype": "float32",
+        "vocab_size": 151936,
+    }
+    (d / "config.json").write_text(json.dumps(config))
+    publish(ServerArgs(model_path=str(d), page_size=1, device="cpu"), role="test")
+
+
+# ---- plans -----------------------------------------------------------------------------------
+
+
+def stand_in_plan(planner: Any, r2t: Any, alloc: Any, req: Any, state: Any, keep: str) -> int:
+    """IntentKV without a model: the method's own counts (forced set from the
+    tags, live positions from the row, the budget), the surviving non-forced positions by the
+    ``keep`` stand-in; applied as ``plan_one`` applies a plan (``apply_evictions``, the HOLEY
+    mark, ``state.planned``). Returns the positions made DEAD."""
+    from agentkv.integrations.sglang.request_plan import HOLEY, apply_evictions
+
+    policy = state.payload.policy
+    method = planner.methods.for_policy(policy)
+    T = len(state.tags)
+    row = r2t.req_to_token[req.req_pool_idx, :T].to(torch.int64)
+    live = row != alloc.dead_slot
+    forced = torch.tensor(state.tags.forced(method.protects_system(policy)), dtype=torch.bool)
+    cand = live & ~forced
+    n_live, n_cand = int(live.sum()), int(cand.sum())
+    budget = int(policy.budget)
+    if getattr(policy, "budget_scope", "total") == "history":
+        keep_n = budget if n_cand > budget else n_cand
+    else:
+        keep_n = max(budget - (n_live - n_cand), 0) if n_live > budget else n_cand
+    pos = torch.nonzero(cand).reshape(-1)
+    if keep == "recent":
+        kept = pos[len(pos) - keep_n :] if keep_n else pos[:0]
+    elif keep == "oldest":
+        kept = pos[:keep_n]
+    else:  # random, seeded by the prompt (the same prompt keeps the same positions)
+        seed = int.from_bytes(hashlib.blake2b(bytes(array("q", req.origin_input_ids))).digest()[:4])
+        g = torch.Generator().manual_seed(seed)
+        kept = pos[torch.randperm(len(pos), generator=g)[:keep_n]]
+    evict = cand.clone()
+    evict[kept] = False
+    n = apply_evictions(
+        r2t.req_to_token,
+        req.req_pool_idx,
+        torch.nonzero(evict).reshape(-1),
+        req.cache_protected_len,
+        alloc,
+    )
+    if n or not bool(live.all()):
+        HOLEY.mark(state)
+    state.planned = True
+    state.usage = {"evicted_tokens": n, "live_kv_tokens": n_live - n}
+    return n
+
+
+# ---- the scheduler model ------------------------------------------------------------------
+
+
+@dataclass
+class Running:
+    req: Any
+    session: int
+    turn: int
+    max_new: int
+
+
+@dataclass
+class Result:
+    level: int
+    holds: bool = False
+    retractions: int = 0
+    oom: bool = False
+    stuck: bool = False
+    max_running: int = 0
+    peak_tokens: int = 0
+    peak_tokens_logged: int = 0
+    requests: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    planned: int = 0
+    evicted: int = 0
+    steps: int = 0
+    decode_steps: int = 0
+    seconds: float = 0.0
+    tokens_at_full: list[int] = field(default_factory=list)
+
+    def row(self) -> dict[str, Any]:
+        d = {k: v for k, v in self.__dict__.items() if k != "tokens_at_full"}
+        d["peak_tokens_per_session"] = round(self.peak_tokens / self.level, 1)
+        d["peak_logged_per_session"] = round(self.peak_tokens_logged / self.level, 1)
+        full = self.tokens_at_full
+        d["mean_tokens_per_session_all_running"] = (
+            round(sum(full) / len(full) / self.level, 1) if full else None
+        )
+        return d
+
+
+class Scheduler:
+    """SGLang's memory objects (stock or the plugin's) and a model of its scheduler loop."""
+
+    def __init__(
+        self,
+        plugin: bool,
+        pool: int,
+        rows: int,
+        max_ctx: int,
+        chunk: int = 8192,
+        keep: str = "random",
+        client_delay: int = 1,
+    ):
+        from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+        from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+        from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+        from sglang.srt.mem_cache.radix_cache import RadixCache
+
+        from agentkv.integrations.sglang.radix_cache import AgentKVRadixCache
+        from agentkv.integrations.sglang.runtime import Planner
+        from agentkv.integrations.sglang.slot_refcounts import RefCountedTokenAllocator
+        from agentkv.methods.base import ModelShape
+
+        self.plugin, self.pool, self.chunk = plugin, pool, chunk
+        self.keep, self.client_delay = keep, client_delay
+        self.r2t = ReqToTokenPool(
+            size=rows, max_context_len=max_ctx, device="cpu", enable_memory_saver=False
+        )
+        # one layer, one head of dim 1: the slot accounting is SGLang's, the bytes are not
+        kv = MHATokenToKVPool(
+            size=pool,
+            page_size=1,
+            dtype=torch.float16,
+            head_num=1,
+            head_dim=1,
+            layer_num=1,
+            device="cpu",
+            enable_memory_saver=False,
+        )
+        cls = RefCountedTokenAllocator if plugin else TokenToKVPoolAllocator
+        self.alloc = cls(pool, torch.float16, "cpu", kv, need_sort=False)
+        # the Qwen3-8B shape (what the IntentKV reuse cap and checks read)
+        self.planner = Planner(ModelShape(36, 32, 8, 128), 2 * 36 * 8 * 128 * 2)
+        params = CacheInitParams(
+            disable=False,
+            req_to_token_pool=self.r2t,
+            token_to_kv_pool_allocator=self.alloc,
+            page_size=1,
+        )
+        self.cache = (
+            AgentKVRadixCache(params, methods=self.planner.methods)
+            if plugin
+            else RadixCache(params)
+        )
+
+    def _rem_total(self, offset: float) -> float:
+        """The adder's ``rem_total_tokens``, read again after each lock as SGLang does."""
+        return self.alloc.available_size() + self.cache.evictable_size() - offset
+
+    def used(self) -> int:
+        """SGLang's ``#token``: ``max_total - (available + evictable)``."""
+        return self.pool - (self.alloc.available_size() + self.cache.evictable_size())
+
+    # ---- one request's steps (as tests/integrations/sglang/conftest.py Steps) --------------
+
+    def _new_req(self, turn: Turn, rid: str, max_new: int) -> Any:
+        from sglang.srt.managers.schedule_batch import Req
+        from sglang.srt.sampling.sampling_params import SamplingParams
+
+        sp = SamplingParams(max_new_tokens=max_new, ignore_eos=True, custom_params=turn.custom)
+        req = Req(rid, "", array("q", turn.ids), sp)
+        req.init_next_round_input(self.cache)
+        return req
+
+    def _extend(self, req: Any, end: int) -> None:
+        from sglang.srt.managers.schedule_batch import ReqKvInfo
+        from sglang.srt.mem_cache.allocation import alloc_token_slots
+
+        pre = len(req.prefix_indices)
+        req.set_extend_range(pre, end)
+        if req.req_pool_idx is None:
+            assert self.r2t.alloc([req]) is not None, "req_to_token rows"
+        locs = alloc_token_slots(self.cache, end - pre)
+        row = req.req_pool_idx
+        self.r2t.write((row, slice(0, pre)), req.prefix_indices.to(torch.int32))
+        self.r2t.write((row, slice(pre, end)), locs.to(torch.int32))
+        if req.kv is None:
+            req.kv = ReqKvInfo(kv_allocated_len=end, swa_evicted_seqlen=0)
+        req.kv.kv_allocated_len = end
+        req.kv_committed_len = end
+
+    def _after_prompt(self, req: Any, res: Result) -> None:
+        """The plan (plugin, evicting policy), then SGLang's post-prefill insert."""
+        from agentkv.integrations.sglang.request_plan import request_state
+        from agentkv.integrations.sglang.runtime import plan_one
+
+        state = request_state(req) if self.plugin else None
+        if state is not None and state.evicts:
+            method = state.payload.policy.method
+            if method == "streamingllm":
+                n = plan_one(self.planner, self.r2t, self.alloc, req, state)
+            elif method != "intentkv":
+                raise SystemExit(f"{method}: no stand-in (its SGLang count is score-dependent)")
+            else:
+                n = stand_in_plan(self.planner, self.r2t, self.alloc, req, state, self.keep)
+            res.planned += 1
+            res.evicted += n
+        elif state is not None:
+            state.planned = True
+        self.cache.cache_unfinished_req(req)
+
+    def _output_id(self, req: Any) -> int:
+        # deterministic per prompt and step (greedy on the same weights: the same prompt
+        # gives the same output), never a prompt token
+        h = hashlib.blake2b(bytes(array("q", req.origin_input_ids[-64:])), digest_size=2).digest()
+        return OUTPUT_ID_BASE + (int.from_bytes(h) + len(req.output_ids)) % 200
+
+    def _finish(self, req: Any) -> None:
+        from sglang.srt.mem_cache.common import release_kv_cache
+
+        self.alloc.free_group_begin()
+        release_kv_cache(req, self.cache, is_insert=True)
+        self.alloc.free_group_end()
+
+    # ---- the loop --------------------------------------------------------------------------
+
+    def run(self, sessions: list[list[Turn]], max_new: int, stop_at_retract: bool = True) -> Result:
+        t0 = time.perf_counter()
+        L = len(sessions)
+        res = Result(level=L)
+        waiting: deque[tuple[int, int, Any]] = deque()  # (session, turn, Req)
+        arrivals: list[tuple[int, int, int]] = [(0, s, 0) for s in range(L)]  # (step, s, turn)
+        running: list[Running] = []
+        chunked: tuple[Running, int] | None = None  # (request, prompt tokens done)
+        ratio = INIT_NEW_TOKEN_RATIO
+        done = 0
+        step = 0
+        while done < L:
+            step += 1
+            due = [a for a in arrivals if a[0] <= step]
+            arrivals = [a for a in arrivals if a[0] > step]
+            for _, s, k in sorted(due, key=lambda a: a[1]):
+                turn = sessions[s][k]
+                waiting.append((s, k, None))
+                res.requests += 1
+                res.prompt_tokens += len(turn.ids)
+            # ---- a prefill batch (PrefillAdder) ----
+            batch: list[tuple[Running, int, int]] = []  # (request, start, end)
+            if waiting or chunked:
+                offset = sum((r.max_new - len(r.req.output_ids)) * ratio for r in running)
+                rem_chunk = self.chunk
+                if chunked is not None and int(self._rem_total(offset)) > 0:
+                    # add_chunked_req: the next chunk, capped by the chunk and total budgets
+                    r, pre = chunked
+                    n = len(r.req.origin_input_ids)
+                    end = min(n, pre + min(rem_chunk, int(self._rem_total(offset))))
+                    batch.append((r, pre, end))
+                    rem_chunk -= end - pre
+                    offset += end - pre + (r.max_new if end == n else 0)
+                    chunked = None
+                while waiting and rem_chunk > 0 and chunked is None:
+                    s, k, _ = waiting[0]
+                    rid = f"s{s}t{k}"
+                    req = self._new_req(sessions[s][k], rid, max_new)
+                    pre = len(req.prefix_indices)
+                    extend = len(req.origin_input_ids) - pre
+                    if extend + max_new + 1 >= self._rem_total(offset):
+                        break  # NO_TOKEN: it waits
+                    self.cache.inc_lock_ref(req.last_node)  # the adder locks the match
+                    # the lock took evictable room: read the budget again
+                    if extend + max_new + 1 >= self._rem_total(offset):
+                        self.cache.dec_lock_ref(req.last_node)
+                        break
+                    waiting.popleft()
+                    res.cached_tokens += pre
+                    r = Running(req, s, k, max_new)
+                    end = len(req.origin_input_ids) if extend <= rem_chunk else pre + rem_chunk
+                    batch.append((r, pre, end))
+                    offset += extend + max_new + 1
+                    rem_chunk -= end - pre
+                    if end < len(req.origin_input_ids):
+                        break  # one chunked request per batch
+            if batch:
+                try:
+                    for r, _, end in batch:
+                        self._extend(r.req, end)
+                except RuntimeError as e:  # SGLang's "Out of memory" on a prefill: a crash
+                    if "Out of memory" not in str(e):
+                        raise
+                    res.oom = True
+                    break
+                for r, _, end in batch:
+                    if end < len(r.req.origin_input_ids):
+                        self.cache.cache_unfinished_req(r.req, chunked=True)
+                        chunked = (r, end)
+                        continue
+                    self._after_prompt(r.req, res)
+                    r.req.output_ids.append(self._output_id(r.req))  # sampled with the prefill
+                    running.append(r)
+                res.steps += 1
+                continue
+            if not running:
+                if not arrivals:  # nothing can change: stuck (or nothing left)
+                    res.stuck = bool(waiting or chunked)
+                    break
+                continue
+            # ---- one decode step ----
+            res.decode_steps += 1
+            res.max_running = max(res.max_running, len(running))
+            # check_decode_mem: reclaim the shortfall from the tree, then the step fits or not
+            from sglang.srt.mem_cache.common import evict_from_tree_cache
+
+            used = self.used()  # #token before the step (the log line's)
+            evict_from_tree_cache(self.cache, len(running))
+            if self.alloc.available_size() < len(running):
+                res.retractions += 1
+                if stop_at_retract:
+                    break
+                # retract the request with the longest output (as SGLang's order, roughly)
+                r = max(running, key=lambda x: len(x.req.output_ids))
+                running.remove(r)
+                self.alloc.free_group_begin()
+                from sglang.srt.mem_cache.common import release_kv_cache
+
+                release_kv_cache(r.req, self.cache, is_insert=False)
+                self.alloc.free_group_end()
+                waiting.appendleft((r.session, r.turn, None))
+                ratio = min(1.0, ratio + 0.1)
+                continue
+            res.peak_tokens = max(res.peak_tokens, used)
+            if res.decode_steps % DECODE_LOG_INTERVAL == 0:
+                res.peak_tokens_logged = max(res.peak_tokens_logged, used)
+            if len(running) == L:
+                res.tokens_at_full.append(used)
+            from sglang.srt.mem_cache.allocation import alloc_token_slots
+
+            locs = alloc_token_slots(self.cache, len(running)).to(torch.int32)
+            rows = torch.tensor([r.req.req_pool_idx for r in running])
+            cols = torch.tensor([r.req.kv_committed_len for r in running])
+            self.r2t.req_to_token[rows, cols] = locs
+            still = []
+            for r in running:
+                r.req.kv_committed_len += 1
+                r.req.kv.kv_allocated_len += 1
+                r.req.output_ids.append(self._output_id(r.req))
+                if len(r.req.output_ids) >= r.max_new:
+                    self._finish(r.req)
+                    if r.turn + 1 < len(sessions[r.session]):
+                        arrivals.append((step + self.client_delay, r.session, r.turn + 1))
+                    else:
+                        done += 1
+                else:
+                    still.append(r)
+            running = still
+            ratio = max(MIN_NEW_TOKEN_RATIO, ratio - NEW_TOKEN_RATIO_DECAY)
+            res.steps += 1
+        res.holds = res.retractions == 0 and res.max_running >= L and not (res.oom or res.stuck)
+        res.seconds = round(time.perf_counter() - t0, 2)
+        return res
+
+
+def simulate(
+    sessions: list[list[Turn]],
+    plugin: bool,
+    pool: int,
+    max_new: int = 64,
+    chunk: int = 8192,
+    keep: str = "random",
+    client_delay: int = 1,
+) -> Result:
+    """One level: ``sessions`` (each a list of turns) all at once on a fresh pool."""
+    from sglang.srt.runtime_context import get_serving
+
+    from agentkv.integrations.sglang.request_plan import HOLEY
+
+    try:
+        get_serving()
+    except ValueError:  # not published yet (a test session publishes its own)
+        publish_context()
+    HOLEY.count = 0
+    max_ctx = max(len(t.ids) for s in sessions for t in s) + max_new + 8
+    sched = Scheduler(plugin, pool, len(sessions) + 4, max_ctx, chunk, keep, client_delay)
+    return sched.run(sessions, max_new)
+
+
+# ---- the command -----------------------------------------------------------------------------
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--policies", default="stock,intentkv:budget=512")
+    ap.add_argument("--levels", default="16,32,48,64,96,128,192,256", help="levels to report")
+    ap.add_argument("--bisect", action="store_true", help="also bisect the max holding level")
+    ap.add_argument("--hi", type=int, default=512, help="bisection: a level assumed to fail")
+    ap.add_argument("--max-turns", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--pool", type=int, default=32768, help="--max-total-tokens of the servers")
+    ap.add_argument("--chunk", type=int, default=8192, help="chunked prefill size (H100: 8192)")
+    ap.add_argument("--keep", choices=["random", "recent", "oldest"], default="random")
+    ap.add_argument("--client-delay", type=int, default=1, help="scheduler steps between turns")
+    ap.add_argument(
+        "--session7-tags",
+        action="store_true",
+        help="tag as the plugin did in the Session 7 measurement (tool-call histories untagged)",
+    )
+    ap.add_argument("--tokenizer", default="/work/shared/data/qwen3-tokenizer")
+    ap.add_argument("--out", default="/tmp/out")
+    a = ap.parse_args()
+    import logging
+
+    logging.getLogger("agentkv").setLevel(logging.WARNING)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(a.tokenizer)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    cache: dict = {}
+    rows: list[dict[str, Any]] = []
+    summary: dict[str, Any] = {}
+
+    def level(spec: str, n: int) -> Result:
+        sessions = tau_sessions(tok, spec, n, a.max_turns, a.max_tokens, cache, a.session7_tags)
+        r = simulate(
+            sessions, spec != "stock", a.pool, a.max_tokens, a.chunk, a.keep, a.client_delay
+        )
+        row = {"run": spec, **r.row()}
+        rows.append(row)
+        print(
+            f"{spec} L={n}: holds={r.holds} retracted={r.retractions} running={r.max_running} "
+            f"peak #token={r.peak_tokens} ({row['peak_tokens_per_session']}/session; logged "
+            f"{row['peak_logged_per_session']}) planned={r.planned} evicted={r.evicted} "
+            f"prompt={r.prompt_tokens} cached={r.cached_tokens} ({r.seconds}s)",
+            flush=True,
+        )
+        return r
+
+    for spec in a.policies.split(","):
+        held, failed = 0, None
+        for n in [int(x) for x in a.levels.split(",")]:
+            if level(spec, n).holds:
+                held = n
+            else:
+                failed = n
+                break
+        if a.bisect:
+            lo, hi = held, failed or a.hi
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                if level(spec, mid).holds:
+                    lo = mid
+                else:
+                    hi = mid
+            held, failed = lo, hi
+        summary[spec] = {"max_level_held": held, "first_failing": failed}
+        tagged = [v for k, v in cache.get("tagged", {}).items() if k[2] == spec]
+        if tagged:
+            summary[spec]["distinct_prompts_tagged"] = f"{sum(tagged)}/{len(tagged)}"
+            print(f"{spec}: {sum(tagged)} of {len(tagged)} distinct prompts tagged (else untagged)")
+        print(f"{spec}: predicted max concurrent sessions {held} (fails at {failed})")
+    res = {
+        "pool": a.pool,
+        "max_turns": a.max_turns,
+        "max_tokens": a.max_tokens,
+        "chunk": a.chunk,
+        "keep": a.keep,
+        "session7_tags": a.session7_tags,
+        "client_delay": a.client_delay,
+        "summary": summary,
+        "rows": rows,
+    }
+    (out / "capacity_predict.json").write_text(json.dumps(res, indent=1))
+    cols = [
+        "run",
+        "level",
+        "holds",
+        "max_running",
+        "peak_tokens",
+        "peak_tokens_per_session",
+        "peak_logged_per_session",
+        "planned",
+        "evicted",
+        "cached_tokens",
+        "prompt_tokens",
+    ]
+    print("| " + " | ".join(cols) + " |")
+    for r in rows:
+        print("| " + " | ".join(str(r.get(c, "")) for c in cols) + " |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,78 @@
+"""benchmarks/sglang_capacity_predict.py on a hand-countable case: 2 sessions, 2 turns, 4
+output tokens, SGLang's real pools and radix cache (stock, and the plugin's with IntentKV).
+
+Turn 1 of session x: ``S`` (20 shared system tokens) + ``A_x`` (10); turn 2: turn 1's prompt
++ ``Y_x`` (8). Both sessions arrive together, so both turn-1 prompts are computed in one
+prefill batch (neither finds the other's ``S`` in the tree). A request samples its first
+token with the prefill and finishes after 3 decode steps (``#token`` is read before each)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from agentkv.integrations.sglang.request_plan import encode_tags
+from agentkv.policies import IntentKV
+from agentkv.token_tagger import TokenTags
+from agentkv.wire import KVPayload, encode_payload
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks"))
+from sglang_capacity_predict import Turn, simulate  # noqa: E402
+
+S = list(range(1000, 1020))
+
+
+def prompts(x: int) -> tuple[list[int], list[int]]:
+    a = list(range(2000 + 100 * x, 2010 + 100 * x))
+    y = list(range(5000 + 100 * x, 5008 + 100 * x))
+    return S + a, S + a + y
+
+
+def stock_sessions() -> list[list[Turn]]:
+    return [[Turn(t1), Turn(t2)] for t1, t2 in map(prompts, range(2))]
+
+
+def intentkv_turn(ids: list[int], act: int, session: str) -> Turn:
+    """IntentKV, budget 8 (below the forced set): system block protected (20), the last
+    ``act`` tokens actionable, no tail."""
+    n = len(ids)
+    tags = TokenTags(ids, [0] * n, [-1] * n, 20, [i >= n - act for i in range(n)], n)
+    payload = encode_payload(KVPayload(session_id=session, policy=IntentKV(budget=8)))
+    return Turn(ids, {"agentkv": payload, "agentkv_tags": encode_tags(tags)})
+
+
+def test_stock_tree_holds_the_shared_prefix_once_and_the_earlier_turns():
+    r = simulate(stock_sessions(), plugin=False, pool=4096, max_new=4)
+    assert r.holds and r.max_running == 2 and r.retractions == 0
+    # turn 1: b's copy of S is freed at its insert: 20 + 10 + 10 = 40, +2 per decode step
+    # turn 2: S + A_a + A_b locked (40) + Y_a + Y_b (16) = 56, 58, 60; turn 1's 3 output
+    # tokens per session stay in the tree, evictable (not in #token)
+    assert r.peak_tokens == 60
+    assert r.cached_tokens == 60  # turn 2 matches S + A_x (the outputs diverge)
+    assert r.prompt_tokens == 2 * 30 + 2 * 38
+    assert r.decode_steps == 6
+
+
+def test_stock_pool_too_small_for_both_sessions_at_once():
+    # a needs 30 + 4 + 1 < 40 to be admitted, then b's 35 does not fit the 5 left: b waits;
+    # later neither a turn of one (>= 8 + 5 new) fits beside the other's 30 + 4
+    r = simulate(stock_sessions(), plugin=False, pool=40, max_new=4)
+    assert not r.holds and r.max_running == 1 and r.retractions == 0
+
+
+def test_plugin_intentkv_keeps_the_forced_set_and_the_sessions_namespaces():
+    sessions = []
+    for x in range(2):
+        t1, t2 = prompts(x)
+        sessions.append([intentkv_turn(t1, 6, f"s{x}"), intentkv_turn(t2, 5, f"s{x}")])
+    r = simulate(sessions, plugin=True, pool=4096, max_new=4)
+    assert r.holds and r.max_running == 2 and r.planned == 4
+    # turn 1: forced = S + 6 actionable = 26 of 30 live: 4 evicted per session. Both S
+    # copies stay (each session's namespace holds its own row): 2 x 26 + DEAD = 53, 55, 57
+    # turn 2: the session's generation matches S + A_x (30, 4 holes); live 26 + 8 new,
+    # forced S + 5 = 25 (budget 8 below it): 9 evicted (6 old positions the tree keeps, 3
+    # new ones freed). Per session: the locked path (20 + 6) + 5 new = 31; the 3 turn-1
+    # outputs are evictable. 2 x 31 + DEAD = 63, 65, 67
+    assert r.evicted == 2 * 4 + 2 * 9
+    assert r.peak_tokens == 67
+    assert r.cached_tokens == 60
