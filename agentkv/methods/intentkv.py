@@ -57,7 +57,7 @@ class QueryMean(PrefillObserver):
     the newest message), never a single token.
 
     The sums live on the queries' device while observing (masked sums: no host read per
-    layer, which on a GPU would stall the prefill) and come to the CPU in :meth:`result`.
+    layer, which on a GPU would stall the prefill); :meth:`result` reads ``q_bar`` back once.
     """
 
     def __init__(self, req: ObserveRequest, window: int = 32):
@@ -92,12 +92,12 @@ class QueryMean(PrefillObserver):
             self._act = self.actionable.to(device)
 
     def result(self) -> torch.Tensor:
-        """``q_bar`` float32 ``[L, Hq, D]`` (zeros for a layer that saw no query)."""
-        self._move(torch.device("cpu"))
-        has = self.count > 0
-        q_bar = self.tail_sum / self.tail_count.clamp_min(1)[:, None, None]
-        q_bar[has] = self.sum[has] / self.count[has][:, None, None]
-        return q_bar
+        """``q_bar`` float32 ``[L, Hq, D]`` on the CPU (zeros for a layer that saw no query):
+        computed where the sums are, then read back once."""
+        has = (self.count > 0)[:, None, None]
+        span = self.sum / self.count.clamp_min(1)[:, None, None]
+        tail = self.tail_sum / self.tail_count.clamp_min(1)[:, None, None]
+        return torch.where(has, span, tail).cpu()
 
 
 @dataclass

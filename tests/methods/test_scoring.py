@@ -412,7 +412,7 @@ def test_a_plan_reads_back_to_the_host_a_bounded_number_of_times(policy, reads):
     for layers in (2, 6):
         plan, observed, planned = _plan_on_device(policy, layers, device=True)
         assert planned.count == reads, planned.ops
-        assert observed.count <= 4, observed.ops
+        assert observed.count <= 1, observed.ops  # IntentKV's q_bar; SnapKV, H2O: none
         assert observed.mixed == [] and planned.mixed == []
         cpu, _, _ = _plan_on_device(policy, layers, device=False)
         assert not plan.is_noop

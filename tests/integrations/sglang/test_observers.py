@@ -256,6 +256,6 @@ def test_a_plan_reads_the_host_as_often_whatever_the_layers(steps_factory, host_
     counts = []
     for layers in (2, 6):
         count, ops, _ = _plan_reads(steps_factory(layers=layers), policy, host_reads)
-        assert count <= 10, ops
+        assert count <= 8, ops
         counts.append(count)
     assert counts[0] == counts[1], counts
