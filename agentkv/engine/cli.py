@@ -1,5 +1,5 @@
-"""``agentkv`` command line: ``serve``, ``demo``, ``train-intentkv``, ``train-kvzap`` and
-``bench replay|compare|export|merge``."""
+"""``agentkv`` command line: ``serve``, ``demo``, ``train-intentkv``, ``calibrate-intentkv``,
+``train-kvzap`` and ``bench replay|compare|export|merge``."""
 
 from __future__ import annotations
 
@@ -257,6 +257,14 @@ def train_intentkv(
     alpha_grid: Annotated[
         str, typer.Option(help="comma-separated alpha_max values to calibrate over")
     ] = "0,0.25,0.5,1,2",
+    calibrate_budgets: Annotated[
+        str | None,
+        typer.Option(help="comma-separated budgets to calibrate at (default: --budget)"),
+    ] = None,
+    calibrate_max_tokens: Annotated[
+        str | None,
+        typer.Option(help="comma-separated length cuts to calibrate at (default: --max-tokens)"),
+    ] = None,
 ) -> None:
     """Train IntentKV's residual head (Phase-2) for a model on replayed agent sessions.
 
@@ -265,10 +273,15 @@ def train_intentkv(
 
     if label not in ("arguments", "attention", "both"):
         raise typer.BadParameter("one of arguments, attention, both", param_hint="--label")
-    try:
-        grid = tuple(float(a) for a in alpha_grid.split(",") if a.strip())
-    except ValueError:
-        raise typer.BadParameter("comma-separated numbers", param_hint="--alpha-grid") from None
+    grid = _alpha_grid(alpha_grid)
+    budgets = (
+        None if calibrate_budgets is None else _int_list(calibrate_budgets, "--calibrate-budgets")
+    )
+    cuts = (
+        None
+        if calibrate_max_tokens is None
+        else _int_list(calibrate_max_tokens, "--calibrate-max-tokens")
+    )
 
     with _user_errors():
         m = train_intentkv(
@@ -287,6 +300,8 @@ def train_intentkv(
                 attention_top=attention_top,
                 calibrate_traces=calibrate_traces,
                 alpha_grid=grid,
+                calibrate_budgets=budgets,
+                calibrate_max_tokens=cuts,
                 fit=FitConfig(epochs=epochs, seed=seed),
             )
         )
@@ -297,9 +312,126 @@ def train_intentkv(
         f"-> head {m['head']['auc']:.3f}; wrote {out}/head.safetensors"
     )
     if "calibration" in m:
+        from agentkv.train.intentkv_fit import calibration_lines
+
         c = m["calibration"]
-        table = ", ".join(f"{r['alpha_max']:g}: {r['top1_agreement']:.4f}" for r in c["table"])
-        print(f"alpha_max calibration (top-1 agreement): {table}; chose {c['alpha_max']:g}")
+        print("alpha_max calibration (top-1 agreement):")
+        print("\n".join(calibration_lines(c)))
+        print(f"chose alpha_max {c['alpha_max']:g}")
+
+
+@app.command("calibrate-intentkv")
+def calibrate_intentkv(
+    head: Annotated[
+        Path, typer.Option(help="folder with the head.safetensors to recalibrate (not retrained)")
+    ],
+    model: ModelOpt = None,
+    device: DeviceOpt = None,
+    traces: Annotated[
+        int,
+        typer.Option(help="held-out tau-bench sessions (outside the replay's seeded 50)"),
+    ] = 8,
+    budgets: Annotated[str, typer.Option(help="comma-separated budgets")] = "256,1024",
+    max_tokens: Annotated[
+        str, typer.Option(help="comma-separated length cuts (tokens per session)")
+    ] = "4096,8192",
+    alpha_grid: Annotated[
+        str, typer.Option(help="comma-separated alpha_max values (0, the rule, always added)")
+    ] = "0,0.25,0.5,1,2",
+    out: Annotated[
+        Path | None,
+        typer.Option(help="folder for head.safetensors, calibration.json/.png (default: --head)"),
+    ] = None,
+    system_chars: Annotated[
+        int | None, typer.Option(help="cheap runs: cut system prompts to N characters")
+    ] = None,
+    called_tools_only: Annotated[
+        bool, typer.Option(help="cheap runs: keep only the tools a session calls")
+    ] = False,
+    trained_tau_sessions: Annotated[
+        int,
+        typer.Option(
+            help="a head without training-trace metadata: also leave out the tasks of "
+            "train-intentkv --tau-sessions N's sample (the shipped head: 24)"
+        ),
+    ] = 0,
+) -> None:
+    """Recalibrate an IntentKV head's alpha_max over budgets x length cuts, without retraining.
+
+    Writes the same weights with the new alpha_max (the clip ``IntentKV(mode="learned")`` uses
+    by default) to OUT; the pick never loses significantly to the rule in any setting
+    (agentkv/train/intentkv_fit.py)."""
+    from agentkv.methods.intentkv_head import HEAD_FILE, SHIPPED_DIR
+    from agentkv.train.intentkv_fit import CalibrateConfig, calibration_lines, recalibrate
+
+    if not (head / HEAD_FILE).is_file():
+        raise typer.BadParameter(f"no {HEAD_FILE} in {head}", param_hint="--head")
+    if traces < 1:
+        raise typer.BadParameter("at least 1 held-out session", param_hint="--traces")
+    if trained_tau_sessions < 0:
+        raise typer.BadParameter("0 or more", param_hint="--trained-tau-sessions")
+    cfg = CalibrateConfig(
+        head=head,
+        out=head if out is None else out,
+        model=model,
+        device=device,
+        traces=traces,
+        budgets=_int_list(budgets, "--budgets"),
+        max_tokens=_int_list(max_tokens, "--max-tokens"),
+        alpha_grid=_alpha_grid(alpha_grid),
+        system_chars=system_chars,
+        called_tools_only=called_tools_only,
+        trained_tau_sessions=trained_tau_sessions,
+    )
+    if out is None and _packaged(head, SHIPPED_DIR):
+        raise typer.BadParameter(
+            f"{head} is a head shipped in the package: give --out (a new folder, or this one "
+            "explicitly to overwrite it)",
+            param_hint="--out",
+        )
+    with _user_errors():
+        c = recalibrate(cfg)
+    print("alpha_max calibration (top-1 agreement):")
+    print("\n".join(calibration_lines(c)))
+    print(
+        f"chose alpha_max {c['alpha_max']:g} (was {c['alpha_max_before']}); wrote "
+        f"{cfg.out / HEAD_FILE}, calibration.json, calibration.png"
+    )
+
+
+def _packaged(folder: Path, shipped: Path) -> bool:
+    """Whether ``folder`` is a head folder of the package (this install's, or a checkout's)."""
+    p = folder.resolve()
+    return p.is_relative_to(shipped.resolve()) or p.parent.parts[-3:] == (
+        "agentkv",
+        "methods",
+        "intentkv_heads",
+    )
+
+
+def _int_list(value: str, option: str) -> tuple[int, ...]:
+    """A comma-separated list of positive integers, or a BadParameter naming ``option``."""
+    try:
+        items = tuple(int(v) for v in value.split(",") if v.strip())
+    except ValueError:
+        items = ()
+    if not items or any(v <= 0 for v in items):
+        raise typer.BadParameter(
+            f"comma-separated positive integers, got {value!r}", param_hint=option
+        )
+    return items
+
+
+def _alpha_grid(value: str) -> tuple[float, ...]:
+    try:
+        items = tuple(float(v) for v in value.split(",") if v.strip())
+    except ValueError:
+        items = ()
+    if not items or any(not v >= 0 for v in items):
+        raise typer.BadParameter(
+            f"comma-separated non-negative numbers, got {value!r}", param_hint="--alpha-grid"
+        )
+    return items
 
 
 @app.command("train-kvzap")

@@ -18,9 +18,11 @@ to a score of order one whatever the history length. Inputs are layer-normalised
 differ by model).
 
 Checkpoints are safetensors files ``head.safetensors`` (metadata: the model shape it was
-trained for and, after ``agentkv train-intentkv --calibrate-traces``, the ``alpha_max``
-chosen on held-out replay fidelity: the clip ``IntentKV(mode="learned")`` uses when the
-policy leaves ``alpha_max`` unset; 0 means the head did not beat the rule there); the package ships one per supported model under ``intentkv_heads/<model>/``,
+trained for and, after ``agentkv train-intentkv --calibrate-traces`` or ``agentkv
+calibrate-intentkv``, the ``alpha_max`` chosen on held-out replay fidelity over budgets x
+length cuts (:mod:`agentkv.train.intentkv_fit`): the clip ``IntentKV(mode="learned")`` uses
+when the policy leaves ``alpha_max`` unset; 0 means the head did not beat the rule there);
+the package ships one per supported model under ``intentkv_heads/<model>/``,
 and ``$AGENTKV_INTENTKV_HEADS`` may name a folder of further ``<name>/head.safetensors``
 (written by ``agentkv train-intentkv --out``).
 """

@@ -103,6 +103,7 @@ def test_encoded_payload_shape(base):
         "protect_system": True,
         "fallback_window": 32,
         "alpha_max": None,
+        "ablate": None,
     }
     roles = [m["role"] for m in base["messages"]]
     assert roles[0] == "system" and roles[-1] == "tool"

@@ -13,10 +13,12 @@ from agentkv.bench.traces import Trace
 def short_session():
     """tau-bench airline/0/0 cut to a few hundred tokens: the user gives their id (message
     3), answers the agent's questions (5), and the agent calls get_user_details with it (6)."""
-    from agentkv.bench.traces import DEFAULT_TAU_BENCH, load_tau_bench
+    from agentkv.bench.traces import load_tau_bench, tau_bench_path
 
-    if not DEFAULT_TAU_BENCH.is_file():
-        pytest.skip(f"tau-bench data not found at {DEFAULT_TAU_BENCH}")
+    try:
+        tau_bench_path()  # $AGENTKV_TAU_BENCH, else the shared copy next to the repository
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
     trace = next(t for t in load_tau_bench() if t.id == "tau-bench/airline/0/0")
     m = copy.deepcopy(trace.messages)
     messages = [dict(m[0], content=m[0]["content"][:300]), m[1], m[2], m[3]]
