@@ -29,6 +29,12 @@ DeviceOpt = Annotated[
     str | None, typer.Option("--device", help="cpu, cuda, ... (default: cuda if available)")
 ]
 SlotsOpt = Annotated[int, typer.Option("--kv-slots", help="KV pool size in tokens")]
+SystemCharsOpt = Annotated[
+    int | None, typer.Option(help="cheap runs: cut system prompts to N characters")
+]
+CalledToolsOpt = Annotated[
+    bool, typer.Option(help="cheap runs: keep only the tools a session calls")
+]
 
 
 class ImagePartsChoice(str, Enum):
@@ -229,12 +235,8 @@ def train_intentkv(
     budget: Annotated[int, typer.Option(help="IntentKV budget the sessions replay under")] = 256,
     epochs: Annotated[int, typer.Option(help="maximum epochs (early stopping on validation)")] = 30,
     seed: Annotated[int, typer.Option(help="split and initialisation seed")] = 0,
-    system_chars: Annotated[
-        int | None, typer.Option(help="cheap runs: cut system prompts to N characters")
-    ] = None,
-    called_tools_only: Annotated[
-        bool, typer.Option(help="cheap runs: keep only the tools a session calls")
-    ] = False,
+    system_chars: SystemCharsOpt = None,
+    called_tools_only: CalledToolsOpt = False,
     traces: Annotated[
         Path | None,
         typer.Option(help="more sessions from a JSONL (`agentkv bench export`, e.g. BFCL)"),
@@ -342,12 +344,8 @@ def calibrate_intentkv(
         Path | None,
         typer.Option(help="folder for head.safetensors, calibration.json/.png (default: --head)"),
     ] = None,
-    system_chars: Annotated[
-        int | None, typer.Option(help="cheap runs: cut system prompts to N characters")
-    ] = None,
-    called_tools_only: Annotated[
-        bool, typer.Option(help="cheap runs: keep only the tools a session calls")
-    ] = False,
+    system_chars: SystemCharsOpt = None,
+    called_tools_only: CalledToolsOpt = False,
     trained_tau_sessions: Annotated[
         int,
         typer.Option(
