@@ -26,10 +26,18 @@ settings: FCFS waiting queue; a prefill batch whenever one can be formed, else o
 evictable - sum over running requests of ``(max_new - generated) * new_token_ratio``; a request
 needs ``extend + max_new + 1 < rem_total``; ``--chunk`` 8192 prefill tokens per batch, one
 chunked request at a time); ``new_token_ratio`` from 0.7, decaying by ``(0.7 - 0.098) / 600`` a
-decode step; ``check_decode_mem`` (available + evictable >= running requests) before each
-decode step, else a retraction. The first output token comes with the prefill, so a request
-finishes after 63 decode steps; its session's next turn enters the queue ``--client-delay``
-scheduler steps later. Times are not modelled (one scheduler step = one batch).
+decode step, reset to 0.7 whenever the scheduler idles (nothing running or waiting: the
+clients' next turns are a round trip away; ``on_idle``); SGLang's ``batch_is_full`` latch: once
+the adder stops on NO_TOKEN, no prefill is tried until the running batch loses a request (a
+finish or a retraction, at the next decode step's filter) or a batch with an unfinished chunk
+is merged, so room a plan frees after the prefill does not admit a waiting request;
+``check_decode_mem`` (available + evictable >= running requests) before each decode step, else
+a retraction. The first output token comes with the prefill, so a request finishes after 63
+decode steps; its session's next turn enters the queue ``--client-delay`` scheduler steps
+later. Times are not modelled (one scheduler step = one batch; a turn's requests arrive
+together, where the server's trickle in through its tokenizer). ``--session8-model``: without
+the latch and the idle reset (Session 8's prediction, which admitted and then retracted where
+the server queued).
 
 Plans: ``streamingllm`` runs its real ``plan_one``; ``full`` plans nothing. IntentKV needs
 the model's attention; how many positions go depends only on the tags, the live count and the
@@ -42,11 +50,17 @@ block: the fewest slots of its own, a lower bound). That choice matters only whe
 SnapKV / H2O are not predicted: on SGLang a slot goes only where no (layer, head) keeps the
 position, so their count is the union of per-head top-k sets, which depends on the scores.
 
-A level holds when no request was retracted and all ``L`` sessions ran at once (peak running
-requests = ``L``), as in ``capacity``. Reported per level: peak ``#token`` (SGLang's
-``max_total - available - evictable``) over all decode steps and over every 40th (what the
-server log samples), per session; max running; retractions; requests planned and evicted.
-The predicted capacity is the largest holding level (bisection between ``--lo`` and ``--hi``).
+A level holds as in ``capacity --criterion`` (``sglang_plugin.level_holds``): ``no-queue`` (the
+default): no request retracted, all ``L`` sessions ran at once (peak running requests = ``L``)
+and none ever waited for memory (``peak_queue`` 0: the requests left waiting after the adder
+stopped on NO_TOKEN or was latched, what the server log shows as ``#queue-req``; requests that
+wait only for the next 8192-token chunk, an artefact of the simultaneous arrivals, are not
+counted); ``no-retraction``: without the queue condition. ``--criterion a,b`` predicts each
+(each level simulated once). Reported per level: peak ``#token`` (SGLang's ``max_total -
+available - evictable``) over all decode steps and over every 40th (what the server log
+samples), per session; max running; peak queue; retractions; whether it holds under each
+criterion; requests planned and evicted. The predicted capacity is the largest holding level
+(bisection between the last holding and the first failing level, or ``--hi``).
 """
 
 from __future__ import annotations
