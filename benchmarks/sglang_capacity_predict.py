@@ -26,10 +26,18 @@ settings: FCFS waiting queue; a prefill batch whenever one can be formed, else o
 evictable - sum over running requests of ``(max_new - generated) * new_token_ratio``; a request
 needs ``extend + max_new + 1 < rem_total``; ``--chunk`` 8192 prefill tokens per batch, one
 chunked request at a time); ``new_token_ratio`` from 0.7, decaying by ``(0.7 - 0.098) / 600`` a
-decode step; ``check_decode_mem`` (available + evictable >= running requests) before each
-decode step, else a retraction. The first output token comes with the prefill, so a request
-finishes after 63 decode steps; its session's next turn enters the queue ``--client-delay``
-scheduler steps later. Times are not modelled (one scheduler step = one batch).
+decode step, reset to 0.7 whenever the scheduler idles (nothing running or waiting: the
+clients' next turns are a round trip away; ``on_idle``); SGLang's ``batch_is_full`` latch: once
+the adder stops on NO_TOKEN, no prefill is tried until the running batch loses a request (a
+finish or a retraction, at the next decode step's filter) or a batch with an unfinished chunk
+is merged, so room a plan frees after the prefill does not admit a waiting request;
+``check_decode_mem`` (available + evictable >= running requests) before each decode step, else
+a retraction. The first output token comes with the prefill, so a request finishes after 63
+decode steps; its session's next turn enters the queue ``--client-delay`` scheduler steps
+later. Times are not modelled (one scheduler step = one batch; a turn's requests arrive
+together, where the server's trickle in through its tokenizer). ``--session8-model``: without
+the latch and the idle reset (Session 8's prediction, which admitted and then retracted where
+the server queued).
 
 Plans: ``streamingllm`` runs its real ``plan_one``; ``full`` plans nothing. IntentKV needs
 the model's attention; how many positions go depends only on the tags, the live count and the
@@ -42,11 +50,17 @@ block: the fewest slots of its own, a lower bound). That choice matters only whe
 SnapKV / H2O are not predicted: on SGLang a slot goes only where no (layer, head) keeps the
 position, so their count is the union of per-head top-k sets, which depends on the scores.
 
-A level holds when no request was retracted and all ``L`` sessions ran at once (peak running
-requests = ``L``), as in ``capacity``. Reported per level: peak ``#token`` (SGLang's
-``max_total - available - evictable``) over all decode steps and over every 40th (what the
-server log samples), per session; max running; retractions; requests planned and evicted.
-The predicted capacity is the largest holding level (bisection between ``--lo`` and ``--hi``).
+A level holds as in ``capacity --criterion`` (``sglang_plugin.level_holds``): ``no-queue`` (the
+default): no request retracted, all ``L`` sessions ran at once (peak running requests = ``L``)
+and none ever waited for memory (``peak_queue`` 0: the requests left waiting after the adder
+stopped on NO_TOKEN or was latched, what the server log shows as ``#queue-req``; requests that
+wait only for the next 8192-token chunk, an artefact of the simultaneous arrivals, are not
+counted); ``no-retraction``: without the queue condition. ``--criterion a,b`` predicts each
+(each level simulated once). Reported per level: peak ``#token`` (SGLang's ``max_total -
+available - evictable``) over all decode steps and over every 40th (what the server log
+samples), per session; max running; peak queue; retractions; whether it holds under each
+criterion; requests planned and evicted. The predicted capacity is the largest holding level
+(bisection between the last holding and the first failing level, or ``--hi``).
 """
 
 from __future__ import annotations
@@ -70,6 +84,9 @@ for _op in ("nms", "qnms"):  # PyPI's torchvision on CPU torch (as tests/integra
         torch.library.define(
             f"torchvision::{_op}", "(Tensor dets, Tensor scores, float iou_threshold) -> Tensor"
         )
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sglang_plugin import CRITERIA, level_holds  # noqa: E402
 
 #: SGLang 0.5.17 defaults (environ.py, server_args.py for an 80 GB GPU)
 INIT_NEW_TOKEN_RATIO = 0.7
@@ -291,6 +308,7 @@ class Result:
     level: int
     holds: bool = False
     retractions: int = 0
+    peak_queue: int = 0
     oom: bool = False
     stuck: bool = False
     max_running: int = 0
@@ -306,8 +324,20 @@ class Result:
     seconds: float = 0.0
     tokens_at_full: list[int] = field(default_factory=list)
 
+    def holds_under(self, criterion: str) -> bool:
+        """``sglang_plugin.level_holds`` on this run (an OOM crash or a stuck queue fails)."""
+        return not (self.oom or self.stuck) and level_holds(
+            criterion,
+            self.level,
+            retractions=self.retractions,
+            peak_running=self.max_running,
+            peak_queue=self.peak_queue,
+        )
+
     def row(self) -> dict[str, Any]:
         d = {k: v for k, v in self.__dict__.items() if k != "tokens_at_full"}
+        for c in CRITERIA:
+            d[f"holds_{c.replace('-', '_')}"] = self.holds_under(c)
         d["peak_tokens_per_session"] = round(self.peak_tokens / self.level, 1)
         d["peak_logged_per_session"] = round(self.peak_tokens_logged / self.level, 1)
         full = self.tokens_at_full
@@ -329,6 +359,7 @@ class Scheduler:
         chunk: int = 8192,
         keep: str = "random",
         client_delay: int = 1,
+        criterion: str = "no-queue",
     ):
         from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
         from sglang.srt.mem_cache.cache_init_params import CacheInitParams
@@ -341,7 +372,14 @@ class Scheduler:
         from agentkv.methods.base import ModelShape
 
         self.plugin, self.pool, self.chunk = plugin, pool, chunk
-        self.keep, self.client_delay = keep, client_delay
+        self.keep, self.client_delay, self.criterion = keep, client_delay, criterion
+        #: per batch (when not None): what SGLang's log line reports, to compare with a log
+        self.trace: list[dict[str, Any]] | None = None
+        #: model SGLang's batch_is_full latch (no prefill tried after a NO_TOKEN until the
+        #: running batch shrinks) and on_idle()'s reset of new_token_ratio; False: the model
+        #: of Session 8's prediction (a prefill tried at every step, the ratio never reset)
+        self.latch = True
+        self.idle_reset = True
         self.r2t = ReqToTokenPool(
             size=rows, max_context_len=max_ctx, device="cpu", enable_memory_saver=False
         )
@@ -452,6 +490,12 @@ class Scheduler:
         running: list[Running] = []
         chunked: tuple[Running, int] | None = None  # (request, prompt tokens done)
         ratio = INIT_NEW_TOKEN_RATIO
+        # SGLang's running_batch.batch_is_full: set when the adder stops on NO_TOKEN; no
+        # prefill is tried while it is set, until the running batch loses a request (a finish
+        # or a retraction, seen at the next decode step's filter) or a prefill batch with an
+        # unfinished chunk is merged
+        full = False
+        shrunk = False  # a request finished since the last decode step
         done = 0
         step = 0
         while done < L:
@@ -465,17 +509,20 @@ class Scheduler:
                 res.prompt_tokens += len(turn.ids)
             # ---- a prefill batch (PrefillAdder) ----
             batch: list[tuple[Running, int, int]] = []  # (request, start, end)
-            if waiting or chunked:
+            no_token = False
+            if (waiting and not (full and self.latch)) or chunked:
                 offset = sum((r.max_new - len(r.req.output_ids)) * ratio for r in running)
                 rem_chunk = self.chunk
-                if chunked is not None and int(self._rem_total(offset)) > 0:
+                if chunked is not None:
                     # add_chunked_req: the next chunk, capped by the chunk and total budgets
+                    # (the chunk budget alone when the total one is spent: it must go on)
                     r, pre = chunked
                     n = len(r.req.origin_input_ids)
-                    end = min(n, pre + min(rem_chunk, int(self._rem_total(offset))))
+                    room = min(rem_chunk, int(self._rem_total(offset)))
+                    end = min(n, pre + (room if room > 0 else rem_chunk))
                     batch.append((r, pre, end))
                     rem_chunk -= end - pre
-                    offset += end - pre + (r.max_new if end == n else 0)
+                    offset += end - pre + 1 + (r.max_new if end == n else 0)
                     chunked = None
                 while waiting and rem_chunk > 0 and chunked is None:
                     s, k, _ = waiting[0]
@@ -484,11 +531,13 @@ class Scheduler:
                     pre = len(req.prefix_indices)
                     extend = len(req.origin_input_ids) - pre
                     if extend + max_new + 1 >= self._rem_total(offset):
-                        break  # NO_TOKEN: it waits
+                        no_token = True  # NO_TOKEN: it waits
+                        break
                     self.cache.inc_lock_ref(req.last_node)  # the adder locks the match
                     # the lock took evictable room: read the budget again
                     if extend + max_new + 1 >= self._rem_total(offset):
                         self.cache.dec_lock_ref(req.last_node)
+                        no_token = True
                         break
                     waiting.popleft()
                     res.cached_tokens += pre
@@ -499,6 +548,8 @@ class Scheduler:
                     rem_chunk -= end - pre
                     if end < len(req.origin_input_ids):
                         break  # one chunked request per batch
+                if no_token:
+                    full = True
             if batch:
                 try:
                     for r, _, end in batch:
@@ -508,15 +559,33 @@ class Scheduler:
                         raise
                     res.oom = True
                     break
+                before = len(running)
                 for r, _, end in batch:
                     if end < len(r.req.origin_input_ids):
                         self.cache.cache_unfinished_req(r.req, chunked=True)
                         chunked = (r, end)
+                        full = False  # the merge filters the chunk out: the batch shrank
                         continue
                     self._after_prompt(r.req, res)
                     r.req.output_ids.append(self._output_id(r.req))  # sampled with the prefill
                     running.append(r)
                 res.steps += 1
+                if no_token:  # they wait for memory (SGLang's log shows them as #queue-req)
+                    res.peak_queue = max(res.peak_queue, len(waiting))
+                if self.trace is not None:
+                    self.trace.append(
+                        dict(
+                            step=step,
+                            kind="prefill",
+                            new_seq=len(batch),
+                            new_token=sum(end - pre for _, pre, end in batch),
+                            running=before,
+                            queue=len(waiting),
+                            no_token=no_token,
+                            used=self.used(),
+                            ratio=round(ratio, 4),
+                        )
+                    )
                 continue
             if not running:
                 if not arrivals:  # nothing can change: stuck (or nothing left)
@@ -524,8 +593,13 @@ class Scheduler:
                     break
                 continue
             # ---- one decode step ----
+            # update_running_batch: the finished requests leave the batch (it shrank: the
+            # adder may try again at the next step)
+            if shrunk:
+                full, shrunk = False, False
             res.decode_steps += 1
             res.max_running = max(res.max_running, len(running))
+            res.peak_queue = max(res.peak_queue, len(waiting))  # they wait for memory
             # check_decode_mem: reclaim the shortfall from the tree, then the step fits or not
             from sglang.srt.mem_cache.common import evict_from_tree_cache
 
@@ -545,12 +619,24 @@ class Scheduler:
                 self.alloc.free_group_end()
                 waiting.appendleft((r.session, r.turn, None))
                 ratio = min(1.0, ratio + 0.1)
+                full = False
                 continue
             res.peak_tokens = max(res.peak_tokens, used)
             if res.decode_steps % DECODE_LOG_INTERVAL == 0:
                 res.peak_tokens_logged = max(res.peak_tokens_logged, used)
             if len(running) == L:
                 res.tokens_at_full.append(used)
+            if self.trace is not None:
+                self.trace.append(
+                    dict(
+                        step=step,
+                        kind="decode",
+                        running=len(running),
+                        queue=len(waiting),
+                        used=used,
+                        ratio=round(ratio, 4),
+                    )
+                )
             from sglang.srt.mem_cache.allocation import alloc_token_slots
 
             locs = alloc_token_slots(self.cache, len(running)).to(torch.int32)
@@ -564,6 +650,7 @@ class Scheduler:
                 r.req.output_ids.append(self._output_id(r.req))
                 if len(r.req.output_ids) >= r.max_new:
                     self._finish(r.req)
+                    shrunk = True
                     if r.turn + 1 < len(sessions[r.session]):
                         arrivals.append((step + self.client_delay, r.session, r.turn + 1))
                     else:
@@ -572,8 +659,15 @@ class Scheduler:
                     still.append(r)
             running = still
             ratio = max(MIN_NEW_TOKEN_RATIO, ratio - NEW_TOKEN_RATIO_DECAY)
+            if not running:
+                # the clients answer after a round trip: the scheduler loops without a batch
+                # meanwhile, its filter empties the running batch (batch_is_full = False) and,
+                # with nothing waiting, on_idle() resets the ratio
+                full = shrunk = False
+                if self.idle_reset and not waiting and chunked is None:
+                    ratio = INIT_NEW_TOKEN_RATIO
             res.steps += 1
-        res.holds = res.retractions == 0 and res.max_running >= L and not (res.oom or res.stuck)
+        res.holds = res.holds_under(self.criterion)
         res.seconds = round(time.perf_counter() - t0, 2)
         return res
 
@@ -586,8 +680,12 @@ def simulate(
     chunk: int = 8192,
     keep: str = "random",
     client_delay: int = 1,
+    criterion: str = "no-queue",
+    sglang_admission: bool = True,
 ) -> Result:
-    """One level: ``sessions`` (each a list of turns) all at once on a fresh pool."""
+    """One level: ``sessions`` (each a list of turns) all at once on a fresh pool.
+    ``sglang_admission`` False: without the ``batch_is_full`` latch and the idle ratio reset
+    (the model of Session 8's prediction)."""
     from sglang.srt.runtime_context import get_serving
 
     from agentkv.integrations.sglang.request_plan import HOLEY
@@ -598,7 +696,10 @@ def simulate(
         publish_context()
     HOLEY.count = 0
     max_ctx = max(len(t.ids) for s in sessions for t in s) + max_new + 8
-    sched = Scheduler(plugin, pool, len(sessions) + 4, max_ctx, chunk, keep, client_delay)
+    sched = Scheduler(
+        plugin, pool, len(sessions) + 4, max_ctx, chunk, keep, client_delay, criterion
+    )
+    sched.latch = sched.idle_reset = sglang_admission
     return sched.run(sessions, max_new)
 
 
@@ -618,6 +719,19 @@ def main() -> None:
     ap.add_argument("--keep", choices=["random", "recent", "oldest"], default="random")
     ap.add_argument("--client-delay", type=int, default=1, help="scheduler steps between turns")
     ap.add_argument(
+        "--criterion",
+        default="no-queue",
+        help="what holds means, as sglang_plugin.py capacity --criterion: no-queue (no "
+        "retraction, all sessions running at once, no request ever waiting for memory) or "
+        "no-retraction; a comma list predicts each (levels simulated once)",
+    )
+    ap.add_argument(
+        "--session8-model",
+        action="store_true",
+        help="the scheduler model of Session 8's prediction: a prefill tried at every step "
+        "(no batch_is_full latch), new_token_ratio never reset when idle",
+    )
+    ap.add_argument(
         "--session7-tags",
         action="store_true",
         help="tag as the plugin did in the Session 7 measurement (tool-call histories untagged)",
@@ -625,6 +739,10 @@ def main() -> None:
     ap.add_argument("--tokenizer", default="/work/shared/data/qwen3-tokenizer")
     ap.add_argument("--out", default="/tmp/out")
     a = ap.parse_args()
+    criteria = a.criterion.split(",")
+    for c in criteria:
+        if c not in CRITERIA:
+            ap.error(f"--criterion {c}: one of {', '.join(CRITERIA)}")
     import logging
 
     logging.getLogger("agentkv").setLevel(logging.WARNING)
@@ -637,16 +755,31 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     summary: dict[str, Any] = {}
 
+    done: dict[tuple[str, int], Result] = {}
+
     def level(spec: str, n: int) -> Result:
+        if (spec, n) in done:
+            return done[spec, n]
         sessions = tau_sessions(tok, spec, n, a.max_turns, a.max_tokens, cache, a.session7_tags)
         r = simulate(
-            sessions, spec != "stock", a.pool, a.max_tokens, a.chunk, a.keep, a.client_delay
+            sessions,
+            spec != "stock",
+            a.pool,
+            a.max_tokens,
+            a.chunk,
+            a.keep,
+            a.client_delay,
+            criteria[0],
+            not a.session8_model,
         )
+        done[spec, n] = r
         row = {"run": spec, **r.row()}
         rows.append(row)
+        verdicts = " ".join(f"{c}={r.holds_under(c)}" for c in CRITERIA)
         print(
-            f"{spec} L={n}: holds={r.holds} retracted={r.retractions} running={r.max_running} "
-            f"peak #token={r.peak_tokens} ({row['peak_tokens_per_session']}/session; logged "
+            f"{spec} L={n}: {verdicts} retracted={r.retractions} running={r.max_running} "
+            f"queue={r.peak_queue} peak #token={r.peak_tokens} "
+            f"({row['peak_tokens_per_session']}/session; logged "
             f"{row['peak_logged_per_session']}) planned={r.planned} evicted={r.evicted} "
             f"prompt={r.prompt_tokens} cached={r.cached_tokens} ({r.seconds}s)",
             flush=True,
@@ -654,28 +787,30 @@ def main() -> None:
         return r
 
     for spec in a.policies.split(","):
-        held, failed = 0, None
-        for n in [int(x) for x in a.levels.split(",")]:
-            if level(spec, n).holds:
-                held = n
-            else:
-                failed = n
-                break
-        if a.bisect:
-            lo, hi = held, failed or a.hi
-            while hi - lo > 1:
-                mid = (lo + hi) // 2
-                if level(spec, mid).holds:
-                    lo = mid
+        summary[spec] = {}
+        for crit in criteria:
+            held, failed = 0, None
+            for n in [int(x) for x in a.levels.split(",")]:
+                if level(spec, n).holds_under(crit):
+                    held = n
                 else:
-                    hi = mid
-            held, failed = lo, hi
-        summary[spec] = {"max_level_held": held, "first_failing": failed}
+                    failed = n
+                    break
+            if a.bisect:
+                lo, hi = held, failed or a.hi
+                while hi - lo > 1:
+                    mid = (lo + hi) // 2
+                    if level(spec, mid).holds_under(crit):
+                        lo = mid
+                    else:
+                        hi = mid
+                held, failed = lo, hi
+            summary[spec][crit] = {"max_level_held": held, "first_failing": failed}
+            print(f"{spec}: predicted max concurrent sessions ({crit}) {held} (fails at {failed})")
         tagged = [v for k, v in cache.get("tagged", {}).items() if k[2] == spec]
         if tagged:
             summary[spec]["distinct_prompts_tagged"] = f"{sum(tagged)}/{len(tagged)}"
             print(f"{spec}: {sum(tagged)} of {len(tagged)} distinct prompts tagged (else untagged)")
-        print(f"{spec}: predicted max concurrent sessions {held} (fails at {failed})")
     res = {
         "pool": a.pool,
         "max_turns": a.max_turns,
@@ -684,6 +819,8 @@ def main() -> None:
         "keep": a.keep,
         "session7_tags": a.session7_tags,
         "client_delay": a.client_delay,
+        "criteria": criteria,
+        "scheduler_model": "session8" if a.session8_model else "sglang-0.5.17",
         "summary": summary,
         "rows": rows,
     }
@@ -691,7 +828,10 @@ def main() -> None:
     cols = [
         "run",
         "level",
-        "holds",
+        "holds_no_queue",
+        "holds_no_retraction",
+        "retractions",
+        "peak_queue",
         "max_running",
         "peak_tokens",
         "peak_tokens_per_session",

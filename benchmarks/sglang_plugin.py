@@ -12,11 +12,13 @@ sent) and a request without payload must give stock SGLang's tokens exactly (sam
 weights, same kernels, same indices); an evicting policy must run and be planned (the plugin
 logs one ``agentkv plan`` line per planned request; the shell script counts them).
 
-``capacity``: max concurrent sessions without retraction per policy (``--levels`` ascending,
-``--max-turns`` per session; a level holds when nothing was retracted and every session ran at
-once; ``--bisect``: then bisected between the last holding and the first failing level, to one
-session), written to ``DIR/capacity.json`` as it goes. ``sglang_capacity_predict.py`` predicts
-it on the CPU.
+``capacity``: max concurrent sessions per policy (``--levels`` ascending, ``--max-turns`` per
+session; a level holds under ``--criterion`` (:func:`level_holds`): ``no-queue``, the default,
+when nothing was retracted, every session ran at once and no request ever waited in the
+server's queue (peak ``#queue-req`` 0 on every logged batch); ``no-retraction`` drops the queue
+condition; ``--bisect``: then bisected between the last holding and the first failing level,
+to one session), written to ``DIR/capacity.json`` as it goes. ``sglang_capacity_predict.py``
+predicts it on the CPU, under the same criteria.
 
 ``replay``: tau-bench trajectories as concurrent agent sessions, turn by turn (each assistant
 turn is one chat-completions request on the trajectory's real history, ``max_tokens`` capped),
@@ -651,6 +653,31 @@ def log_stats(path: str | None, since: int = 0) -> dict[str, Any]:
     }
 
 
+#: what "a level holds" means (``capacity --criterion``, ``sglang_capacity_predict.py``)
+CRITERIA = ("no-queue", "no-retraction")
+
+
+def level_holds(
+    criterion: str,
+    level: int,
+    *,
+    retractions: int,
+    peak_running: int,
+    peak_queue: int,
+    errors: int = 0,
+) -> bool:
+    """Whether ``level`` concurrent sessions held. ``no-retraction``: no request failed or was
+    retracted and all ``level`` sessions ran at once (peak running requests ``>= level``).
+    ``no-queue``: that, and no request ever waited in the scheduler's queue (``peak_queue``
+    0): SGLang holds back a request whose prompt and ``max_new_tokens`` do not fit what the
+    running requests may still take, and admits nothing more until one of them leaves, so
+    past its room the sessions take turns instead of running at once."""
+    if criterion not in CRITERIA:
+        raise ValueError(f"criterion {criterion!r}: one of {', '.join(CRITERIA)}")
+    ok = errors == 0 and retractions == 0 and peak_running >= level
+    return ok and (criterion == "no-retraction" or peak_queue == 0)
+
+
 def bisect_capacity(held: int, failed: int, holds: Callable[[int], bool]) -> tuple[int, int]:
     """Narrow ``held < failed`` (a level that held, one that failed) to adjacent integers,
     running ``holds(level)`` on midpoints; returns the last holding and first failing level."""
@@ -666,10 +693,11 @@ def bisect_capacity(held: int, failed: int, holds: Callable[[int], bool]) -> tup
 def capacity(
     a: argparse.Namespace, levels: list[int], specs: list[str], out: Path
 ) -> dict[str, Any]:
-    """Max concurrent sessions without retraction, per policy: at each level L (ascending),
-    L sessions replay their first ``--max-turns`` turns at once (concurrency L); a level
-    holds when the server retracted nothing and ran every session at once (peak running
-    requests = L). Stops at a policy's first failing level; with ``--bisect``, then bisects
+    """Max concurrent sessions, per policy: at each level L (ascending), L sessions replay
+    their first ``--max-turns`` turns at once (concurrency L); a level holds under
+    ``--criterion`` (:func:`level_holds` on the server log's retractions, peak running
+    requests and peak ``#queue-req``; each row also says whether it held under either
+    criterion). Stops at a policy's first failing level; with ``--bisect``, then bisects
     between the last holding level (``--bisect-from`` when none of ``--levels`` held) and
     the first failing one, to one session."""
     pool = load_tau_bench(seed=a.seed)
@@ -696,11 +724,23 @@ def capacity(
             r.update(log_stats(log, since))
             if "retractions" not in r:
                 raise SystemExit(f"capacity needs the server's log ({name}: --*-log)")
-            ok = r["errors"] == 0 and r["retractions"] == 0 and r["peak_running_req"] >= level
-            r.update(run=name, level=level, holds=ok)
+            verdict = {
+                c: level_holds(
+                    c,
+                    level,
+                    retractions=r["retractions"],
+                    peak_running=r["peak_running_req"],
+                    peak_queue=r["peak_queue_req"],
+                    errors=r["errors"],
+                )
+                for c in CRITERIA
+            }
+            ok = verdict[a.criterion]
+            r.update(run=name, level=level, holds=ok, criterion=a.criterion)
+            r.update({f"holds_{c.replace('-', '_')}": v for c, v in verdict.items()})
             rows.append(r)
             print(
-                f"{name} L={level}: holds={ok} retracted={r['retractions']} "
+                f"{name} L={level}: holds={ok} ({a.criterion}) retracted={r['retractions']} "
                 f"peak running={r['peak_running_req']} queue={r['peak_queue_req']} "
                 f"kv={r['peak_kv_tokens']} hit={r['prefix_hit_rate']:.3f}"
             )
@@ -718,8 +758,14 @@ def capacity(
         if a.bisect and failed is not None:
             held, failed = bisect_capacity(held, failed, run_level)
         summary[name] = {"max_level_held": held, "first_failing": failed}
-        print(f"{name}: max concurrent sessions without retraction {held} (fails at {failed})")
-    return {"levels": levels, "max_turns": a.max_turns, "summary": summary, "rows": rows}
+        print(f"{name}: max concurrent sessions ({a.criterion}) {held} (fails at {failed})")
+    return {
+        "levels": levels,
+        "max_turns": a.max_turns,
+        "criterion": a.criterion,
+        "summary": summary,
+        "rows": rows,
+    }
 
 
 def _target(a: argparse.Namespace, spec: str):
@@ -765,6 +811,13 @@ def main() -> None:
         "--bisect",
         action="store_true",
         help="capacity: after the first failing level, bisect down to one session",
+    )
+    ap.add_argument(
+        "--criterion",
+        choices=CRITERIA,
+        default="no-queue",
+        help="capacity: a level holds with no retraction, every session running at once and "
+        "(no-queue) no request ever waiting in the server's queue",
     )
     ap.add_argument(
         "--bisect-from",

@@ -27,10 +27,11 @@
 #                bash benchmarks/sglang_plugin.sh positions
 #                carry: [".carry_model/gguf.part01", ".carry_model/gguf.sha256",
 #                        ".carry_model/llm_init.py", ".whl", ".carry_pos"]
-#   capacity (servers up; one call per policy pair if long): max concurrent sessions without
-#                retraction, levels ascending, e.g. with BOTH_ARGS="--max-total-tokens 16384":
+#   capacity (servers up; one call per policy pair if long): max concurrent sessions with no
+#                retraction and (--criterion no-queue, the default) no request queued, levels
+#                ascending, e.g. with BOTH_ARGS="--max-total-tokens 16384":
 #                bash benchmarks/sglang_plugin.sh capacity --levels 32,64,128,192,256 --max-turns 4 \
-#                  --policies stock,intentkv:budget=512
+#                  --policies stock,intentkv:budget=512 [--criterion no-retraction]
 #   last:        bash benchmarks/sglang_plugin.sh stop
 #
 # `start` installs the bundle and this checkout into /tmp/site, then starts two servers on

@@ -76,3 +76,51 @@ def test_plugin_intentkv_keeps_the_forced_set_and_the_sessions_namespaces():
     assert r.evicted == 2 * 4 + 2 * 9
     assert r.peak_tokens == 67
     assert r.cached_tokens == 60
+
+
+# ---- admission as SGLang's scheduler does it: queueing vs retraction --------------------------
+
+
+def long_turn_sessions(y: int) -> list[list[Turn]]:
+    """Turn 2 of session x: turn 1's prompt + ``y`` new tokens (its own block)."""
+    out = []
+    for x in range(2):
+        t1, _ = prompts(x)
+        out.append([Turn(t1), Turn(t1 + list(range(7000 + 100 * x, 7000 + 100 * x + y)))])
+    return out
+
+
+def test_stock_a_turn_that_waits_fails_no_queue_but_not_no_retraction():
+    # turn 1: both fit (35 + 35 < 100). Turn 2: a2 matches S + A_a (30, locked) and needs
+    # 40 + 4 + 1 = 45 < 100 - 30; b2 then needs 45 < 100 - 30 - 10 (A_b locked) - 45: no
+    # (NO_TOKEN). SGLang then tries no prefill until a running request leaves: b2 waits for
+    # a2 to finish and runs alone. Nothing is retracted; both sessions ran at once in turn 1.
+    r = simulate(long_turn_sessions(40), plugin=False, pool=100, max_new=4)
+    assert r.retractions == 0 and r.max_running == 2
+    assert r.peak_queue == 1
+    assert r.holds_under("no-retraction") and not r.holds_under("no-queue")
+    assert not r.holds  # the default criterion is no-queue
+    r = simulate(
+        long_turn_sessions(40), plugin=False, pool=100, max_new=4, criterion="no-retraction"
+    )
+    assert r.holds
+    # with room for both turn-2 requests nothing waits: holds under both
+    r = simulate(long_turn_sessions(40), plugin=False, pool=200, max_new=4)
+    assert r.peak_queue == 0 and r.holds_under("no-queue") and r.holds
+
+
+def test_plugin_a_request_held_back_stays_queued_after_a_plan_frees_room():
+    # pool 64 (63 usable beside DEAD): a (30 + 4 + 1) is admitted, b's 35 does not fit the 28
+    # left: NO_TOKEN. a's plan then frees 4 slots and b would fit (it matches S, 10 + 5 <
+    # 63 - 26 - 3 x 0.7), but SGLang's batch_is_full stops any prefill until a running
+    # request leaves: b waits for a, the sessions never run at once. The model of Session
+    # 8's prediction (a prefill tried at every step) admitted b beside a.
+    sessions = []
+    for x in range(2):
+        t1, _ = prompts(x)
+        sessions.append([intentkv_turn(t1, 6, f"s{x}")])
+    r = simulate(sessions, plugin=True, pool=64, max_new=4)
+    assert r.retractions == 0 and r.max_running == 1 and r.peak_queue == 1
+    assert not r.holds_under("no-retraction") and not r.holds_under("no-queue")
+    old = simulate(sessions, plugin=True, pool=64, max_new=4, sglang_admission=False)
+    assert old.max_running == 2
