@@ -5,10 +5,9 @@
 # with the head shipped in the package.
 #   here, once: bash benchmarks/replay_device.sh prepare; mkdir -p .carry_tau
 #               gzip -9c .carry_data/gpt-4o-airline.json > .carry_tau/gpt-4o-airline.json.gz
-#   GPU call 1: bash benchmarks/replay_device.sh stage          (carry .carry_model/gguf.part00)
-#   GPU call 2: bash benchmarks/replay_device.sh stage          (carry .carry_model/gguf.part01:
-#               the tracked tree, ~16 MB, leaves no room for part01 beside the rest)
-#   GPU call 3: bash benchmarks/intentkv_ablations_device.sh [ABLATE_SECONDS] [LONG_SECONDS]
+#   GPU calls 1-3: bash benchmarks/replay_device.sh stage       (carry .carry_model/gguf.part00,
+#               then part01, then part02: one 36 MB part per call beside the ~20 MB tree)
+#   GPU call 4: bash benchmarks/intentkv_ablations_device.sh [ABLATE_SECONDS] [LONG_SECONDS]
 #               carry: .carry_model/gguf.sha256 .carry_model/llm_init.py .whl .carry_tau
 # Writes $OUT/ablate and $OUT/long (results.json, summary.md, fidelity_vs_memory.png); compare
 # here with `agentkv bench compare`.

@@ -6,10 +6,9 @@
 #               agentkv bench export --source bfcl:multi_turn_miss_param --limit 16 --out p.jsonl
 #               agentkv bench export --source bfcl:multi_turn_miss_func --limit 16 --out f.jsonl
 #               cat p.jsonl f.jsonl | gzip -9 > .carry_bfcl/bfcl_mix32.jsonl.gz
-#   GPU call 1: bash benchmarks/replay_device.sh stage          (carry .carry_model/gguf.part00)
-#   GPU call 2: bash benchmarks/replay_device.sh stage          (carry .carry_model/gguf.part01:
-#               the tracked tree, ~16 MB, leaves no room for part01 beside the rest)
-#   GPU call 3: bash benchmarks/intentkv_head_device.sh LABEL [TRAIN_SECONDS] [REPLAY_SECONDS]
+#   GPU calls 1-3: bash benchmarks/replay_device.sh stage       (carry .carry_model/gguf.part00,
+#               then part01, then part02: one 36 MB part per call beside the ~20 MB tree)
+#   GPU call 4: bash benchmarks/intentkv_head_device.sh LABEL [TRAIN_SECONDS] [REPLAY_SECONDS]
 #               carry: .carry_model/gguf.sha256 .carry_model/llm_init.py .whl .carry_tau .carry_bfcl
 #               (tau-bench gzipped: the call's 64 MiB limit)
 # Writes $OUT/heads/LABEL (head.safetensors, metrics.json, curves.png) and $OUT/replay_LABEL.

