@@ -86,7 +86,7 @@ for _op in ("nms", "qnms"):  # PyPI's torchvision on CPU torch (as tests/integra
         )
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sglang_plugin import CRITERIA, level_holds  # noqa: E402
+from sglang_plugin import CRITERIA, level_holds, print_table  # noqa: E402
 
 #: SGLang 0.5.17 defaults (environ.py, server_args.py for an 80 GB GPU)
 INIT_NEW_TOKEN_RATIO = 0.7
@@ -841,9 +841,7 @@ def main() -> None:
         "cached_tokens",
         "prompt_tokens",
     ]
-    print("| " + " | ".join(cols) + " |")
-    for r in rows:
-        print("| " + " | ".join(str(r.get(c, "")) for c in cols) + " |")
+    print_table(rows, cols)
 
 
 if __name__ == "__main__":

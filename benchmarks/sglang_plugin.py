@@ -777,6 +777,14 @@ def _target(a: argparse.Namespace, spec: str):
     return f"plugin {spec}", a.plugin, a.plugin_log, parse_policy(spec)
 
 
+def print_table(rows: list[dict[str, Any]], cols: list[str]) -> None:
+    """``rows`` as a markdown table of ``cols`` on stdout (floats to 4 significant digits)."""
+    print("| " + " | ".join(cols) + " |")
+    for r in rows:
+        cells = (f"{r[c]:.4g}" if isinstance(r.get(c), float) else str(r.get(c, "")) for c in cols)
+        print("| " + " | ".join(cells) + " |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument(
@@ -940,16 +948,7 @@ def main() -> None:
             "retractions",
             "agentkv_evicted",
         ]
-        print("| " + " | ".join(cols) + " |")
-        for r in runs:
-            print(
-                "| "
-                + " | ".join(
-                    f"{r.get(c, ''):.4g}" if isinstance(r.get(c), float) else str(r.get(c, ""))
-                    for c in cols
-                )
-                + " |"
-            )
+        print_table(runs, cols)
     (out / f"{a.phase}.json").write_text(json.dumps(res, indent=1))
 
 

@@ -27,16 +27,31 @@ from torch.utils._pytree import tree_flatten, tree_map
 DEVICE = torch.device("meta")
 
 #: aten ops whose result the host waits for (on a device tensor)
-_READS = {
-    "aten._local_scalar_dense.default",
-    "aten.nonzero.default",
-    "aten._unique2.default",
-    "aten.unique_consecutive.default",
-    "aten.unique_dim.default",
-    "aten.masked_select.default",
-    "aten.is_nonzero.default",
-    "aten.equal.default",
-}
+READ_OPS = frozenset(
+    {
+        "aten._local_scalar_dense.default",  # .item(), bool(t), int(t)
+        "aten.nonzero.default",
+        "aten._unique2.default",
+        "aten.unique_consecutive.default",
+        "aten.unique_dim.default",
+        "aten.masked_select.default",
+        "aten.is_nonzero.default",
+        "aten.equal.default",
+    }
+)
+
+
+def host_read(name: str, args: tuple) -> str | None:
+    """What op ``name`` (``str(func)``) with ``args`` makes the host wait for, or None: one
+    of :data:`READ_OPS`, or indexing with a boolean mask (its output size is the mask's)."""
+    if name in READ_OPS:
+        return name
+    if name.startswith("aten.index.Tensor") and any(
+        isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1]
+    ):
+        return "bool-mask index"
+    return None
+
 
 #: ops that take host indices into a device tensor (allowed on a GPU)
 _HOST_INDICES = {
@@ -126,12 +141,9 @@ class DeviceReads(TorchDispatchMode):
             return func(args[0].elem, **kwargs)
         if on_dev:
             self._check_mixed(name, flat)
-            if name in _READS:
-                self.ops.append(name)
-            elif name.startswith("aten.index.Tensor") and any(
-                isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1]
-            ):
-                self.ops.append("bool-mask index")
+            read = host_read(name, args)
+            if read is not None:
+                self.ops.append(read)
         out = func(*tree_map(_unwrap, args), **tree_map(_unwrap, kwargs))
         if name == "aten._local_scalar_dense.default" or not (on_dev or to_dev):
             return out

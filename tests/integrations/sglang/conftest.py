@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from device_reads import host_read  # tests/ (rootdir conftest dir) is on sys.path
 from torch.utils._python_dispatch import TorchDispatchMode
 
 # (this folder is on sys.path as a namespace package named sglang too: no origin)
@@ -244,21 +245,9 @@ def steps_factory():
     return make_steps
 
 
-#: aten ops that read a device tensor back to the host (a stall under the overlap scheduler)
-_READS = {
-    "aten._local_scalar_dense.default",  # .item(), bool(t), int(t)
-    "aten.nonzero.default",
-    "aten._unique2.default",
-    "aten.unique_consecutive.default",
-    "aten.unique_dim.default",
-    "aten.masked_select.default",
-    "aten.is_nonzero.default",
-    "aten.equal.default",
-}
-
-
 class HostReads(TorchDispatchMode):
-    """Counts host reads: the ops above, boolean-mask indexing and ``Tensor.tolist``."""
+    """Counts host reads (on any tensor): :func:`device_reads.host_read`'s ops and
+    ``Tensor.tolist``."""
 
     def __init__(self, monkeypatch):
         super().__init__()
@@ -276,13 +265,9 @@ class HostReads(TorchDispatchMode):
         return super().__enter__()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = str(func)
-        if name in _READS:
-            self.ops.append(name)
-        elif name.startswith("aten.index.Tensor") and any(
-            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1]
-        ):
-            self.ops.append("bool-mask index")
+        read = host_read(str(func), args)
+        if read is not None:
+            self.ops.append(read)
         return func(*args, **(kwargs or {}))
 
     @property
