@@ -252,7 +252,7 @@ def stand_in_plan(planner: Any, r2t: Any, alloc: Any, req: Any, state: Any, keep
     tags, live positions from the row, the budget), the surviving non-forced positions by the
     ``keep`` stand-in; applied as ``plan_one`` applies a plan (``apply_evictions``, the HOLEY
     mark, ``state.planned``). Returns the positions made DEAD."""
-    from agentkv.integrations.sglang.request_plan import HOLEY, apply_evictions
+    from agentkv.integrations.sglang.request_plan import HOLEY, apply_evictions, owned_positions
 
     policy = state.payload.policy
     method = planner.methods.for_policy(policy)
@@ -278,17 +278,18 @@ def stand_in_plan(planner: Any, r2t: Any, alloc: Any, req: Any, state: Any, keep
         kept = pos[torch.randperm(len(pos), generator=g)[:keep_n]]
     evict = cand.clone()
     evict[kept] = False
+    positions = torch.nonzero(evict).reshape(-1)
     n = apply_evictions(
-        r2t.req_to_token,
-        req.req_pool_idx,
-        torch.nonzero(evict).reshape(-1),
-        req.cache_protected_len,
-        alloc,
+        r2t.req_to_token, req.req_pool_idx, positions, req.cache_protected_len, alloc, live=live
     )
     if n or not bool(live.all()):
         HOLEY.mark(state)
     state.planned = True
-    state.usage = {"evicted_tokens": n, "live_kv_tokens": n_live - n}
+    state.usage = {
+        "evicted_tokens": n,
+        "freed_slots": owned_positions(positions, live, req.cache_protected_len),
+        "live_kv_tokens": n_live - n,
+    }
     return n
 
 
@@ -319,6 +320,7 @@ class Result:
     cached_tokens: int = 0
     planned: int = 0
     evicted: int = 0
+    latch_releases: int = 0
     steps: int = 0
     decode_steps: int = 0
     seconds: float = 0.0
@@ -380,6 +382,10 @@ class Scheduler:
         #: of Session 8's prediction (a prefill tried at every step, the ratio never reset)
         self.latch = True
         self.idle_reset = True
+        #: the plugin's latch release (``AGENTKV_SGLANG_RELEASE_LATCH``, default on): after a
+        #: prefill batch's plans freed slots, ``batch_is_full`` is cleared (False: SGLang's
+        #: latch kept, ``AGENTKV_SGLANG_RELEASE_LATCH=0``)
+        self.release_latch = True
         self.r2t = ReqToTokenPool(
             size=rows, max_context_len=max_ctx, device="cpu", enable_memory_saver=False
         )
@@ -446,8 +452,9 @@ class Scheduler:
         req.kv.kv_allocated_len = end
         req.kv_committed_len = end
 
-    def _after_prompt(self, req: Any, res: Result) -> None:
-        """The plan (plugin, evicting policy), then SGLang's post-prefill insert."""
+    def _after_prompt(self, req: Any, res: Result) -> int:
+        """The plan (plugin, evicting policy), then SGLang's post-prefill insert. Returns the
+        slots the plan freed (the request's own: ``usage["freed_slots"]``)."""
         from agentkv.integrations.sglang.request_plan import request_state
         from agentkv.integrations.sglang.runtime import plan_one
 
@@ -462,9 +469,12 @@ class Scheduler:
                 n = stand_in_plan(self.planner, self.r2t, self.alloc, req, state, self.keep)
             res.planned += 1
             res.evicted += n
-        elif state is not None:
+            self.cache.cache_unfinished_req(req)
+            return int(state.usage["freed_slots"])
+        if state is not None:
             state.planned = True
         self.cache.cache_unfinished_req(req)
+        return 0
 
     def _output_id(self, req: Any) -> int:
         # deterministic per prompt and step (greedy on the same weights: the same prompt
@@ -560,17 +570,31 @@ class Scheduler:
                     res.oom = True
                     break
                 before = len(running)
+                freed = 0
                 for r, _, end in batch:
                     if end < len(r.req.origin_input_ids):
                         self.cache.cache_unfinished_req(r.req, chunked=True)
                         chunked = (r, end)
                         full = False  # the merge filters the chunk out: the batch shrank
                         continue
-                    self._after_prompt(r.req, res)
+                    freed += self._after_prompt(r.req, res)
                     r.req.output_ids.append(self._output_id(r.req))  # sampled with the prefill
                     running.append(r)
                 res.steps += 1
-                if no_token:  # they wait for memory (SGLang's log shows them as #queue-req)
+                if no_token and full and before == 0:
+                    # get_next_batch_to_run merges the extend batch into an empty running
+                    # batch by replacing it: the new running batch's flag is the extend
+                    # batch's, False
+                    full = False
+                elif no_token and full and self.release_latch and freed > 0:
+                    # the plugin's release_latch (after_extend): the plans freed slots
+                    full = False
+                    res.latch_releases += 1
+                retry = no_token and self.latch and not full  # the adder runs at the next step
+                # they wait for memory (SGLang's log shows them as #queue-req). Retried, they
+                # are counted after the next adder pass: the overlap scheduler logs a prefill
+                # batch's line once the next batch is formed
+                if no_token and not retry:
                     res.peak_queue = max(res.peak_queue, len(waiting))
                 if self.trace is not None:
                     self.trace.append(
@@ -582,6 +606,7 @@ class Scheduler:
                             running=before,
                             queue=len(waiting),
                             no_token=no_token,
+                            retry=retry,
                             used=self.used(),
                             ratio=round(ratio, 4),
                         )
@@ -682,10 +707,12 @@ def simulate(
     client_delay: int = 1,
     criterion: str = "no-queue",
     sglang_admission: bool = True,
+    release_latch: bool = True,
 ) -> Result:
     """One level: ``sessions`` (each a list of turns) all at once on a fresh pool.
     ``sglang_admission`` False: without the ``batch_is_full`` latch and the idle ratio reset
-    (the model of Session 8's prediction)."""
+    (the model of Session 8's prediction). ``release_latch``: the plugin's latch release
+    (its default, on; False: ``AGENTKV_SGLANG_RELEASE_LATCH=0``)."""
     from sglang.srt.runtime_context import get_serving
 
     from agentkv.integrations.sglang.request_plan import HOLEY
@@ -700,6 +727,7 @@ def simulate(
         plugin, pool, len(sessions) + 4, max_ctx, chunk, keep, client_delay, criterion
     )
     sched.latch = sched.idle_reset = sglang_admission
+    sched.release_latch = release_latch
     return sched.run(sessions, max_new)
 
 
@@ -730,6 +758,12 @@ def main() -> None:
         action="store_true",
         help="the scheduler model of Session 8's prediction: a prefill tried at every step "
         "(no batch_is_full latch), new_token_ratio never reset when idle",
+    )
+    ap.add_argument(
+        "--no-release-latch",
+        action="store_true",
+        help="the plugin with AGENTKV_SGLANG_RELEASE_LATCH=0: SGLang's batch_is_full kept "
+        "after a plan frees slots (the plugin's default releases it; stock never plans)",
     )
     ap.add_argument(
         "--session7-tags",
@@ -771,6 +805,7 @@ def main() -> None:
             a.client_delay,
             criteria[0],
             not a.session8_model,
+            not a.no_release_latch,
         )
         done[spec, n] = r
         row = {"run": spec, **r.row()}
@@ -781,6 +816,7 @@ def main() -> None:
             f"queue={r.peak_queue} peak #token={r.peak_tokens} "
             f"({row['peak_tokens_per_session']}/session; logged "
             f"{row['peak_logged_per_session']}) planned={r.planned} evicted={r.evicted} "
+            f"releases={r.latch_releases} "
             f"prompt={r.prompt_tokens} cached={r.cached_tokens} ({r.seconds}s)",
             flush=True,
         )
@@ -821,6 +857,7 @@ def main() -> None:
         "client_delay": a.client_delay,
         "criteria": criteria,
         "scheduler_model": "session8" if a.session8_model else "sglang-0.5.17",
+        "release_latch": not a.no_release_latch,
         "summary": summary,
         "rows": rows,
     }
@@ -838,6 +875,7 @@ def main() -> None:
         "peak_logged_per_session",
         "planned",
         "evicted",
+        "latch_releases",
         "cached_tokens",
         "prompt_tokens",
     ]

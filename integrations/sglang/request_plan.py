@@ -319,6 +319,16 @@ def apply_evictions(
     return int(pos.numel())
 
 
+def owned_positions(positions: torch.Tensor, live: torch.Tensor, protected_len: int) -> int:
+    """Of ``positions`` (int64 ``[k]``, host), how many :func:`apply_evictions` with ``live``
+    (bool ``[T]``, host) frees: not DEAD yet, past the matched prefix (the request's own
+    slots). Counted on the host."""
+    if positions.numel() == 0:
+        return 0
+    positions = positions.cpu()
+    return int((positions[live[positions]] >= protected_len).sum())
+
+
 def _redirect_live(
     req_to_token: torch.Tensor,
     row: int,

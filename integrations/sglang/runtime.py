@@ -19,6 +19,19 @@ the scheduler process.
   forward stream is synchronised first (the keys must be written): one sync per batch that
   completes a planned prefill, also under the overlap scheduler.
 
+**Latch release.** SGLang's ``PrefillAdder`` reserves a new request's whole prompt extension;
+when it stops on NO_TOKEN, ``_get_new_batch_prefill_raw`` sets ``running_batch.batch_is_full``
+and tries no prefill until the running batch loses a request (``update_running_batch``'s
+filter), so the room a plan frees right after the prefill would admit nobody for a whole
+turn. After the plans of an extend batch free slots the requests owned, :func:`release_latch`
+clears the flag on ``scheduler.running_batch``: the object ``get_next_batch_to_run`` gets next
+in both event loops (``event_loop_normal`` / ``event_loop_overlap`` assign it before
+``run_batch``, and the next call merges the extend batch into it), so the next
+``get_new_batch_prefill`` runs the adder again with the freed room. Where the running batch is
+empty, that merge replaces it with the extend batch, whose flag is False: SGLang retries by
+itself, nothing is cleared. Default on; ``AGENTKV_SGLANG_RELEASE_LATCH=0`` keeps SGLang's
+latch (A/B). Each release logs at debug level and is counted in :data:`LATCH`.
+
 Every plan logs one line on the ``agentkv.sglang`` logger (``agentkv plan session=... policy=...
 prompt N evicted E live L``); ``AGENTKV_SGLANG_LOG_POSITIONS=1`` adds the evicted positions
 (``agentkv positions session=... evicted [...]``), to compare with the embedded engine.
@@ -30,6 +43,7 @@ import json
 import logging
 import os
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -49,6 +63,7 @@ from agentkv.integrations.sglang.request_plan import (
     check_payload,
     encode_tags,
     evicted_positions,
+    owned_positions,
     plan_request,
     request_state,
 )
@@ -60,6 +75,49 @@ logger = logging.getLogger("agentkv.sglang")
 
 #: req_pool_idx -> state of requests whose prefill an observer watches (scheduler process).
 OBSERVING: dict[int, AgentKVRequest] = {}
+
+
+#: ``AGENTKV_SGLANG_RELEASE_LATCH=0``: keep SGLang's ``batch_is_full`` after a plan frees slots
+RELEASE_LATCH_ENV = "AGENTKV_SGLANG_RELEASE_LATCH"
+
+
+@dataclass
+class LatchReleases:
+    """Per scheduler process: how often :func:`release_latch` cleared SGLang's
+    ``batch_is_full``, and the slots the plans of those batches freed."""
+
+    count: int = 0
+    slots: int = 0
+
+
+LATCH = LatchReleases()
+
+
+def release_latch_enabled() -> bool:
+    return os.environ.get(RELEASE_LATCH_ENV, "1") != "0"
+
+
+def release_latch(scheduler: Any, freed: int) -> bool:
+    """After an extend batch's plans freed ``freed`` slots: clear SGLang's
+    ``scheduler.running_batch.batch_is_full`` so the next ``get_new_batch_prefill`` runs the
+    ``PrefillAdder`` again with the room (see the module docstring). Returns whether it was
+    cleared: not when nothing was freed, the switch is off, the flag is not set, or the
+    running batch is empty (the merge replaces it with the extend batch, flag False)."""
+    if freed <= 0 or not release_latch_enabled():
+        return False
+    running = getattr(scheduler, "running_batch", None)
+    if running is None or not running.batch_is_full or running.is_empty():
+        return False
+    running.batch_is_full = False
+    LATCH.count += 1
+    LATCH.slots += freed
+    logger.debug(
+        "agentkv released batch_is_full: plans freed %d slots (releases %d, slots %d)",
+        freed,
+        LATCH.count,
+        LATCH.slots,
+    )
+    return True
 
 
 class Planner:
@@ -262,11 +320,13 @@ def after_extend(scheduler: Any, batch: Any) -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     p = planner_for(scheduler)
+    freed = 0
     for req, state in todo:
         try:
             plan_one(
                 p, scheduler.req_to_token_pool, scheduler.token_to_kv_pool_allocator, req, state
             )
+            freed += state.usage["freed_slots"]
         except Exception as e:  # a failed plan leaves the request whole: it runs as FullCache
             logger.exception("agentkv: plan failed for request %s; nothing evicted", req.rid)
             OBSERVING.pop(req.req_pool_idx, None)
@@ -274,11 +334,13 @@ def after_extend(scheduler: Any, batch: Any) -> None:
             state.observer = None
             state.planned = True
             state.usage = {"plan_note": f"plan failed ({type(e).__name__}); nothing evicted"}
+    release_latch(scheduler, freed)
 
 
 def plan_one(planner: Planner, req_to_token_pool: Any, allocator: Any, req: Any, state: Any) -> int:
     """Plan one request whose prompt KV is written and apply the plan to its row. Returns the
-    positions made DEAD."""
+    positions made DEAD; ``state.usage["freed_slots"]``: those of them whose slot the request
+    owned (past its matched prefix), given back to the allocator."""
     t0 = time.perf_counter()
     OBSERVING.pop(req.req_pool_idx, None)
     HIDDEN_OBSERVING.pop(req.req_pool_idx, None)
@@ -301,11 +363,13 @@ def plan_one(planner: Planner, req_to_token_pool: Any, allocator: Any, req: Any,
     n = apply_evictions(
         r2t, req.req_pool_idx, positions, req.cache_protected_len, allocator, live=live
     )
+    freed = owned_positions(positions, live, req.cache_protected_len)
     if n or not bool(live.all()):
         HOLEY.mark(state)
     state.planned = True
     state.usage = {
         "evicted_tokens": n,
+        "freed_slots": freed,
         "live_kv_tokens": int(live.sum()) - n,
         "plan_note": plan.note if state.tagged else ("untagged; " + plan.note).strip("; "),
         "plan_time_s": time.perf_counter() - t0,

@@ -109,18 +109,54 @@ def test_stock_a_turn_that_waits_fails_no_queue_but_not_no_retraction():
     assert r.peak_queue == 0 and r.holds_under("no-queue") and r.holds
 
 
-def test_plugin_a_request_held_back_stays_queued_after_a_plan_frees_room():
+def test_plugin_a_request_held_back_with_nothing_running_is_tried_again_after_the_plan():
     # pool 64 (63 usable beside DEAD): a (30 + 4 + 1) is admitted, b's 35 does not fit the 28
-    # left: NO_TOKEN. a's plan then frees 4 slots and b would fit (it matches S, 10 + 5 <
-    # 63 - 26 - 3 x 0.7), but SGLang's batch_is_full stops any prefill until a running
-    # request leaves: b waits for a, the sessions never run at once. The model of Session
-    # 8's prediction (a prefill tried at every step) admitted b beside a.
+    # left: NO_TOKEN, batch_is_full set on the running batch, which is empty. SGLang's next
+    # get_next_batch_to_run merges the extend batch into it by replacing it (its flag is the
+    # extend batch's, False), so the adder runs again after a's plan freed 4 slots: b fits
+    # (it matches S: 10 + 5 < 63 - 26 - 3 x 0.7), with or without the plugin's release.
     sessions = []
     for x in range(2):
         t1, _ = prompts(x)
         sessions.append([intentkv_turn(t1, 6, f"s{x}")])
-    r = simulate(sessions, plugin=True, pool=64, max_new=4)
-    assert r.retractions == 0 and r.max_running == 1 and r.peak_queue == 1
-    assert not r.holds_under("no-retraction") and not r.holds_under("no-queue")
+    for release in (True, False):
+        r = simulate(sessions, plugin=True, pool=64, max_new=4, release_latch=release)
+        assert r.retractions == 0 and r.max_running == 2 and r.peak_queue == 0
+        assert r.latch_releases == 0 and r.evicted == 2 * 4
     old = simulate(sessions, plugin=True, pool=64, max_new=4, sglang_admission=False)
     assert old.max_running == 2
+
+
+def three_sessions() -> list[list[Turn]]:
+    return [[intentkv_turn(prompts(x)[0], 6, f"s{x}")] for x in range(3)]
+
+
+def test_plugin_without_the_release_a_request_held_back_stays_out_after_a_plan_frees_room():
+    # 3 sessions, 30-token prefill chunks: a runs alone in the first batch (26 live after its
+    # plan). Pool 56 (55 usable): in the second batch b (10 + 5 < 55 - 26 - 3 x 0.7) is
+    # admitted and c's 15 does not fit what is left (11.9): NO_TOKEN, with a running. b's
+    # plan frees 4 of its slots, enough for c (15 < 55 - 26 - 6 - 2 x 3 x 0.7), but with
+    # AGENTKV_SGLANG_RELEASE_LATCH=0 SGLang's batch_is_full keeps c out until a leaves.
+    r = simulate(three_sessions(), plugin=True, pool=56, max_new=4, chunk=30, release_latch=False)
+    assert r.evicted == 3 * 4 and r.latch_releases == 0
+    assert r.retractions == 0 and r.max_running == 2 and r.peak_queue == 1
+    assert not r.holds_under("no-queue") and not r.holds_under("no-retraction")
+
+
+def test_plugin_the_release_admits_a_request_held_back_once_the_plan_frees_room():
+    # as above with the plugin's default: after b's plan freed slots, after_extend clears
+    # batch_is_full; the adder runs at the next step and admits c: all three run at once and
+    # c is never left waiting on a logged line (the overlap scheduler logs b's batch once the
+    # next one is formed)
+    r = simulate(three_sessions(), plugin=True, pool=56, max_new=4, chunk=30)
+    assert r.evicted == 3 * 4 and r.latch_releases == 1
+    assert r.retractions == 0 and r.max_running == 3 and r.peak_queue == 0
+    assert r.holds_under("no-queue")
+    # the release only lets the adder look again: at pool 52 b's 4 freed slots are short of
+    # c's 15 (51 - 32 - 4.2 = 14.8): c waits, as without it
+    r = simulate(three_sessions(), plugin=True, pool=52, max_new=4, chunk=30)
+    assert r.latch_releases == 1 and r.max_running == 2 and r.peak_queue == 1
+    # stock plans nothing: the release never fires
+    stock = [[Turn(prompts(x)[0])] for x in range(3)]
+    r = simulate(stock, plugin=False, pool=56, max_new=4, chunk=30)
+    assert r.latch_releases == 0 and r.evicted == 0
