@@ -252,7 +252,7 @@ def stand_in_plan(planner: Any, r2t: Any, alloc: Any, req: Any, state: Any, keep
     tags, live positions from the row, the budget), the surviving non-forced positions by the
     ``keep`` stand-in; applied as ``plan_one`` applies a plan (``apply_evictions``, the HOLEY
     mark, ``state.planned``). Returns the positions made DEAD."""
-    from agentkv.integrations.sglang.request_plan import HOLEY, apply_evictions, owned_positions
+    from agentkv.integrations.sglang.request_plan import HOLEY, apply_evictions_counted
 
     policy = state.payload.policy
     method = planner.methods.for_policy(policy)
@@ -279,7 +279,7 @@ def stand_in_plan(planner: Any, r2t: Any, alloc: Any, req: Any, state: Any, keep
     evict = cand.clone()
     evict[kept] = False
     positions = torch.nonzero(evict).reshape(-1)
-    n = apply_evictions(
+    n, freed = apply_evictions_counted(
         r2t.req_to_token, req.req_pool_idx, positions, req.cache_protected_len, alloc, live=live
     )
     if n or not bool(live.all()):
@@ -287,7 +287,7 @@ def stand_in_plan(planner: Any, r2t: Any, alloc: Any, req: Any, state: Any, keep
     state.planned = True
     state.usage = {
         "evicted_tokens": n,
-        "freed_slots": owned_positions(positions, live, req.cache_protected_len),
+        "freed_slots": freed,
         "live_kv_tokens": n_live - n,
     }
     return n

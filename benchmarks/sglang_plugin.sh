@@ -40,7 +40,8 @@
 # --radix-cache-backend agentkv --page-size 1). Both: Qwen3 shape with dummy weights
 # (SGL_MODEL=8b default, or tiny), same seed, --enable-cache-report, CUDA graphs on
 # (DISABLE_CUDA_GRAPH=1 turns them off for both), MEM_FRACTION (0.38 each), BOTH_ARGS
-# (extra args for both, e.g. "--max-total-tokens 65536": the same KV pool in tokens).
+# (extra args for both, e.g. "--max-total-tokens 65536": the same KV pool in tokens),
+# PLUGIN_ENV (environment of the plugin server only, e.g. "AGENTKV_SGLANG_RELEASE_LATCH=0").
 # Logs and results land in $OUT (check.json, replay.json, stock.log, plugin.log).
 #
 # `langgraph` runs plan -> act -> answer on LangGraph (with_kv_policy: IntentKV / StreamingLLM
@@ -137,6 +138,10 @@ start)
   }
   # `cd "$RUN"` keeps the checkout off sys.path[0]: agentkv comes from /tmp/site
   launch stock 30000 --attention-backend triton
+  # PLUGIN_ENV: environment for the plugin server only, e.g.
+  # PLUGIN_ENV="AGENTKV_SGLANG_RELEASE_LATCH=0" (SGLang's batch_is_full latch kept: the A/B)
+  read -r -a PENV <<< "${PLUGIN_ENV:-}"
+  [ ${#PENV[@]} -gt 0 ] && export "${PENV[@]}" && echo "plugin server env: ${PENV[*]}"
   SGLANG_PLUGINS=agentkv launch plugin 30001 --attention-backend agentkv \
     --radix-cache-backend agentkv --page-size 1 ${SGL_PLUGIN_ARGS:-}
   echo "both servers up"; grep -h -i -E "agentkv|max_total_num_tokens|KV Cache is allocated" "$RUN"/plugin.log | cut -c1-300 | head -20

@@ -301,8 +301,22 @@ def apply_evictions(
     ``live``: bool ``[T]`` on the host, the row's positions not DEAD now (what the plan saw):
     then which positions are new is known on the host and nothing is read back; without it
     the row is read (one mask and its count)."""
+    return apply_evictions_counted(req_to_token, row, positions, protected_len, allocator, live)[0]
+
+
+def apply_evictions_counted(
+    req_to_token: torch.Tensor,
+    row: int,
+    positions: torch.Tensor,
+    protected_len: int,
+    allocator: Any,
+    live: torch.Tensor | None = None,
+) -> tuple[int, int]:
+    """:func:`apply_evictions`, returning ``(positions newly DEAD, slots freed)``: the freed
+    ones are those the request owned (past ``protected_len``), its reference dropped. With
+    ``live`` both counts come from the host (no read)."""
     if positions.numel() == 0:
-        return 0
+        return 0, 0
     if live is not None:
         positions = positions.cpu()
         return _redirect_live(
@@ -315,18 +329,9 @@ def apply_evictions(
     pos, old = pos[fresh], old[fresh]
     req_to_token[row, pos] = dead
     owned = pos >= protected_len
-    allocator.free(old[owned])
-    return int(pos.numel())
-
-
-def owned_positions(positions: torch.Tensor, live: torch.Tensor, protected_len: int) -> int:
-    """Of ``positions`` (int64 ``[k]``, host), how many :func:`apply_evictions` with ``live``
-    (bool ``[T]``, host) frees: not DEAD yet, past the matched prefix (the request's own
-    slots). Counted on the host."""
-    if positions.numel() == 0:
-        return 0
-    positions = positions.cpu()
-    return int((positions[live[positions]] >= protected_len).sum())
+    freed = old[owned]
+    allocator.free(freed)
+    return int(pos.numel()), int(freed.numel())
 
 
 def _redirect_live(
@@ -336,11 +341,12 @@ def _redirect_live(
     protected_len: int,
     allocator: Any,
 ) -> int:
-    """:func:`apply_evictions` of host ``positions`` (int64 ``[k]``) known not to be DEAD:
-    the owned ones selected on the host, then gathers and writes on the row's device only."""
+    """:func:`apply_evictions_counted` of host ``positions`` (int64 ``[k]``) known not to be
+    DEAD: the owned ones selected on the host, then gathers and writes on the row's device
+    only."""
     owned = positions[positions >= protected_len].to(req_to_token.device)
     if owned.numel():
         allocator.free(req_to_token[row, owned].to(torch.int64))
     pos = positions.to(req_to_token.device)
     req_to_token[row, pos] = allocator.dead_slot
-    return int(positions.numel())
+    return int(positions.numel()), int(owned.numel())

@@ -30,7 +30,8 @@ in both event loops (``event_loop_normal`` / ``event_loop_overlap`` assign it be
 ``get_new_batch_prefill`` runs the adder again with the freed room. Where the running batch is
 empty, that merge replaces it with the extend batch, whose flag is False: SGLang retries by
 itself, nothing is cleared. Default on; ``AGENTKV_SGLANG_RELEASE_LATCH=0`` keeps SGLang's
-latch (A/B). Each release logs at debug level and is counted in :data:`LATCH`.
+latch (A/B). Each release logs at debug level (the first also at info) and is counted in
+:data:`LATCH`.
 
 Every plan logs one line on the ``agentkv.sglang`` logger (``agentkv plan session=... policy=...
 prompt N evicted E live L``); ``AGENTKV_SGLANG_LOG_POSITIONS=1`` adds the evicted positions
@@ -58,12 +59,11 @@ from agentkv.integrations.sglang.request_plan import (
     HOLEY,
     TAGS_KEY,
     AgentKVRequest,
-    apply_evictions,
+    apply_evictions_counted,
     check_method,
     check_payload,
     encode_tags,
     evicted_positions,
-    owned_positions,
     plan_request,
     request_state,
 )
@@ -111,6 +111,13 @@ def release_latch(scheduler: Any, freed: int) -> bool:
     running.batch_is_full = False
     LATCH.count += 1
     LATCH.slots += freed
+    if LATCH.count == 1:  # once at info level: the server log shows the release is on
+        logger.info(
+            "agentkv: batch_is_full released after plans freed %d slots (each release is "
+            "logged at debug level; %s=0 turns it off)",
+            freed,
+            RELEASE_LATCH_ENV,
+        )
     logger.debug(
         "agentkv released batch_is_full: plans freed %d slots (releases %d, slots %d)",
         freed,
@@ -360,10 +367,9 @@ def plan_one(planner: Planner, req_to_token_pool: Any, allocator: Any, req: Any,
     plan = plan_request(state, planner.methods, planner.shape, live, read_keys)
     observer, state.observer = state.observer, None
     positions = evicted_positions(plan, T)
-    n = apply_evictions(
+    n, freed = apply_evictions_counted(
         r2t, req.req_pool_idx, positions, req.cache_protected_len, allocator, live=live
     )
-    freed = owned_positions(positions, live, req.cache_protected_len)
     if n or not bool(live.all()):
         HOLEY.mark(state)
     state.planned = True
