@@ -30,14 +30,23 @@ decode step, reset to 0.7 whenever the scheduler idles (nothing running or waiti
 clients' next turns are a round trip away; ``on_idle``); SGLang's ``batch_is_full`` latch: once
 the adder stops on NO_TOKEN, no prefill is tried until the running batch loses a request (a
 finish or a retraction, at the next decode step's filter) or a batch with an unfinished chunk
-is merged, so room a plan frees after the prefill does not admit a waiting request;
-``check_decode_mem`` (available + evictable >= running requests) before each decode step, else
+is merged, except where the running batch was empty (``get_next_batch_to_run`` replaces it by
+the extend batch, whose flag is False: the adder runs again at the next step); the plugin's
+latch release (its default, ``AGENTKV_SGLANG_RELEASE_LATCH``; ``--no-release-latch`` models
+it off): after the plans of a NO_TOKEN batch freed slots, the flag is cleared and the adder
+runs again at the next step with the freed room (stock plans nothing: unaffected). Requests
+left waiting by a NO_TOKEN batch that is retried so are counted as queued after the next
+adder pass (the overlap scheduler logs a prefill batch's ``#queue-req`` once the next batch
+is formed); ``check_decode_mem`` (available + evictable >= running requests) before each decode step, else
 a retraction. The first output token comes with the prefill, so a request finishes after 63
 decode steps; its session's next turn enters the queue ``--client-delay`` scheduler steps
 later. Times are not modelled (one scheduler step = one batch; a turn's requests arrive
 together, where the server's trickle in through its tokenizer). ``--session8-model``: without
 the latch and the idle reset (Session 8's prediction, which admitted and then retracted where
 the server queued).
+
+    .venv-sglang/bin/python -P benchmarks/sglang_capacity_predict.py --bisect \
+        --criterion no-queue,no-retraction [--no-release-latch] --out DIR
 
 Plans: ``streamingllm`` runs its real ``plan_one``; ``full`` plans nothing. IntentKV needs
 the model's attention; how many positions go depends only on the tags, the live count and the

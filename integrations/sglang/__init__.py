@@ -16,8 +16,9 @@ entry point ``agentkv = agentkv.integrations.sglang:register`` in the group
 - registers the radix-cache backend ``agentkv`` (hole-preserving session namespaces,
   reference-counted frees on a reserved DEAD slot; :mod:`.radix_cache`, :mod:`.slot_refcounts`),
 - hooks ``OpenAIServingChat._convert_to_internal_request`` (AFTER: validate the payload, tag the
-  prompt) and ``Scheduler.run_batch`` (AROUND: observe, then plan after prefill, and after
-  eager decode steps for KVzap's ``decode_interval``; :mod:`.runtime`),
+  prompt) and ``Scheduler.run_batch`` (AROUND: observe, then plan after prefill, releasing
+  SGLang's ``batch_is_full`` where the plans freed slots, and after eager decode steps for
+  KVzap's ``decode_interval``; :mod:`.runtime`),
 - hooks ``OpenAIServingChat._build_chat_response`` (AFTER), ``_generate_stream_content`` and
   ``_generate_chat_stream`` (AROUND): ``usage.agentkv`` in chat responses, streamed too
   (:mod:`.usage`).
