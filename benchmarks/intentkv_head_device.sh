@@ -12,12 +12,19 @@
 #               carry: .carry_model/gguf.sha256 .carry_model/llm_init.py .whl .carry_tau .carry_bfcl
 #               (tau-bench gzipped: the call's 64 MiB limit)
 # Writes $OUT/heads/LABEL (head.safetensors, metrics.json, curves.png) and $OUT/replay_LABEL.
+# Knobs (environment): MAX_TOKENS (training sessions' cut, 4096), BUDGET (256), CAL_TRACES (8),
+# CAL_BUDGETS / CAL_CUTS (calibration grid, default: BUDGET / MAX_TOKENS), ALPHA_GRID
+# (0,0.25,0.5,1,2); REPLAY_SECONDS 0 skips the replay.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 label=${1:?usage: intentkv_head_device.sh arguments|attention|both [train_s] [replay_s]}
 train_s=${2:-360}
 replay_s=${3:-150}
 out=${OUT:-/tmp/out}
+max_tokens=${MAX_TOKENS:-4096}
+budget=${BUDGET:-256}
+cal="--calibrate-traces ${CAL_TRACES:-8} --calibrate-budgets ${CAL_BUDGETS:-$budget}"
+cal="$cal --calibrate-max-tokens ${CAL_CUTS:-$max_tokens} --alpha-grid ${ALPHA_GRID:-0,0.25,0.5,1,2}"
 args=$(tr '\n' ' ' < docs/benchmarks/replay_h100_pieces/s17b.args)  # one line: it goes into bash -c
 bash benchmarks/replay_device.sh exec bash -c "
 set -euo pipefail
@@ -28,9 +35,11 @@ fi
 gunzip -c .carry_bfcl/bfcl_mix32.jsonl.gz > /tmp/akv/bfcl_mix32.jsonl
 timeout $train_s python3 -P -m agentkv.engine.cli train-intentkv --device cuda \
   --out $out/heads/$label --tau-sessions 24 --bfcl-sessions 0 \
-  --traces /tmp/akv/bfcl_mix32.jsonl --budget 256 --label $label --calibrate-traces 8 \
+  --traces /tmp/akv/bfcl_mix32.jsonl --max-tokens $max_tokens --budget $budget --label $label $cal \
   > $out/train_$label.log 2>&1 || { tail -c 4000 $out/train_$label.log; exit 1; }
 tail -c 3000 $out/train_$label.log
+mv $out/heads/$label/rows.pt /tmp/akv/rows_$label.pt  # tens of MB: not sent back
+[ $replay_s -gt 0 ] || exit 0
 AGENTKV_INTENTKV_HEADS=$out/heads python3 -P -m agentkv.engine.cli bench replay --device cuda \
   --out $out/replay_$label $args --max-seconds $replay_s > $out/replay_$label.log 2>&1 \
   || { tail -c 4000 $out/replay_$label.log; exit 1; }

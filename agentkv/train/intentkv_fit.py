@@ -593,6 +593,12 @@ def train_intentkv(cfg: TrainConfig, progress: bool = True) -> dict[str, Any]:
             "fit": asdict(cfg.fit),
         },
     }
+    meta = {"model": engine.model_name, TRAINING_TRACES: json.dumps(sorted(t.id for t in traces))}
+    # written before the calibration too: a run stopped while calibrating keeps its head
+    # (``agentkv calibrate-intentkv --head OUT`` then calibrates it)
+    head.save(cfg.out / HEAD_FILE, meta)
+    (cfg.out / "metrics.json").write_text(json.dumps(metrics, indent=2))
+    plot_curves(result["history"], rule, cfg.out / "curves.png")
     if cfg.calibrate_traces:
         held = [
             compact(t, cfg.system_chars, cfg.called_tools_only)
@@ -610,10 +616,8 @@ def train_intentkv(cfg: TrainConfig, progress: bool = True) -> dict[str, Any]:
         head.calibrated_alpha_max = calibration["alpha_max"]
         metrics["calibration"] = calibration
         plot_calibration(calibration, cfg.out / "calibration.png")
-    meta = {"model": engine.model_name, TRAINING_TRACES: json.dumps(sorted(t.id for t in traces))}
-    head.save(cfg.out / HEAD_FILE, meta)
-    (cfg.out / "metrics.json").write_text(json.dumps(metrics, indent=2))
-    plot_curves(result["history"], rule, cfg.out / "curves.png")
+        head.save(cfg.out / HEAD_FILE, meta)
+        (cfg.out / "metrics.json").write_text(json.dumps(metrics, indent=2))
     return metrics
 
 

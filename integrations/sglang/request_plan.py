@@ -340,7 +340,7 @@ def _redirect_live(
     positions: torch.Tensor,
     protected_len: int,
     allocator: Any,
-) -> int:
+) -> tuple[int, int]:
     """:func:`apply_evictions_counted` of host ``positions`` (int64 ``[k]``) known not to be
     DEAD: the owned ones selected on the host, then gathers and writes on the row's device
     only."""
