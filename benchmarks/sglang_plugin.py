@@ -707,6 +707,12 @@ def capacity(
     summary = {}
     for spec in specs:
         name, url, log, policy = _target(a, spec)
+        if a.warmup:
+            # one session's first turn, not counted: a policy's first request on a server pays
+            # one-off costs (kernel compilation, first plan; SnapKV's took ~2 s), during which
+            # every session of the level arrives and queues for the prefill chunks: a queue
+            # that says nothing about memory
+            replay(url, traces[:1], policy, 1, a.max_tokens, a.tools, f"warm-{name}", 1)
 
         def run_level(level: int, name=name, url=url, log=log, policy=policy) -> bool:
             flush(url)
@@ -826,6 +832,12 @@ def main() -> None:
         default="no-queue",
         help="capacity: a level holds with no retraction, every session running at once and "
         "(no-queue) no request ever waiting in the server's queue",
+    )
+    ap.add_argument(
+        "--warmup",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="capacity: one uncounted request per policy before its first level",
     )
     ap.add_argument(
         "--bisect-from",
