@@ -117,7 +117,12 @@ class PrefillObserver:
     live keys at ``k_positions [n_k]`` (ascending, includes the chunk's own keys);
     ``head_mask``: bool ``[Hkv, n_k]`` or None. Causality: query ``i`` sees key ``j`` iff
     ``k_positions[j] <= q_positions[i]``.
+
+    ``reads_keys`` False: :meth:`observe` ignores ``k`` / ``k_positions`` / ``head_mask``, and
+    an engine may pass None for them instead of gathering the live keys.
     """
+
+    reads_keys: ClassVar[bool] = True
 
     def observe(
         self,

@@ -60,6 +60,8 @@ class QueryMean(PrefillObserver):
     layer, which on a GPU would stall the prefill); :meth:`result` reads ``q_bar`` back once.
     """
 
+    reads_keys = False  # the queries only
+
     def __init__(self, req: ObserveRequest, window: int = 32):
         s = req.shape
         self.actionable = req.actionable

@@ -54,6 +54,8 @@ class KVzapScores(PrefillObserver):
         pruned_until: positions below it have been through a plan.
     """
 
+    reads_keys = False  # observe() reads nothing: scores come from hidden states
+
     def __init__(self, surrogate: Surrogate, req: ObserveRequest):
         self.surrogate = surrogate
         self.shape = req.shape

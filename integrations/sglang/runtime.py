@@ -405,7 +405,11 @@ def plan_one(planner: Planner, req_to_token_pool: Any, allocator: Any, req: Any,
 class _ExtendRows:
     """Per extend batch, the observed requests' rows, positions and live key slots: read
     back once at the first layer and reused by the others (the rows and ``req_to_token``
-    do not change during the forward), not once per layer."""
+    do not change during the forward), not once per layer. The extend lengths come from the
+    batch's host lists where SGLang fills them (``extend_seq_lens_cpu`` /
+    ``extend_prefix_lens_cpu``), so only the pool indices are read back; an observer that
+    does not read keys (``PrefillObserver.reads_keys`` False: IntentKV) gets no live slots,
+    so its request costs no read of its row."""
 
     def __init__(self) -> None:
         self.batch: Any = None
@@ -417,9 +421,14 @@ class _ExtendRows:
             return self.rows
         self.batch, self.rows = forward_batch, []
         pool_idx = forward_batch.req_pool_indices.tolist()
-        starts = forward_batch.extend_start_loc.tolist()
-        lens = forward_batch.extend_seq_lens.tolist()
-        prefix = forward_batch.extend_prefix_lens.tolist()
+        lens = forward_batch.extend_seq_lens_cpu
+        prefix = forward_batch.extend_prefix_lens_cpu
+        if lens is None or prefix is None:
+            lens = forward_batch.extend_seq_lens.tolist()
+            prefix = forward_batch.extend_prefix_lens.tolist()
+        starts = [0]
+        for m in lens[:-1]:  # extend_start_loc: the exclusive cumulative sum of the lengths
+            starts.append(starts[-1] + int(m))
         dead = HOLEY.dead_slot
         for i, idx in enumerate(pool_idx):
             state = OBSERVING.get(idx)
@@ -429,6 +438,9 @@ class _ExtendRows:
             if n == 0:
                 continue
             q_pos = forward_batch.positions[s : s + n].to(torch.int64)
+            if not state.observer.reads_keys:
+                self.rows.append((state, s, n, q_pos, None, None))
+                continue
             slots = backend.req_to_token[idx, : prefix[i] + n].to(torch.int64)
             live = slots != dead
             k_pos = torch.nonzero(live).reshape(-1)
@@ -455,5 +467,5 @@ def observe_extend(backend: Any, q: torch.Tensor, layer: Any, forward_batch: Any
     k_buf = backend.token_to_kv_pool.get_key_buffer(layer.layer_id)
     for state, s, n, q_pos, live_slots, k_pos in _EXTEND_ROWS.of(backend, forward_batch):
         qi = q[s : s + n].reshape(n, hq, d).transpose(0, 1).float()
-        k = k_buf[live_slots].transpose(0, 1).float()
+        k = None if live_slots is None else k_buf[live_slots].transpose(0, 1).float()
         state.observer.observe(layer.layer_id, qi, q_pos, k, k_pos, None)

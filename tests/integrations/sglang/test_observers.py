@@ -5,6 +5,7 @@ exactly as the method would see them fed directly; then the plan lands on the ro
 from __future__ import annotations
 
 from types import SimpleNamespace
+from typing import Any
 
 import torch
 
@@ -259,3 +260,94 @@ def test_a_plan_reads_the_host_as_often_whatever_the_layers(steps_factory, host_
         assert count <= 8, ops
         counts.append(count)
     assert counts[0] == counts[1], counts
+
+
+def _observe_reads(steps, policy, host_reads, host_lens: bool) -> tuple[int, Any, Any]:
+    """One request of ``policy`` (a cached prefix of 8 with a hole, 24 new rows) observed over
+    every layer of an extend batch; returns the host reads of the observation, the observer's
+    result and the result of the same observer fed directly."""
+    from sglang.srt.layers.radix_attention import RadixAttention
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+
+    import agentkv.integrations.sglang.runtime as runtime
+
+    T, pre = 32, 8
+    r = steps.request(tokens(T, 30), encode_payload(KVPayload(session_id="o", policy=policy)))
+    steps.prefill(r, plan=False)
+    dead = steps.alloc.dead_slot
+    HOLEY.dead_slot = dead
+    steps.r2t.req_to_token[r.req_pool_idx, 3] = dead
+    runtime._PLANNER = steps.planner
+    state = request_state(r)
+    state.planned, state.observer = False, None
+    r.prefix_indices = steps.row(r)[:pre]
+    sched = SimpleNamespace(
+        token_to_kv_pool_allocator=steps.alloc,
+        model_config=SimpleNamespace(num_attention_heads=steps.planner.shape.num_q_heads),
+        tp_size=1,
+    )
+    before_extend(sched, SimpleNamespace(reqs=[r]))
+    shape = steps.planner.shape
+    hq, d, n = shape.num_q_heads, shape.head_dim, T - pre
+    fb = ForwardBatch(
+        forward_mode=ForwardMode.EXTEND,
+        batch_size=1,
+        input_ids=torch.zeros(n, dtype=torch.int64),
+        req_pool_indices=torch.tensor([r.req_pool_idx]),
+        seq_lens=torch.tensor([T]),
+        out_cache_loc=torch.zeros(n, dtype=torch.int64),
+        seq_lens_sum=T,
+        positions=torch.arange(pre, T),
+        extend_start_loc=torch.tensor([0]),
+        extend_seq_lens=torch.tensor([n]),
+        extend_prefix_lens=torch.tensor([pre]),
+        extend_seq_lens_cpu=[n] if host_lens else None,
+        extend_prefix_lens_cpu=[pre] if host_lens else None,
+    )
+    backend = SimpleNamespace(token_to_kv_pool=steps.kv, req_to_token=steps.r2t.req_to_token)
+    torch.manual_seed(3)
+    qs = [torch.randn(n, hq * d) for _ in range(shape.num_layers)]
+    runtime.reset_extend_rows()
+    with host_reads:
+        for layer in range(shape.num_layers):
+            attn = RadixAttention(hq, d, d**-0.5, shape.num_kv_heads, layer)
+            observe_extend(backend, qs[layer], attn, fb)
+    count = host_reads.count
+    method = steps.planner.methods.for_policy(policy)
+    ref = method.observer(
+        policy, ObserveRequest(T, pre, torch.tensor(state.tags.actionable), shape)
+    )
+    row = steps.row(r)[:T]
+    live = torch.nonzero(row != dead).reshape(-1)
+    for layer in range(shape.num_layers):
+        q = qs[layer].reshape(n, hq, d).transpose(0, 1)
+        k = steps.kv.get_key_buffer(layer)[row[live]].transpose(0, 1)
+        ref.observe(layer, q, torch.arange(pre, T), k, live, None)
+    got, want = state.observer.result(), ref.result()
+    OBSERVING.clear()
+    steps.finish(r)
+    return count, got, want
+
+
+def test_an_observer_that_reads_no_keys_costs_no_row_read(steps_factory, host_reads):
+    """IntentKV's observer reads the queries only (``reads_keys`` False): observing an extend
+    batch reads the host once (the pool indices; SGLang's host lists give the lengths), with
+    2 layers as with 6, and its result equals the observer fed directly (live keys and all).
+    Without the host lists the two lengths are read back too. (A key-reading observer such
+    as SnapKV's adds its row's live mask; on the CPU its window selection reads too, which on
+    a GPU it does not: ``tests/device_reads.py`` counts those.)"""
+    from agentkv.policies import IntentKV
+
+    intent = IntentKV(budget=10, mode="query", fallback_window=4)
+    for layers in (2, 6):
+        count, got, want = _observe_reads(steps_factory(layers=layers), intent, host_reads, True)
+        assert count == 1, host_reads.ops
+        torch.testing.assert_close(got, want)
+    count, _, _ = _observe_reads(steps_factory(layers=2), intent, host_reads, False)
+    assert count == 3, host_reads.ops  # + extend_seq_lens and extend_prefix_lens read back
+    # SnapKV still sees its live keys through the same path (holes dropped)
+    count, got, want = _observe_reads(
+        steps_factory(layers=2), SnapKV(budget=12, window=6), host_reads, True
+    )
+    for f in ("sums", "counts", "seen", "head_live"):
+        torch.testing.assert_close(getattr(got, f), getattr(want, f))
