@@ -27,6 +27,37 @@ def tokens(n: int, seed: int) -> list[int]:
     return torch.randint(10, 30000, (n,), generator=g).tolist()
 
 
+def scheduler_of(steps) -> SimpleNamespace:
+    """What ``before_extend`` reads of SGLang's scheduler, over the ``steps`` fixture's pools."""
+    return SimpleNamespace(
+        token_to_kv_pool_allocator=steps.alloc,
+        model_config=SimpleNamespace(num_attention_heads=steps.planner.shape.num_q_heads),
+        tp_size=1,
+    )
+
+
+def one_request_extend(r, pre: int, n: int, host_lens: bool = False):
+    """SGLang's ``ForwardBatch`` of one extend of request ``r``: ``n`` rows after ``pre``
+    computed positions; ``host_lens``: with the lengths' host lists, as SGLang fills them."""
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+
+    return ForwardBatch(
+        forward_mode=ForwardMode.EXTEND,
+        batch_size=1,
+        input_ids=torch.zeros(n, dtype=torch.int64),
+        req_pool_indices=torch.tensor([r.req_pool_idx]),
+        seq_lens=torch.tensor([pre + n]),
+        out_cache_loc=torch.zeros(n, dtype=torch.int64),
+        seq_lens_sum=pre + n,
+        positions=torch.arange(pre, pre + n),
+        extend_start_loc=torch.tensor([0]),
+        extend_seq_lens=torch.tensor([n]),
+        extend_prefix_lens=torch.tensor([pre]),
+        extend_seq_lens_cpu=[n] if host_lens else None,
+        extend_prefix_lens_cpu=[pre] if host_lens else None,
+    )
+
+
 def test_observers_see_each_requests_rows_and_live_keys(steps):
     from sglang.srt.layers.radix_attention import RadixAttention
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
@@ -48,11 +79,7 @@ def test_observers_see_each_requests_rows_and_live_keys(steps):
     steps.r2t.req_to_token[b.req_pool_idx, 5] = dead
     prefix = [0, 10]
     lens = [40, 20]
-    sched = SimpleNamespace(
-        token_to_kv_pool_allocator=steps.alloc,
-        model_config=SimpleNamespace(num_attention_heads=steps.planner.shape.num_q_heads),
-        tp_size=1,
-    )
+    sched = scheduler_of(steps)
     import agentkv.integrations.sglang.runtime as runtime
 
     runtime._PLANNER = steps.planner
@@ -146,7 +173,6 @@ def test_a_retracted_request_rerun_with_its_output_observes_its_prompt_only(step
     observer was made for the prompt: it sees the prompt's rows and keys (as if fed directly)
     and the plan covers the prompt. (On the H100 an H2O observer indexed past its prompt.)"""
     from sglang.srt.layers.radix_attention import RadixAttention
-    from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 
     import agentkv.integrations.sglang.runtime as runtime
     from agentkv.policies import H2O
@@ -162,27 +188,11 @@ def test_a_retracted_request_rerun_with_its_output_observes_its_prompt_only(step
     state = request_state(r)
     state.planned, state.observer = False, None
     r.prefix_indices = steps.row(r)[:0]
-    sched = SimpleNamespace(
-        token_to_kv_pool_allocator=steps.alloc,
-        model_config=SimpleNamespace(num_attention_heads=steps.planner.shape.num_q_heads),
-        tp_size=1,
-    )
+    sched = scheduler_of(steps)
     before_extend(sched, SimpleNamespace(reqs=[r]))
     shape = steps.planner.shape
     hq, d, n = shape.num_q_heads, shape.head_dim, T + extra
-    fb = ForwardBatch(
-        forward_mode=ForwardMode.EXTEND,
-        batch_size=1,
-        input_ids=torch.zeros(n, dtype=torch.int64),
-        req_pool_indices=torch.tensor([r.req_pool_idx]),
-        seq_lens=torch.tensor([n]),
-        out_cache_loc=torch.zeros(n, dtype=torch.int64),
-        seq_lens_sum=n,
-        positions=torch.arange(n),
-        extend_start_loc=torch.tensor([0]),
-        extend_seq_lens=torch.tensor([n]),
-        extend_prefix_lens=torch.tensor([0]),
-    )
+    fb = one_request_extend(r, 0, n)
     backend = SimpleNamespace(token_to_kv_pool=steps.kv, req_to_token=steps.r2t.req_to_token)
     torch.manual_seed(1)
     qs = [torch.randn(n, hq * d) for _ in range(shape.num_layers)]
@@ -267,7 +277,6 @@ def _observe_reads(steps, policy, host_reads, host_lens: bool) -> tuple[int, Any
     every layer of an extend batch; returns the host reads of the observation, the observer's
     result and the result of the same observer fed directly."""
     from sglang.srt.layers.radix_attention import RadixAttention
-    from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 
     import agentkv.integrations.sglang.runtime as runtime
 
@@ -281,29 +290,11 @@ def _observe_reads(steps, policy, host_reads, host_lens: bool) -> tuple[int, Any
     state = request_state(r)
     state.planned, state.observer = False, None
     r.prefix_indices = steps.row(r)[:pre]
-    sched = SimpleNamespace(
-        token_to_kv_pool_allocator=steps.alloc,
-        model_config=SimpleNamespace(num_attention_heads=steps.planner.shape.num_q_heads),
-        tp_size=1,
-    )
+    sched = scheduler_of(steps)
     before_extend(sched, SimpleNamespace(reqs=[r]))
     shape = steps.planner.shape
     hq, d, n = shape.num_q_heads, shape.head_dim, T - pre
-    fb = ForwardBatch(
-        forward_mode=ForwardMode.EXTEND,
-        batch_size=1,
-        input_ids=torch.zeros(n, dtype=torch.int64),
-        req_pool_indices=torch.tensor([r.req_pool_idx]),
-        seq_lens=torch.tensor([T]),
-        out_cache_loc=torch.zeros(n, dtype=torch.int64),
-        seq_lens_sum=T,
-        positions=torch.arange(pre, T),
-        extend_start_loc=torch.tensor([0]),
-        extend_seq_lens=torch.tensor([n]),
-        extend_prefix_lens=torch.tensor([pre]),
-        extend_seq_lens_cpu=[n] if host_lens else None,
-        extend_prefix_lens_cpu=[pre] if host_lens else None,
-    )
+    fb = one_request_extend(r, pre, n, host_lens)
     backend = SimpleNamespace(token_to_kv_pool=steps.kv, req_to_token=steps.r2t.req_to_token)
     torch.manual_seed(3)
     qs = [torch.randn(n, hq * d) for _ in range(shape.num_layers)]
