@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import Annotated, Any, TypedDict
 
 from agentkv.bench.traces import load_tau_bench
+from agentkv.integrations.sglang.host_time import parse_host_time
 from agentkv.policies import parse_policy
 from agentkv.wire import build_payload, encode_payload
 
@@ -649,6 +650,8 @@ def log_stats(path: str | None, since: int = 0) -> dict[str, Any]:
         "retractions": sum(int(x) for x in re.findall(r"#retracted_reqs: (\d+)", text)),
         "agentkv_plans": text.count("agentkv plan"),
         "agentkv_evicted": sum(int(x) for x in re.findall(r"agentkv plan .*?evicted (\d+)", text)),
+        # the plugin's host time per stage (AGENTKV_SGLANG_HOST_TIME_S lines; both processes)
+        "agentkv_host_ms": parse_host_time(text),
         "log_bytes": len(text),
     }
 

@@ -142,6 +142,8 @@ start)
   # PLUGIN_ENV="AGENTKV_SGLANG_RELEASE_LATCH=0" (SGLang's batch_is_full latch kept: the A/B)
   read -r -a PENV <<< "${PLUGIN_ENV:-}"
   [ ${#PENV[@]} -gt 0 ] && export "${PENV[@]}" && echo "plugin server env: ${PENV[*]}"
+  # the plugin's host time per stage, one log line per 5 s (log_stats sums them per run)
+  export AGENTKV_SGLANG_HOST_TIME_S=${AGENTKV_SGLANG_HOST_TIME_S:-5}
   SGLANG_PLUGINS=agentkv launch plugin 30001 --attention-backend agentkv \
     --radix-cache-backend agentkv --page-size 1 ${SGL_PLUGIN_ARGS:-}
   echo "both servers up"; grep -h -i -E "agentkv|max_total_num_tokens|KV Cache is allocated" "$RUN"/plugin.log | cut -c1-300 | head -20

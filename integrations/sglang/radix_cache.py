@@ -45,6 +45,7 @@ from sglang.srt.mem_cache.base_prefix_cache import (
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
 
+from agentkv.integrations.sglang.host_time import timed
 from agentkv.integrations.sglang.request_plan import (
     HOLEY,
     SESSION_MARK,
@@ -125,6 +126,7 @@ class AgentKVRadixCache(RadixCache):
 
     # ---- matching ----------------------------------------------------------------------------
 
+    @timed("radix_match")
     def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
         req = params.req
         state = request_state(req) if req is not None else None
@@ -237,6 +239,7 @@ class AgentKVRadixCache(RadixCache):
         self.allocator.release_owned(row[start:cut])
         self.allocator.drop_refs(row[cut:])
 
+    @timed("radix_finish")
     def cache_finished_req(self, req: Any, is_insert: bool = True, *, kv_len_to_handle: int):
         if self.disable_finished_insert:
             is_insert = False
@@ -261,6 +264,7 @@ class AgentKVRadixCache(RadixCache):
             if not is_insert:
                 state.planned = False  # retracted: computed (and planned) again later
 
+    @timed("radix_unfinished")
     def cache_unfinished_req(self, req: Any, chunked: bool = False):
         if self.disable:
             return
@@ -291,6 +295,7 @@ class AgentKVRadixCache(RadixCache):
 
     # ---- freeing -----------------------------------------------------------------------------
 
+    @timed("radix_evict")
     def evict(self, params: EvictParams) -> EvictResult:
         """LRU eviction counted in slots actually freed (an aliased or DEAD entry frees
         nothing), so SGLang gets the room it asked for whenever the tree can give it.

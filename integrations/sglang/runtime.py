@@ -55,6 +55,7 @@ from agentkv.integrations.sglang.hidden_states import (
     HIDDEN_OBSERVING,
     reset_rows,
 )
+from agentkv.integrations.sglang.host_time import HOST_TIME
 from agentkv.integrations.sglang.request_plan import (
     HOLEY,
     TAGS_KEY,
@@ -192,7 +193,8 @@ def tag_chat_request(result: Any, serving: Any, request: Any, *args: Any, **kwar
     custom.pop(TAGS_KEY, None)  # tags are the server's to compute, never a client's
     if custom.get(WIRE_KEY) is None:
         return
-    payload = check_payload(custom[WIRE_KEY])  # PayloadError (a ValueError): HTTP 400
+    with HOST_TIME.stage("payload"):
+        payload = check_payload(custom[WIRE_KEY])  # PayloadError (a ValueError): HTTP 400
     model_config = getattr(getattr(serving, "tokenizer_manager", None), "model_config", None)
     if model_config is not None:  # e.g. KVzap without a surrogate for this model: 400
         tp = getattr(getattr(serving.tokenizer_manager, "server_args", None), "tp_size", 1)
@@ -203,22 +205,23 @@ def tag_chat_request(result: Any, serving: Any, request: Any, *args: Any, **kwar
     ids = getattr(adapted, "input_ids", None)
     if not isinstance(ids, list) or not ids or not isinstance(ids[0], int):
         return
-    try:
-        from agentkv.engine.chat_template import ChatRenderer
+    with HOST_TIME.stage("tag"):  # render, tokenize, tag: what SGLang does once, again
+        try:
+            from agentkv.engine.chat_template import ChatRenderer
 
-        tokenizer = serving.tokenizer_manager.tokenizer
-        renderer = ChatRenderer(tokenizer, template=tokenizer.chat_template)
-        messages = [m.model_dump(exclude_none=True) for m in request.messages]
-        for m in messages:  # as SGLang renders them: tool-call arguments parsed (then the
-            # template re-serialises them, `{"k": "v"}`, not the client's `{"k":"v"}`)
-            normalize_tool_call_arguments(m)
-        tools = None  # as SGLang renders them
-        if request.tools and request.tool_choice != "none":
-            tools = [t.model_dump() for t in request.tools]
-        tags = renderer.encode(messages, tools=tools, annotations=payload.messages)
-    except Exception as e:  # the request still runs, untagged
-        logger.warning("agentkv: could not tag the request (%s: %s)", type(e).__name__, e)
-        return
+            tokenizer = serving.tokenizer_manager.tokenizer
+            renderer = ChatRenderer(tokenizer, template=tokenizer.chat_template)
+            messages = [m.model_dump(exclude_none=True) for m in request.messages]
+            for m in messages:  # as SGLang renders them: tool-call arguments parsed (then the
+                # template re-serialises them, `{"k": "v"}`, not the client's `{"k":"v"}`)
+                normalize_tool_call_arguments(m)
+            tools = None  # as SGLang renders them
+            if request.tools and request.tool_choice != "none":
+                tools = [t.model_dump() for t in request.tools]
+            tags = renderer.encode(messages, tools=tools, annotations=payload.messages)
+        except Exception as e:  # the request still runs, untagged
+            logger.warning("agentkv: could not tag the request (%s: %s)", type(e).__name__, e)
+            return
     if tags.token_ids != ids:
         logger.info("agentkv: tagger tokens differ from SGLang's prompt; request runs untagged")
         return
@@ -232,16 +235,18 @@ def run_batch(original: Any, scheduler: Any, batch: Any, *args: Any, **kwargs: A
     """AROUND hook on ``Scheduler.run_batch``."""
     extend = batch is not None and batch.forward_mode.is_extend()
     if extend:
-        before_extend(scheduler, batch)
+        with HOST_TIME.stage("before_extend"):
+            before_extend(scheduler, batch)
     try:
         result = original(scheduler, batch, *args, **kwargs)
     finally:
         reset_rows()
         reset_extend_rows()
     if extend:
-        after_extend(scheduler, batch)
+        after_extend(scheduler, batch)  # timed inside: "sync", "plan"
     elif HIDDEN_DECODING and batch is not None and batch.forward_mode.is_decode():
-        after_decode(scheduler, batch, planner_for(scheduler).shape)
+        with HOST_TIME.stage("decode_plans"):
+            after_decode(scheduler, batch, planner_for(scheduler).shape)
     return result
 
 
@@ -325,14 +330,20 @@ def after_extend(scheduler: Any, batch: Any) -> None:
     if not todo:
         return
     if torch.cuda.is_available():
-        torch.cuda.synchronize()
+        with HOST_TIME.stage("sync"):
+            torch.cuda.synchronize()
     p = planner_for(scheduler)
     freed = 0
     for req, state in todo:
         try:
-            plan_one(
-                p, scheduler.req_to_token_pool, scheduler.token_to_kv_pool_allocator, req, state
-            )
+            with HOST_TIME.stage("plan"):
+                plan_one(
+                    p,
+                    scheduler.req_to_token_pool,
+                    scheduler.token_to_kv_pool_allocator,
+                    req,
+                    state,
+                )
             freed += state.usage["freed_slots"]
         except Exception as e:  # a failed plan leaves the request whole: it runs as FullCache
             logger.exception("agentkv: plan failed for request %s; nothing evicted", req.rid)

@@ -4,6 +4,7 @@ latch release on SGLang's real pools, radix cache and ``ScheduleBatch``."""
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import subprocess
@@ -187,3 +188,44 @@ def test_run_batch_keeps_batch_is_full_when_nothing_is_freed_or_switched_off(
     for r in [running, *done]:
         steps.finish(r)
     steps.cache.check_invariants()
+
+
+# ---- host time per stage (integrations/sglang/host_time.py) ------------------------------------
+
+
+def test_host_time_counts_stages_and_logs_a_line_the_benchmark_parses(caplog):
+    from agentkv.integrations.sglang.host_time import HostTime, parse_host_time
+
+    ht = HostTime(interval_s=0)  # no automatic line: flushed by hand
+    for _ in range(3):
+        with ht.stage("plan"):
+            sum(range(1000))
+    ht.add("sync", 0.004)
+    assert ht.stages["plan"].calls == 3 and ht.stages["sync"].seconds == 0.004
+    with caplog.at_level(logging.INFO, logger="agentkv.sglang"):
+        ht.flush()
+        ht.add("sync", 0.006)
+        ht.flush()
+        ht.flush()  # nothing timed since: no line
+    lines = [r.getMessage() for r in caplog.records if "agentkv host time" in r.getMessage()]
+    assert len(lines) == 2 and "sync 4.0 ms / 1 = 4.00 ms" in lines[0]
+    got = parse_host_time("\n".join(f"[2026-11-23 21:00:00] {x}" for x in lines))
+    assert got["sync"] == {"ms": 10.0, "calls": 2} and got["plan"]["calls"] == 3
+    assert not ht.stages  # started over
+
+
+def test_run_batch_times_its_stages(steps, hook, monkeypatch):
+    """The hook's stages land in HOST_TIME: the observer's start, the plan (no ``sync`` on
+    the CPU: no CUDA stream to wait for)."""
+    from agentkv.integrations.sglang import host_time, runtime
+    from agentkv.integrations.sglang.host_time import HostTime
+    from agentkv.policies import StreamingLLM
+
+    fresh = HostTime(interval_s=0)
+    monkeypatch.setattr(host_time, "HOST_TIME", fresh)
+    monkeypatch.setattr(runtime, "HOST_TIME", fresh)
+    req = steps.request(_tokens(40, 5), _payload("t", StreamingLLM(budget=16, sinks=4)), rid="t")
+    hook(req, [], full=False)
+    assert fresh.stages["before_extend"].calls == 1 and fresh.stages["plan"].calls == 1
+    assert "sync" not in fresh.stages
+    steps.finish(req)
