@@ -715,7 +715,8 @@ def capacity(
             # one-off costs (kernel compilation, first plan; SnapKV's took ~2 s), during which
             # every session of the level arrives and queues for the prefill chunks: a queue
             # that says nothing about memory
-            replay(url, traces[:1], policy, 1, a.max_tokens, a.tools, f"warm-{name}", 1)
+            warm = f"warm-{name}".replace(" ", "_")
+            replay(url, traces[:1], policy, 1, a.max_tokens, a.tools, warm, 1)
 
         def run_level(level: int, name=name, url=url, log=log, policy=policy) -> bool:
             flush(url)
