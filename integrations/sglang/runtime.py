@@ -265,9 +265,12 @@ def before_extend(scheduler: Any, batch: Any) -> None:
         if state.planned:
             continue
         if HOLEY.dead_slot is not None:
-            state.dead_in_prefix = _dead_in_prefix(req, state, HOLEY.dead_slot)
-            if state.dead_in_prefix:
+            if state.evicts and _session_prefix(req, state):
+                # its plan reads the row anyway (plan_one counts the holes there, no read
+                # here); until then it counts as holey: a row without DEAD compacts to itself
                 HOLEY.mark(state)
+            else:
+                _count_dead_in_prefix(req, state)
         if not state.evicts:
             continue
         try:
@@ -277,6 +280,21 @@ def before_extend(scheduler: Any, batch: Any) -> None:
             state.observer = None
             state.planned = True
             state.usage = {"plan_note": f"no plan ({type(e).__name__}); nothing evicted"}
+            _count_dead_in_prefix(req, state)
+
+
+def _session_prefix(req: Any, state: AgentKVRequest) -> bool:
+    """Whether the request matched a prefix in its session's namespace (it may hold DEAD)."""
+    return len(req.prefix_indices) > 0 and req.prefix_indices is not state.intact_prefix
+
+
+def _count_dead_in_prefix(req: Any, state: AgentKVRequest) -> None:
+    """``state.dead_in_prefix`` (:func:`_dead_in_prefix`), the request marked holey if any."""
+    if HOLEY.dead_slot is None:
+        return
+    state.dead_in_prefix = _dead_in_prefix(req, state, HOLEY.dead_slot)
+    if state.dead_in_prefix:
+        HOLEY.mark(state)
 
 
 def _dead_in_prefix(req: Any, state: AgentKVRequest, dead: int) -> int:
@@ -352,6 +370,7 @@ def after_extend(scheduler: Any, batch: Any) -> None:
             state.observer = None
             state.planned = True
             state.usage = {"plan_note": f"plan failed ({type(e).__name__}); nothing evicted"}
+            _count_dead_in_prefix(req, state)
     release_latch(scheduler, freed)
 
 
@@ -381,13 +400,17 @@ def plan_one(planner: Planner, req_to_token_pool: Any, allocator: Any, req: Any,
     n, freed = apply_evictions_counted(
         r2t, req.req_pool_idx, positions, req.cache_protected_len, allocator, live=live
     )
-    if n or not bool(live.all()):
+    # new rows are never DEAD: the row's holes are the prefix's (a host count: no read)
+    state.dead_in_prefix = T - live_pos.numel()
+    if n or state.dead_in_prefix:
         HOLEY.mark(state)
+    else:  # before_extend marked a session prefix holey before knowing: it has no hole
+        HOLEY.release(state)
     state.planned = True
     state.usage = {
         "evicted_tokens": n,
         "freed_slots": freed,
-        "live_kv_tokens": int(live.sum()) - n,
+        "live_kv_tokens": live_pos.numel() - n,
         "plan_note": plan.note if state.tagged else ("untagged; " + plan.note).strip("; "),
         "plan_time_s": time.perf_counter() - t0,
         "planned_at": time.perf_counter(),

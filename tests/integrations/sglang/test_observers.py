@@ -90,7 +90,9 @@ def test_observers_see_each_requests_rows_and_live_keys(steps):
     assert set(OBSERVING) == {a.req_pool_idx, b.req_pool_idx}
     # usage.agentkv: each request got its column; b's prefix holes are counted
     assert all(isinstance(r.customized_info[USAGE_KEY], UsageColumn) for r in (a, b))
-    assert request_state(a).dead_in_prefix == 0 and request_state(b).dead_in_prefix == 2
+    # b's session prefix may hold holes: holey until its plan counts them (no read here)
+    assert request_state(a).dead_in_prefix == 0 and not request_state(a).holey
+    assert request_state(b).holey and request_state(b).dead_in_prefix == 0
 
     shape = steps.planner.shape
     hq, d = shape.num_q_heads, shape.head_dim
@@ -154,6 +156,7 @@ def test_observers_see_each_requests_rows_and_live_keys(steps):
             want_dead = evicted_positions(plan, len(state.tags))
         n_dead = plan_one(steps.planner, steps.r2t, steps.alloc, r, state)
         assert n_dead > 0 and state.planned and state.observer is None
+        assert state.dead_in_prefix == (2 if r is b else 0)  # the prefix's holes, counted
         assert state.usage["live_kv_tokens"] == len(state.tags) - state.dead_in_prefix - n_dead
         now_dead = torch.nonzero(steps.row(r)[: len(state.tags)] == dead).reshape(-1)
         assert (
@@ -342,3 +345,35 @@ def test_an_observer_that_reads_no_keys_costs_no_row_read(steps_factory, host_re
     )
     for f in ("sums", "counts", "seen", "head_live"):
         torch.testing.assert_close(getattr(got, f), getattr(want, f))
+
+
+def test_before_extend_leaves_an_evicting_requests_holes_to_its_plan(steps, host_reads):
+    """A session prefix may hold DEAD. For an evicting request ``before_extend`` marks it
+    holey without reading anything (its plan reads the row and counts the holes); a request
+    that plans nothing (FullCache) has its holes counted there, one read."""
+    import agentkv.integrations.sglang.runtime as runtime
+    from agentkv.policies import FullCache, IntentKV
+
+    runtime._PLANNER = steps.planner
+    dead = steps.alloc.dead_slot
+    HOLEY.dead_slot = dead
+    states = {}
+    for rid, policy in (("e", IntentKV(budget=10, mode="query")), ("f", FullCache())):
+        r = steps.request(tokens(24, 40), encode_payload(KVPayload(session_id=rid, policy=policy)))
+        steps.prefill(r, plan=False)
+        steps.r2t.req_to_token[r.req_pool_idx, 4] = dead  # an earlier turn's hole
+        r.prefix_indices = steps.row(r)[:8]  # matched in the session's namespace
+        state = request_state(r)
+        state.planned, state.observer = False, None
+        with host_reads:
+            before_extend(scheduler_of(steps), SimpleNamespace(reqs=[r]))
+        states[rid] = (r, state, host_reads.count)
+    (e, se, reads_e), (f, sf, reads_f) = states["e"], states["f"]
+    assert reads_e == 0 and se.holey and se.dead_in_prefix == 0
+    assert reads_f == 1 and sf.holey and sf.dead_in_prefix == 1
+    plan_one(steps.planner, steps.r2t, steps.alloc, e, se)
+    assert se.dead_in_prefix == 1 and se.holey  # counted by the plan, from its one row read
+    OBSERVING.clear()
+    for r in (e, f):
+        steps.finish(r)
+    steps.cache.check_invariants()
