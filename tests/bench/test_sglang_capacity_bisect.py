@@ -80,3 +80,24 @@ def test_bisection_under_each_criterion():
 
     for crit, expect in (("no-queue", (80, 81)), ("no-retraction", (271, 272))):
         assert bisect_capacity(64, 320, lambda n, c=crit: level_holds(c, n, **row(n))) == expect
+
+
+def test_log_stats_sums_the_plugins_host_time_lines(tmp_path):
+    from sglang_plugin import top_host_stages
+
+    log = tmp_path / "plugin.log"
+    log.write_text(
+        "[2026-11-23 21:00:00] agentkv host time (5.0 s): plan 40.0 ms / 10 = 4.00 ms; "
+        "sync 12.5 ms / 5 = 2.50 ms\n"
+        "[2026-11-23 21:00:01] Decode batch, #running-req: 2, #token: 90, token usage: 0.01, "
+        "#queue-req: 0\n"
+        "[2026-11-23 21:00:05] agentkv host time (5.0 s): tag 30.0 ms / 6 = 5.00 ms; "
+        "plan 8.0 ms / 2 = 4.00 ms\n"
+    )
+    host = log_stats(str(log))["agentkv_host_ms"]
+    assert host == {
+        "plan": {"ms": 48.0, "calls": 12},
+        "sync": {"ms": 12.5, "calls": 5},
+        "tag": {"ms": 30.0, "calls": 6},
+    }
+    assert top_host_stages(host, 2) == "host: plan 48 ms, tag 30 ms"
