@@ -261,7 +261,7 @@ def stand_in_plan(planner: Any, r2t: Any, alloc: Any, req: Any, state: Any, keep
     tags, live positions from the row, the budget), the surviving non-forced positions by the
     ``keep`` stand-in; applied as ``plan_one`` applies a plan (``apply_evictions``, the HOLEY
     mark, ``state.planned``). Returns the positions made DEAD."""
-    from agentkv.integrations.sglang.request_plan import HOLEY, apply_evictions_counted
+    from agentkv.integrations.sglang.request_plan import HOLEY, apply_evictions
 
     policy = state.payload.policy
     method = planner.methods.for_policy(policy)
@@ -288,7 +288,7 @@ def stand_in_plan(planner: Any, r2t: Any, alloc: Any, req: Any, state: Any, keep
     evict = cand.clone()
     evict[kept] = False
     positions = torch.nonzero(evict).reshape(-1)
-    n, freed = apply_evictions_counted(
+    n, freed = apply_evictions(
         r2t.req_to_token, req.req_pool_idx, positions, req.cache_protected_len, alloc, live=live
     )
     if n or not bool(live.all()):

@@ -22,11 +22,12 @@ from __future__ import annotations
 import torch
 
 from agentkv.integrations.sglang.hidden_states import install_hidden_state_hooks
-from agentkv.integrations.sglang.host_time import HOST_TIME
+from agentkv.integrations.sglang.host_time import timed
 from agentkv.integrations.sglang.request_plan import HOLEY
 from agentkv.integrations.sglang.runtime import OBSERVING, observe_extend
 
 
+@timed("drop_dead")
 def drop_dead_kv_indices(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, dead: int) -> None:
     """Remove every ``dead`` entry of ``kv_indices[: kv_indptr[-1]]`` in place and rewrite
     ``kv_indptr`` (``[bs + 1]``, int32 or int64) to match; the live entries left end at the
@@ -70,15 +71,13 @@ def make_backend_class():
             )
             if HOLEY.count > 0 and HOLEY.dead_slot is not None:
                 bound = bs * self.req_to_token.shape[1]  # >= the batch's entries, host-known
-                with HOST_TIME.stage("drop_dead"):
-                    drop_dead_kv_indices(kv_indptr, kv_indices[:bound], HOLEY.dead_slot)
+                drop_dead_kv_indices(kv_indptr, kv_indices[:bound], HOLEY.dead_slot)
             return kv_indptr
 
         def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
             o = super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
             if OBSERVING:
-                with HOST_TIME.stage("observe"):
-                    observe_extend(self, q, layer, forward_batch)
+                observe_extend(self, q, layer, forward_batch)
             return o
 
     return AgentKVTritonBackend

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from agentkv.integrations.sglang.hidden_states import HIDDEN_DECODING
+from agentkv.integrations.sglang.host_time import timed
 from agentkv.integrations.sglang.request_plan import (
     HOLEY,
     AgentKVRequest,
@@ -72,6 +73,7 @@ def watch_decode(req: Any, state: AgentKVRequest, method: Method, observer: Any)
     return True
 
 
+@timed("decode_plans")
 def after_decode(scheduler: Any, batch: Any, shape: ModelShape) -> int:
     """After a decode batch: count observed steps, plan the requests whose interval is due and
     apply the plans. Returns the positions made DEAD."""
@@ -117,7 +119,7 @@ def _plan_step(scheduler: Any, req: Any, watch: DecodeWatch, seq_len: int, shape
         return 0
     allocator = scheduler.token_to_kv_pool_allocator
     positions = evicted_positions(plan, seq_len)
-    n = apply_evictions(
+    n, _ = apply_evictions(
         scheduler.req_to_token_pool.req_to_token,
         req.req_pool_idx,
         positions,

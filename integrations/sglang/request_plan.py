@@ -292,29 +292,16 @@ def apply_evictions(
     protected_len: int,
     allocator: Any,
     live: torch.Tensor | None = None,
-) -> int:
+) -> tuple[int, int]:
     """Redirect ``positions`` (int64 ``[k]``, on the host) of ``req_to_token[row]`` to DEAD
     and drop the request's reference on the slots it owns (positions ``>= protected_len``;
     the matched prefix below it belongs to the radix tree, which keeps it for other requests).
-    Returns the number of positions newly made DEAD.
+    Returns ``(positions newly made DEAD, slots freed)``: the freed ones are those the
+    request owned, its reference dropped.
 
     ``live``: bool ``[T]`` on the host, the row's positions not DEAD now (what the plan saw):
-    then which positions are new is known on the host and nothing is read back; without it
-    the row is read (one mask and its count)."""
-    return apply_evictions_counted(req_to_token, row, positions, protected_len, allocator, live)[0]
-
-
-def apply_evictions_counted(
-    req_to_token: torch.Tensor,
-    row: int,
-    positions: torch.Tensor,
-    protected_len: int,
-    allocator: Any,
-    live: torch.Tensor | None = None,
-) -> tuple[int, int]:
-    """:func:`apply_evictions`, returning ``(positions newly DEAD, slots freed)``: the freed
-    ones are those the request owned (past ``protected_len``), its reference dropped. With
-    ``live`` both counts come from the host (no read)."""
+    then which positions are new (and both counts) are known on the host and nothing is read
+    back; without it the row is read (one mask and its count)."""
     if positions.numel() == 0:
         return 0, 0
     if live is not None:
@@ -341,7 +328,7 @@ def _redirect_live(
     protected_len: int,
     allocator: Any,
 ) -> tuple[int, int]:
-    """:func:`apply_evictions_counted` of host ``positions`` (int64 ``[k]``) known not to be
+    """:func:`apply_evictions` of host ``positions`` (int64 ``[k]``) known not to be
     DEAD: the owned ones selected on the host, then gathers and writes on the row's device
     only."""
     owned = positions[positions >= protected_len].to(req_to_token.device)

@@ -40,6 +40,7 @@ prompt N evicted E live L``); ``AGENTKV_SGLANG_LOG_POSITIONS=1`` adds the evicte
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -55,12 +56,12 @@ from agentkv.integrations.sglang.hidden_states import (
     HIDDEN_OBSERVING,
     reset_rows,
 )
-from agentkv.integrations.sglang.host_time import HOST_TIME
+from agentkv.integrations.sglang.host_time import HOST_TIME, timed
 from agentkv.integrations.sglang.request_plan import (
     HOLEY,
     TAGS_KEY,
     AgentKVRequest,
-    apply_evictions_counted,
+    apply_evictions,
     check_method,
     check_payload,
     encode_tags,
@@ -235,8 +236,7 @@ def run_batch(original: Any, scheduler: Any, batch: Any, *args: Any, **kwargs: A
     """AROUND hook on ``Scheduler.run_batch``."""
     extend = batch is not None and batch.forward_mode.is_extend()
     if extend:
-        with HOST_TIME.stage("before_extend"):
-            before_extend(scheduler, batch)
+        before_extend(scheduler, batch)
     try:
         result = original(scheduler, batch, *args, **kwargs)
     finally:
@@ -245,8 +245,7 @@ def run_batch(original: Any, scheduler: Any, batch: Any, *args: Any, **kwargs: A
     if extend:
         after_extend(scheduler, batch)  # timed inside: "sync", "plan"
     elif HIDDEN_DECODING and batch is not None and batch.forward_mode.is_decode():
-        with HOST_TIME.stage("decode_plans"):
-            after_decode(scheduler, batch, planner_for(scheduler).shape)
+        after_decode(scheduler, batch, planner_for(scheduler).shape)
     return result
 
 
@@ -254,6 +253,7 @@ def _prefill_complete(req: Any) -> bool:
     return len(req.get_fill_ids()) >= len(req.origin_input_ids)
 
 
+@timed("before_extend")
 def before_extend(scheduler: Any, batch: Any) -> None:
     allocator = scheduler.token_to_kv_pool_allocator
     HOLEY.dead_slot = getattr(allocator, "dead_slot", None)
@@ -264,13 +264,12 @@ def before_extend(scheduler: Any, batch: Any) -> None:
         attach_usage(req, state, planner_for(scheduler))  # usage.agentkv (once)
         if state.planned:
             continue
-        if HOLEY.dead_slot is not None:
-            if state.evicts and _session_prefix(req, state):
-                # its plan reads the row anyway (plan_one counts the holes there, no read
-                # here); until then it counts as holey: a row without DEAD compacts to itself
-                HOLEY.mark(state)
-            else:
-                _count_dead_in_prefix(req, state)
+        if HOLEY.dead_slot is not None and state.evicts and _session_prefix(req, state):
+            # its plan reads the row anyway (plan_one counts the holes there, no read here);
+            # until then it counts as holey: a row without DEAD compacts to itself
+            HOLEY.mark(state)
+        else:
+            _count_dead_in_prefix(req, state)
         if not state.evicts:
             continue
         try:
@@ -301,10 +300,9 @@ def _dead_in_prefix(req: Any, state: AgentKVRequest, dead: int) -> int:
     """DEAD positions in the request's matched prefix. A prefix matched in the shared
     namespace (intact runs only) has none: counted without a host read; a session's prefix
     (it may hold holes) is counted on the device and read back."""
-    prefix = req.prefix_indices
-    if len(prefix) == 0 or prefix is state.intact_prefix:
+    if not _session_prefix(req, state):
         return 0
-    return int((prefix == dead).sum())
+    return int((req.prefix_indices == dead).sum())
 
 
 def _takes_hidden(observer: Any) -> bool:
@@ -397,7 +395,7 @@ def plan_one(planner: Planner, req_to_token_pool: Any, allocator: Any, req: Any,
     plan = plan_request(state, planner.methods, planner.shape, live, read_keys)
     observer, state.observer = state.observer, None
     positions = evicted_positions(plan, T)
-    n, freed = apply_evictions_counted(
+    n, freed = apply_evictions(
         r2t, req.req_pool_idx, positions, req.cache_protected_len, allocator, live=live
     )
     # new rows are never DEAD: the row's holes are the prefix's (a host count: no read)
@@ -460,9 +458,7 @@ class _ExtendRows:
         if lens is None or prefix is None:
             lens = forward_batch.extend_seq_lens.tolist()
             prefix = forward_batch.extend_prefix_lens.tolist()
-        starts = [0]
-        for m in lens[:-1]:  # extend_start_loc: the exclusive cumulative sum of the lengths
-            starts.append(starts[-1] + int(m))
+        starts = [0, *itertools.accumulate(lens[:-1])]  # extend_start_loc, on the host
         dead = HOLEY.dead_slot
         for i, idx in enumerate(pool_idx):
             state = OBSERVING.get(idx)
@@ -491,6 +487,7 @@ def reset_extend_rows() -> None:
     _EXTEND_ROWS.rows = []
 
 
+@timed("observe")
 def observe_extend(backend: Any, q: torch.Tensor, layer: Any, forward_batch: Any) -> None:
     """Feed the prefill observers of the batch's observed requests one layer's post-RoPE
     queries (``q [n_tokens, Hq·D]``) and the live keys they attend to (from the KV pool, which
