@@ -88,9 +88,14 @@ class AttentionColumnSums(PrefillObserver):
         self._move(probs.device)
         pos = k_positions.to(probs.device)
         self.sums[layer][:, pos] += probs.sum(dim=1)
-        visible = (k_positions[None, :] <= q_positions[:, None]).sum(dim=0)
-        self.counts[layer, pos] += visible.to(probs.device, torch.float32)
-        self.seen[layer, pos] = True
+        visible = (k_positions[None, :] <= q_positions[:, None]).sum(dim=0).to(probs.device)
+        held = self._held(head_mask, probs.device)
+        if held is None:
+            self.counts[layer, pos] += visible.to(torch.float32)
+            self.seen[layer, pos] = True
+        else:  # a key no KV head holds (DEAD, fed masked) is neither seen nor counted
+            self.counts[layer, pos] += (visible * held).to(torch.float32)
+            self.seen[layer, pos] = self.seen[layer, pos] | held
         self.head_live[layer][:, pos] = True if head_mask is None else head_mask.to(probs.device)
 
     def _observe_window(self, layer, q, q_positions, k, k_positions, head_mask):
@@ -109,19 +114,32 @@ class AttentionColumnSums(PrefillObserver):
         pos = k_positions.to(probs.device)
         self.sums[layer][:, pos] += probs.sum(dim=1)
         visible = ((k_positions[None, :] <= q_positions[:, None]) & sel[:, None]).sum(dim=0)
-        self.counts[layer, pos] += visible.to(probs.device, torch.float32)
+        visible = visible.to(probs.device)
         any_sel = sel.any().to(probs.device)  # stays on the device
+        held = self._held(head_mask, probs.device)
+        if held is not None:  # a key no KV head holds (DEAD, fed masked): neither
+            visible, any_sel = visible * held, any_sel & held
+        self.counts[layer, pos] += visible.to(torch.float32)
         self.seen[layer, pos] = self.seen[layer, pos] | any_sel
         live = True if head_mask is None else head_mask.to(probs.device)
         old = self.head_live[layer][:, pos]
         self.head_live[layer][:, pos] = torch.where(any_sel, live, old)
+
+    @staticmethod
+    def _held(head_mask: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+        """bool ``[m]``: whether any KV head holds each key (None: all do)."""
+        return None if head_mask is None else head_mask.to(device).any(dim=0)
 
     def result(self) -> AttentionColumnSums:
         """The sums, on the observed device (the CPU when nothing was observed)."""
         return self
 
     def _move(self, device: torch.device) -> None:
+        """The buffers to ``device``; before the first observation made there as zeros (a
+        copy of host zeros would make the host wait for the device's queue)."""
         if self.sums.device != device:
+            bufs = (self.sums, self.counts, self.seen, self.head_live)
+            fresh = self.sums.device.type == "cpu" and not bool(self.seen.any())
             self.sums, self.counts, self.seen, self.head_live = (
-                t.to(device) for t in (self.sums, self.counts, self.seen, self.head_live)
+                torch.zeros_like(t, device=device) if fresh else t.to(device) for t in bufs
             )

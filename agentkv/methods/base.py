@@ -120,9 +120,17 @@ class PrefillObserver:
 
     ``reads_keys`` False: :meth:`observe` ignores ``k`` / ``k_positions`` / ``head_mask``, and
     an engine may pass None for them instead of gathering the live keys.
+
+    ``sums_queries`` True: all the observer keeps of a layer's queries is their sums over
+    rows it chooses by position (IntentKV's mean query). An engine that batches requests may
+    then skip :meth:`observe` and compute those sums for every such request of a batch at
+    once: it asks :meth:`query_sum_masks` which rows feed which sum, and hands the sums to
+    :meth:`add_query_sums` (same result as calling :meth:`observe` per layer, up to the
+    float32 summation order).
     """
 
     reads_keys: ClassVar[bool] = True
+    sums_queries: ClassVar[bool] = False
 
     def observe(
         self,
@@ -133,6 +141,17 @@ class PrefillObserver:
         k_positions: torch.Tensor,
         head_mask: torch.Tensor | None,
     ) -> None:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def query_sum_masks(self, q_positions: torch.Tensor) -> torch.Tensor:
+        """With :attr:`sums_queries`: bool ``[S, n]``, which of the rows at int64
+        ``q_positions [n]`` (CPU) feed each of the observer's ``S`` query sums."""
+        raise NotImplementedError
+
+    def add_query_sums(self, sums: torch.Tensor, counts: torch.Tensor) -> None:
+        """With :attr:`sums_queries`: add float32 ``sums [L, S, Hq, D]`` (sum ``s`` of layer
+        ``l``: the post-RoPE queries of the rows ``query_sum_masks(...)[s]`` selected) and
+        int64 ``counts [S]`` (CPU: how many rows each sum covers; the same in every layer)."""
         raise NotImplementedError
 
     def observe_hidden(self, layer: int, hidden: torch.Tensor, positions: torch.Tensor) -> None:

@@ -61,6 +61,7 @@ class QueryMean(PrefillObserver):
     """
 
     reads_keys = False  # the queries only
+    sums_queries = True  # two sums: the actionable span's and the tail window's
 
     def __init__(self, req: ObserveRequest, window: int = 32):
         s = req.shape
@@ -85,12 +86,31 @@ class QueryMean(PrefillObserver):
             total[layer] += (q * rows.to(q.dtype)[None, :, None]).sum(dim=1, dtype=torch.float32)
             count[layer] += rows.sum()
 
-    def _move(self, device: torch.device) -> None:
+    def query_sum_masks(self, q_positions: torch.Tensor) -> torch.Tensor:
+        """bool ``[2, n]``: the rows of the actionable span, the rows of the tail window."""
+        return torch.stack((self.actionable[q_positions], q_positions >= self.tail_from))
+
+    def add_query_sums(self, sums: torch.Tensor, counts: torch.Tensor) -> None:
+        """``sums [L, 2, Hq, D]`` float32 (:meth:`query_sum_masks`' order), ``counts [2]``."""
+        self._move(sums.device, flags=False)
+        self.sum += sums[:, 0]
+        self.tail_sum += sums[:, 1]
+        self.count += float(counts[0])
+        self.tail_count += float(counts[1])
+
+    def _move(self, device: torch.device, flags: bool = True) -> None:
+        """The sums (and, with ``flags``, the actionable flags) to ``device``; before the
+        first observation the sums are made there as zeros (a copy of host zeros would make
+        the host wait for the device's queue)."""
         if self.sum.device != device:
-            self.sum, self.count, self.tail_sum, self.tail_count = (
-                t.to(device) for t in (self.sum, self.count, self.tail_sum, self.tail_count)
+            bufs = (self.sum, self.count, self.tail_sum, self.tail_count)
+            fresh = self.sum.device.type == "cpu" and not bool(
+                self.count.any() or self.tail_count.any()
             )
-        if self._act.device != device:
+            self.sum, self.count, self.tail_sum, self.tail_count = (
+                torch.zeros_like(t, device=device) if fresh else t.to(device) for t in bufs
+            )
+        if flags and self._act.device != device:
             self._act = self.actionable.to(device)
 
     def result(self) -> torch.Tensor:

@@ -30,6 +30,7 @@ keeps unscored positions.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from typing import Any
 
@@ -45,6 +46,44 @@ HIDDEN_OBSERVING: dict[int, Any] = {}
 HIDDEN_DECODING: dict[int, Any] = {}
 
 _INSTALLED = "_agentkv_hidden_hooks"
+
+
+class ExtendLayout:
+    """Where each request of the running extend batch sits, on the host.
+
+    The scheduler hook records the batch's ``req_pool_idx`` list (:meth:`record`, from the
+    ``Req`` objects) before the forward; :meth:`of` combines it with SGLang's host lists
+    (``extend_seq_lens_cpu`` / ``extend_prefix_lens_cpu``). Reading ``req_pool_indices``
+    back instead, at the first observed layer, would make the scheduler thread wait there
+    for the GPU to finish everything queued before it (the fallback when nothing was
+    recorded, e.g. a forward run outside ``Scheduler.run_batch``)."""
+
+    def __init__(self) -> None:
+        self.pool_idx: list[int] | None = None
+
+    def record(self, reqs: list[Any]) -> None:
+        self.pool_idx = [r.req_pool_idx for r in reqs]
+
+    def clear(self) -> None:
+        self.pool_idx = None
+
+    def of(self, forward_batch: Any) -> tuple[list[int], list[int], list[int], list[int]]:
+        """``(pool_idx, starts, lens, prefix)`` of an extend batch: per request its row in
+        ``req_to_token``, its first row in the batch, its rows, its cached prefix."""
+        pool_idx = self.pool_idx
+        if pool_idx is None or len(pool_idx) != len(forward_batch.req_pool_indices):
+            pool_idx = forward_batch.req_pool_indices.tolist()
+        lens = getattr(forward_batch, "extend_seq_lens_cpu", None)
+        prefix = getattr(forward_batch, "extend_prefix_lens_cpu", None)
+        if lens is None or prefix is None:
+            lens = forward_batch.extend_seq_lens.tolist()
+            prefix = forward_batch.extend_prefix_lens.tolist()
+        starts = [0, *itertools.accumulate(lens[:-1])]  # extend_start_loc, on the host
+        return pool_idx, starts, list(lens), list(prefix)
+
+
+#: the running extend batch's host layout (scheduler process; see :class:`ExtendLayout`)
+EXTEND_LAYOUT = ExtendLayout()
 
 
 class _BatchRows:
@@ -67,12 +106,10 @@ class _BatchRows:
             return self.rows
         self.batch, self.extend = forward_batch, extend
         self.rows = []
-        pool_idx = forward_batch.req_pool_indices.tolist()
         if extend:
-            starts = forward_batch.extend_start_loc.tolist()
-            lens = forward_batch.extend_seq_lens.tolist()
-            prefix = forward_batch.extend_prefix_lens.tolist()
+            pool_idx, starts, lens, prefix = EXTEND_LAYOUT.of(forward_batch)
         else:
+            pool_idx = forward_batch.req_pool_indices.tolist()
             starts, lens = list(range(len(pool_idx))), [1] * len(pool_idx)
         for i, idx in enumerate(pool_idx):
             entry = (HIDDEN_OBSERVING if extend else HIDDEN_DECODING).get(idx)

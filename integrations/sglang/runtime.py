@@ -40,7 +40,6 @@ prompt N evicted E live L``); ``AGENTKV_SGLANG_LOG_POSITIONS=1`` adds the evicte
 
 from __future__ import annotations
 
-import itertools
 import json
 import logging
 import os
@@ -52,11 +51,13 @@ import torch
 
 from agentkv.integrations.sglang.decode_pruning import after_decode, watch_decode
 from agentkv.integrations.sglang.hidden_states import (
+    EXTEND_LAYOUT,
     HIDDEN_DECODING,
     HIDDEN_OBSERVING,
     reset_rows,
 )
 from agentkv.integrations.sglang.host_time import HOST_TIME, timed
+from agentkv.integrations.sglang.query_sums import QuerySumBatch
 from agentkv.integrations.sglang.request_plan import (
     HOLEY,
     TAGS_KEY,
@@ -257,6 +258,8 @@ def _prefill_complete(req: Any) -> bool:
 def before_extend(scheduler: Any, batch: Any) -> None:
     allocator = scheduler.token_to_kv_pool_allocator
     HOLEY.dead_slot = getattr(allocator, "dead_slot", None)
+    EXTEND_LAYOUT.record(batch.reqs)
+    _EXTEND_ROWS.shape = planner_for(scheduler).shape
     for req in batch.reqs:
         state = request_state(req)
         if state is None:
@@ -435,31 +438,34 @@ def plan_one(planner: Planner, req_to_token_pool: Any, allocator: Any, req: Any,
 
 
 class _ExtendRows:
-    """Per extend batch, the observed requests' rows, positions and live key slots: read
-    back once at the first layer and reused by the others (the rows and ``req_to_token``
-    do not change during the forward), not once per layer. The extend lengths come from the
-    batch's host lists where SGLang fills them (``extend_seq_lens_cpu`` /
-    ``extend_prefix_lens_cpu``), so only the pool indices are read back; an observer that
-    does not read keys (``PrefillObserver.reads_keys`` False: IntentKV) gets no live slots,
-    so its request costs no read of its row."""
+    """Per extend batch, what its observed requests' observers are fed, worked out at the
+    first layer and reused by the others (the rows and ``req_to_token`` do not change during
+    the forward). Nothing is read back from the device: the layout is the host's
+    (:data:`~.hidden_states.EXTEND_LAYOUT`), an observer that sums queries
+    (``sums_queries``: IntentKV) joins the batch's :class:`~.query_sums.QuerySumBatch`, and
+    one that reads keys (SnapKV, H2O) gets its row's every slot with DEAD masked out
+    (``head_mask``) rather than the live ones selected (a selection's length is a read).
+
+    Attributes:
+        rows: ``(state, first row, rows, q_pos, slots, k_pos, live)`` per request observed
+            one by one (``slots`` / ``k_pos`` / ``live`` None when its observer reads no
+            keys).
+        sums: the batch's query sums, None when no observer sums queries.
+    """
 
     def __init__(self) -> None:
         self.batch: Any = None
-        self.rows: list[tuple[AgentKVRequest, int, int, torch.Tensor, torch.Tensor, torch.Tensor]]
-        self.rows = []
+        self.rows: list[tuple] = []
+        self.sums: QuerySumBatch | None = None
+        self.shape: ModelShape | None = None  # the planner's, set by before_extend
 
-    def of(self, backend: Any, forward_batch: Any) -> list:
+    def of(self, backend: Any, forward_batch: Any, q: torch.Tensor) -> list:
         if forward_batch is self.batch:
             return self.rows
-        self.batch, self.rows = forward_batch, []
-        pool_idx = forward_batch.req_pool_indices.tolist()
-        lens = forward_batch.extend_seq_lens_cpu
-        prefix = forward_batch.extend_prefix_lens_cpu
-        if lens is None or prefix is None:
-            lens = forward_batch.extend_seq_lens.tolist()
-            prefix = forward_batch.extend_prefix_lens.tolist()
-        starts = [0, *itertools.accumulate(lens[:-1])]  # extend_start_loc, on the host
+        self.batch, self.rows, self.sums = forward_batch, [], None
+        pool_idx, starts, lens, prefix = EXTEND_LAYOUT.of(forward_batch)
         dead = HOLEY.dead_slot
+        summed = []
         for i, idx in enumerate(pool_idx):
             state = OBSERVING.get(idx)
             if state is None or state.observer is None:
@@ -467,14 +473,22 @@ class _ExtendRows:
             s, n = starts[i], state.prompt_rows(prefix[i], lens[i])
             if n == 0:
                 continue
+            if state.observer.sums_queries:
+                summed.append((state.observer, s, torch.arange(prefix[i], prefix[i] + n)))
+                continue
             q_pos = forward_batch.positions[s : s + n].to(torch.int64)
             if not state.observer.reads_keys:
-                self.rows.append((state, s, n, q_pos, None, None))
+                self.rows.append((state, s, n, q_pos, None, None, None))
                 continue
             slots = backend.req_to_token[idx, : prefix[i] + n].to(torch.int64)
-            live = slots != dead
-            k_pos = torch.nonzero(live).reshape(-1)
-            self.rows.append((state, s, n, q_pos, slots[live], k_pos))
+            live = slots != dead if dead is not None else torch.ones_like(slots, dtype=torch.bool)
+            k_pos = torch.arange(prefix[i] + n, device=slots.device)
+            self.rows.append((state, s, n, q_pos, slots, k_pos, live))
+        if summed and self.shape is not None:
+            sh = self.shape
+            self.sums = QuerySumBatch.build(
+                summed, sh.num_layers, sh.num_q_heads, sh.head_dim, q.device
+            )
         return self.rows
 
 
@@ -482,21 +496,33 @@ _EXTEND_ROWS = _ExtendRows()
 
 
 def reset_extend_rows() -> None:
-    """Forget the last extend batch's rows (around every batch, with :func:`reset_rows`)."""
+    """Hand the batch's query sums to their observers, then forget the last extend batch's
+    rows (around every batch, with :func:`reset_rows`)."""
+    if _EXTEND_ROWS.sums is not None:
+        _EXTEND_ROWS.sums.finish()
     _EXTEND_ROWS.batch = None
     _EXTEND_ROWS.rows = []
+    _EXTEND_ROWS.sums = None
+    EXTEND_LAYOUT.clear()
 
 
 @timed("observe")
 def observe_extend(backend: Any, q: torch.Tensor, layer: Any, forward_batch: Any) -> None:
     """Feed the prefill observers of the batch's observed requests one layer's post-RoPE
-    queries (``q [n_tokens, Hq·D]``) and the live keys they attend to (from the KV pool, which
-    the backend wrote first)."""
+    queries (``q [n_tokens, Hq·D]``) and, to those that read keys, their row's keys from the
+    KV pool (which the backend wrote first)."""
     if not OBSERVING:
         return
     hq, d = layer.tp_q_head_num, layer.qk_head_dim
     k_buf = backend.token_to_kv_pool.get_key_buffer(layer.layer_id)
-    for state, s, n, q_pos, live_slots, k_pos in _EXTEND_ROWS.of(backend, forward_batch):
+    rows = _EXTEND_ROWS.of(backend, forward_batch, q)
+    if _EXTEND_ROWS.sums is not None:
+        _EXTEND_ROWS.sums.observe(layer.layer_id, q)
+    for state, s, n, q_pos, slots, k_pos, live in rows:
         qi = q[s : s + n].reshape(n, hq, d).transpose(0, 1).float()
-        k = None if live_slots is None else k_buf[live_slots].transpose(0, 1).float()
-        state.observer.observe(layer.layer_id, qi, q_pos, k, k_pos, None)
+        if slots is None:
+            state.observer.observe(layer.layer_id, qi, q_pos, None, None, None)
+            continue
+        k = k_buf[slots].transpose(0, 1).float()  # [Hkv, m, D], DEAD masked below
+        head_mask = live[None].expand(k.shape[0], -1)
+        state.observer.observe(layer.layer_id, qi, q_pos, k, k_pos, head_mask)

@@ -78,6 +78,18 @@ def sglang_context(model_dir):
     publish(ServerArgs(model_path=str(model_dir), page_size=1, device="cpu"), role="test")
 
 
+@pytest.fixture(autouse=True)
+def _between_batches():
+    """Every test ends as SGLang's scheduler ends a batch (``run_batch``'s ``finally``): the
+    extend batch's rows, host layout and query sums forgotten, so none leaks into the next."""
+    yield
+    from agentkv.integrations.sglang.hidden_states import reset_rows
+    from agentkv.integrations.sglang.runtime import reset_extend_rows
+
+    reset_rows()
+    reset_extend_rows()
+
+
 @dataclass
 class Steps:
     """One scheduler process's memory objects, and the scheduler's steps on a request.

@@ -70,26 +70,33 @@ def test_observers_see_each_requests_rows_and_live_keys(steps):
     b = steps.request(
         tokens(30, 11), encode_payload(KVPayload(session_id="b", policy=pol_b)), rid="b"
     )
+    c = steps.request(
+        tokens(25, 14),
+        encode_payload(KVPayload(session_id="c", policy=IntentKV(budget=8, mode="query"))),
+        rid="c",
+    )
     steps.prefill(a, plan=False)
     steps.prefill(b, plan=False)
+    steps.prefill(c, plan=False)
     dead = steps.alloc.dead_slot
     HOLEY.dead_slot = dead
     # b's first 10 positions play a cached prefix with two holes an earlier turn left
     steps.r2t.req_to_token[b.req_pool_idx, 2] = dead
     steps.r2t.req_to_token[b.req_pool_idx, 5] = dead
-    prefix = [0, 10]
-    lens = [40, 20]
+    prefix = [0, 10, 0]
+    lens = [40, 20, 25]
     sched = scheduler_of(steps)
     import agentkv.integrations.sglang.runtime as runtime
 
     runtime._PLANNER = steps.planner
-    for r in (a, b):
-        r.prefix_indices = steps.row(r)[: prefix[0] if r is a else prefix[1]]
+    for r, pre in zip((a, b, c), prefix, strict=True):
+        r.prefix_indices = steps.row(r)[:pre]
         request_state(r).planned = False
-    before_extend(sched, SimpleNamespace(reqs=[a, b]))
-    assert set(OBSERVING) == {a.req_pool_idx, b.req_pool_idx}
+    runtime.reset_extend_rows()
+    before_extend(sched, SimpleNamespace(reqs=[a, b, c]))
+    assert set(OBSERVING) == {a.req_pool_idx, b.req_pool_idx, c.req_pool_idx}
     # usage.agentkv: each request got its column; b's prefix holes are counted
-    assert all(isinstance(r.customized_info[USAGE_KEY], UsageColumn) for r in (a, b))
+    assert all(isinstance(r.customized_info[USAGE_KEY], UsageColumn) for r in (a, b, c))
     # b's session prefix may hold holes: holey until its plan counts them (no read here)
     assert request_state(a).dead_in_prefix == 0 and not request_state(a).holey
     assert request_state(b).holey and request_state(b).dead_in_prefix == 0
@@ -100,14 +107,14 @@ def test_observers_see_each_requests_rows_and_live_keys(steps):
     positions = torch.cat([torch.arange(p, p + m) for p, m in zip(prefix, lens, strict=True)])
     fb = ForwardBatch(
         forward_mode=ForwardMode.EXTEND,
-        batch_size=2,
+        batch_size=3,
         input_ids=torch.zeros(n, dtype=torch.int64),
-        req_pool_indices=torch.tensor([a.req_pool_idx, b.req_pool_idx]),
-        seq_lens=torch.tensor([40, 30]),
+        req_pool_indices=torch.tensor([a.req_pool_idx, b.req_pool_idx, c.req_pool_idx]),
+        seq_lens=torch.tensor([40, 30, 25]),
         out_cache_loc=torch.zeros(n, dtype=torch.int64),
-        seq_lens_sum=70,
+        seq_lens_sum=95,
         positions=positions,
-        extend_start_loc=torch.tensor([0, 40]),
+        extend_start_loc=torch.tensor([0, 40, 60]),
         extend_seq_lens=torch.tensor(lens),
         extend_prefix_lens=torch.tensor(prefix),
     )
@@ -117,9 +124,10 @@ def test_observers_see_each_requests_rows_and_live_keys(steps):
     for layer in range(shape.num_layers):
         attn = RadixAttention(hq, d, d**-0.5, shape.num_kv_heads, layer)
         observe_extend(backend, qs[layer], attn, fb)
+    runtime.reset_extend_rows()  # as run_batch does after the forward: the sums handed out
 
     # the same observers fed directly
-    for r, start, pre, m in ((a, 0, 0, 40), (b, 40, 10, 20)):
+    for r, start, pre, m in ((a, 0, 0, 40), (b, 40, 10, 20), (c, 60, 0, 25)):
         state = request_state(r)
         method = steps.planner.methods.for_policy(state.payload.policy)
         ref = method.observer(
@@ -166,7 +174,7 @@ def test_observers_see_each_requests_rows_and_live_keys(steps):
         if want_dead is not None:
             assert torch.equal(now_dead, want_dead)
     assert not OBSERVING
-    for r in (a, b):
+    for r in (a, b, c):
         steps.finish(r)
     steps.cache.check_invariants()
 
@@ -275,10 +283,14 @@ def test_a_plan_reads_the_host_as_often_whatever_the_layers(steps_factory, host_
     assert counts[0] == counts[1], counts
 
 
-def _observe_reads(steps, policy, host_reads, host_lens: bool) -> tuple[int, Any, Any]:
+def _observe_reads(steps, policy, host_lens: bool) -> tuple[Any, Any, Any]:
     """One request of ``policy`` (a cached prefix of 8 with a hole, 24 new rows) observed over
-    every layer of an extend batch; returns the host reads of the observation, the observer's
-    result and the result of the same observer fed directly."""
+    every layer of an extend batch whose tensors (queries, positions, pool indices,
+    ``req_to_token``, the KV pool) sit on the emulated device of :mod:`device_reads`, as
+    ``Scheduler.run_batch`` drives it (``before_extend``, the layers, ``reset_extend_rows``).
+    Returns the device reads of the layers, the observer's result and the result of the same
+    observer fed directly (live keys only)."""
+    from device_reads import DeviceReads, DeviceTensor, on_device
     from sglang.srt.layers.radix_attention import RadixAttention
 
     import agentkv.integrations.sglang.runtime as runtime
@@ -293,20 +305,30 @@ def _observe_reads(steps, policy, host_reads, host_lens: bool) -> tuple[int, Any
     state = request_state(r)
     state.planned, state.observer = False, None
     r.prefix_indices = steps.row(r)[:pre]
-    sched = scheduler_of(steps)
-    before_extend(sched, SimpleNamespace(reqs=[r]))
+    runtime.reset_extend_rows()
+    before_extend(scheduler_of(steps), SimpleNamespace(reqs=[r]))  # the scheduler's host
     shape = steps.planner.shape
     hq, d, n = shape.num_q_heads, shape.head_dim, T - pre
     fb = one_request_extend(r, pre, n, host_lens)
-    backend = SimpleNamespace(token_to_kv_pool=steps.kv, req_to_token=steps.r2t.req_to_token)
+    for f in ("req_pool_indices", "positions", "extend_seq_lens", "extend_prefix_lens"):
+        setattr(fb, f, on_device(getattr(fb, f)))
+    kv = SimpleNamespace(get_key_buffer=lambda layer: on_device(steps.kv.get_key_buffer(layer)))
+    backend = SimpleNamespace(token_to_kv_pool=kv, req_to_token=on_device(steps.r2t.req_to_token))
     torch.manual_seed(3)
     qs = [torch.randn(n, hq * d) for _ in range(shape.num_layers)]
-    runtime.reset_extend_rows()
-    with host_reads:
+    with DeviceReads() as reads:
         for layer in range(shape.num_layers):
             attn = RadixAttention(hq, d, d**-0.5, shape.num_kv_heads, layer)
-            observe_extend(backend, qs[layer], attn, fb)
-    count = host_reads.count
+            observe_extend(backend, on_device(qs[layer]), attn, fb)
+        runtime.reset_extend_rows()  # the batch's query sums handed out (IntentKV)
+    with DeviceReads():
+        got = state.observer.result()
+        if isinstance(got, torch.Tensor):
+            got = got.cpu()
+        else:  # AttentionColumnSums: its buffers, back on the host
+            for f in ("sums", "counts", "seen", "head_live"):
+                t = getattr(got, f)
+                setattr(got, f, t.elem if isinstance(t, DeviceTensor) else t)
     method = steps.planner.methods.for_policy(policy)
     ref = method.observer(
         policy, ObserveRequest(T, pre, torch.tensor(state.tags.actionable), shape)
@@ -317,34 +339,35 @@ def _observe_reads(steps, policy, host_reads, host_lens: bool) -> tuple[int, Any
         q = qs[layer].reshape(n, hq, d).transpose(0, 1)
         k = steps.kv.get_key_buffer(layer)[row[live]].transpose(0, 1)
         ref.observe(layer, q, torch.arange(pre, T), k, live, None)
-    got, want = state.observer.result(), ref.result()
+    want = ref.result()
     OBSERVING.clear()
     steps.finish(r)
-    return count, got, want
+    return reads, got, want
 
 
-def test_an_observer_that_reads_no_keys_costs_no_row_read(steps_factory, host_reads):
-    """IntentKV's observer reads the queries only (``reads_keys`` False): observing an extend
-    batch reads the host once (the pool indices; SGLang's host lists give the lengths), with
-    2 layers as with 6, and its result equals the observer fed directly (live keys and all).
-    Without the host lists the two lengths are read back too. (A key-reading observer such
-    as SnapKV's adds its row's live mask; on the CPU its window selection reads too, which on
-    a GPU it does not: ``tests/device_reads.py`` counts those.)"""
-    from agentkv.policies import IntentKV
+def test_observing_an_extend_batch_reads_nothing_back(steps_factory):
+    """With the extend batch on an (emulated) accelerator, feeding the observers every layer
+    makes the host wait for nothing: the pool indices come from the scheduler's ``Req``
+    objects (``before_extend``), the lengths from SGLang's host lists, IntentKV's query sums
+    (``sums_queries``) from rows picked on the host, and SnapKV's keys are its row's every
+    slot with DEAD masked rather than the live ones selected. The results equal the observers
+    fed directly with the live keys. Without SGLang's host lists the two lengths are read
+    back. (Before session 10: the pool indices were read back at the first layer of every
+    extend batch, and a key-reading observer's live positions once per request.)"""
+    from agentkv.policies import H2O
 
     intent = IntentKV(budget=10, mode="query", fallback_window=4)
     for layers in (2, 6):
-        count, got, want = _observe_reads(steps_factory(layers=layers), intent, host_reads, True)
-        assert count == 1, host_reads.ops
+        reads, got, want = _observe_reads(steps_factory(layers=layers), intent, True)
+        assert reads.count == 0 and reads.mixed == [], (reads.ops, reads.mixed)
         torch.testing.assert_close(got, want)
-    count, _, _ = _observe_reads(steps_factory(layers=2), intent, host_reads, False)
-    assert count == 3, host_reads.ops  # + extend_seq_lens and extend_prefix_lens read back
-    # SnapKV still sees its live keys through the same path (holes dropped)
-    count, got, want = _observe_reads(
-        steps_factory(layers=2), SnapKV(budget=12, window=6), host_reads, True
-    )
-    for f in ("sums", "counts", "seen", "head_live"):
-        torch.testing.assert_close(getattr(got, f), getattr(want, f))
+    reads, _, _ = _observe_reads(steps_factory(layers=2), intent, False)
+    assert reads.ops == ["tolist", "tolist"]  # extend_seq_lens and extend_prefix_lens
+    for policy in (SnapKV(budget=12, window=6), H2O(budget=12, recent=4)):
+        reads, got, want = _observe_reads(steps_factory(layers=2), policy, True)
+        assert reads.count == 0 and reads.mixed == [], (reads.ops, reads.mixed)
+        for f in ("sums", "counts", "seen", "head_live"):
+            torch.testing.assert_close(getattr(got, f), getattr(want, f))
 
 
 def test_before_extend_leaves_an_evicting_requests_holes_to_its_plan(steps, host_reads):
