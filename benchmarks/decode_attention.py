@@ -451,6 +451,19 @@ def tune_grid(impl: str) -> list[DecodeConfig]:
     """Configs the ``--tune`` sweep tries for ``impl`` (the defaults first)."""
     if impl == "int4":
         grid = [DecodeConfig()]
+        grid += [  # stacked rows with int8 tensor-core keys and / or the lazy softmax rescale
+            DecodeConfig(
+                int4_imma=imma,
+                int4_lazy_rescale=lazy,
+                int4_stacked=True,
+                block_n_int4=bn,
+                num_warps=w,
+                programs_per_sm_int4=pps,
+            )
+            for imma, lazy in ((True, True), (True, False), (False, True))
+            for bn, w in ((32, 1), (64, 2))
+            for pps in (8, 16)
+        ]
         grid += [  # the kernel before issue 10's recipe
             DecodeConfig(int4_legacy=True, block_n_int4=32, num_warps=2, programs_per_sm_int4=pps)
             for pps in (8, 16)
@@ -495,6 +508,8 @@ def mixed_grid(best4: DecodeConfig, best2: DecodeConfig) -> list[DecodeConfig]:
             "int4_v_fold",
             "int4_legacy",
             "int4_stacked",
+            "int4_imma",
+            "int4_lazy_rescale",
             "programs_per_sm_int4",
         )
     }

@@ -47,6 +47,7 @@ from .packing import (
     dequant_int2_quads,
     dequant_int4_pairs,
     int2_code_quads,
+    int4_code_bytes_i8,
     int4_code_pairs,
     int4_word_codes_f16,
 )
@@ -84,7 +85,14 @@ class DecodeConfig:
     on sm_90; the per-group variant with fp16 values otherwise), with int4_v_fold choosing between
     scale-folded values (exact codes into the dot, ``p * s`` per group) and values
     dequantized to fp16 in registers. int4_legacy: the INT4 path before issue 10 (values
-    dequantized to the query dtype, 16 padded rows, hand prefetch). prefetch: hand
+    dequantized to the query dtype, 16 padded rows, hand prefetch). int4_imma (implies
+    stacked): the stacked key dot on the int8 tensor cores (IMMA): the codes become int8
+    straight from the bytes (an and, a shift, an and per four bytes), each stacked query row
+    is two int8 rows (``q ~= a / 256 * (256 hi + lo)``, ~1 / 65,000 of the row's largest
+    value), one exact int32 dot gives both; values stay fp16. int4_lazy_rescale (stacked
+    path): the online softmax moves its running max, and rescales the accumulators, only
+    when a block's max exceeds it by more than 2**8 (FlashAttention-4's trick: the common
+    iteration skips ``G * D`` multiplies). prefetch: hand
     double-buffering of the INT2 (and legacy INT4) loads. merge_block_s: splits per step
     of the merge kernel."""
 
@@ -100,6 +108,8 @@ class DecodeConfig:
     int4_v_fold: bool = True
     int4_legacy: bool = False
     int4_stacked: bool | None = None
+    int4_imma: bool = False
+    int4_lazy_rescale: bool = False
     merge_block_s: int = 32
     prefetch: bool = True
 
@@ -328,6 +338,26 @@ def _store_partial(po_ptr, row_o, cols, acc, l_i, hmask, D: tl.constexpr):
 
 
 @triton.jit
+def _q_int8_hi_lo(qe, qo, lo_row):
+    """Stacked query rows as int8 for the integer tensor cores. qe, qo: [2R, C] float32
+    (even / odd channels; rows ``r`` and ``R + r`` hold the same query row), lo_row [2R]:
+    True on the second copy. Returns (even, odd) [2R, C] int8 and the row scale [2R]:
+    first copies ``hi = round(q / a)``, second copies ``lo = round((q / a - hi) * 256)``,
+    ``a = max|q_r| / 127``, so ``q ~= a / 256 * (256 hi + lo)`` to ~1 / 65,000 of the row's
+    largest value (one exact int32 dot gives both halves); scale = ``a / 256``."""
+    amax = tl.maximum(tl.max(tl.abs(qe), 1), tl.max(tl.abs(qo), 1))
+    a = tl.where(amax > 0.0, amax / 127.0, 1.0)
+    xe = qe / a[:, None]
+    xo = qo / a[:, None]
+    he = tl.floor(xe + 0.5)
+    ho = tl.floor(xo + 0.5)
+    le = tl.minimum(tl.maximum(tl.floor((xe - he) * 256.0 + 0.5), -127.0), 127.0)
+    lo = tl.minimum(tl.maximum(tl.floor((xo - ho) * 256.0 + 0.5), -127.0), 127.0)
+    sel = lo_row[:, None]
+    return tl.where(sel, le, he).to(tl.int8), tl.where(sel, lo, ho).to(tl.int8), a / 256.0
+
+
+@triton.jit
 def _int4_split_stacked(
     q_ptr,
     stride_qb,
@@ -361,6 +391,8 @@ def _int4_split_stacked(
     HAS_KCS: tl.constexpr,
     IEEE_F32: tl.constexpr,
     USE_ASM: tl.constexpr,
+    KEY_IMMA: tl.constexpr,
+    LAZY_RESCALE: tl.constexpr,
 ):
     """One INT4 split with (query head, channel group) pairs stacked as the rows of one dot.
 
@@ -385,9 +417,21 @@ def _int4_split_stacked(
     if HAS_KCS:
         qe = qe * tl.load(c_ptr + h * D + 2 * j)[None, :]
         qo = qo * tl.load(c_ptr + h * D + 2 * j + 1)[None, :]
+    amax = tl.maximum(tl.max(tl.abs(qe), 1), tl.max(tl.abs(qo), 1))  # [R], as _q_int8_hi_lo
     qe = qe.to(dt)
     qo = qo.to(dt)
     qs = tl.sum(qe.to(tl.float32) + qo.to(tl.float32), 1) * qk_scale  # [R]
+    if KEY_IMMA:  # the stacked rows twice (hi and lo halves) as int8
+        r2 = tl.arange(0, 2 * R) % R
+        in2 = (r2 // NG < G)[:, None] & ((j // 16)[None, :] == (r2 % NG)[:, None])
+        qrow2 = q_ptr + b * stride_qb + (h * G + r2 // NG)[:, None] * stride_qh
+        q2e = tl.load(qrow2 + 2 * j[None, :], mask=in2, other=0.0).to(tl.float32)
+        q2o = tl.load(qrow2 + 2 * j[None, :] + 1, mask=in2, other=0.0).to(tl.float32)
+        if HAS_KCS:
+            q2e = q2e * tl.load(c_ptr + h * D + 2 * j)[None, :]
+            q2o = q2o * tl.load(c_ptr + h * D + 2 * j + 1)[None, :]
+        qe8, qo8, _ = _q_int8_hi_lo(q2e, q2o, tl.arange(0, 2 * R) >= R)
+        q8s = tl.where(amax > 0.0, amax / 127.0, 1.0) / 256.0 * qk_scale  # [R]
     m_i = tl.full([BLOCK_HQ], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_HQ], tl.float32)
     acc_e = tl.zeros([R, H2], tl.float32)
@@ -414,21 +458,47 @@ def _int4_split_stacked(
         kz = tl.load(kz_ptr + ssel, mask=lsel, other=0.0).to(tl.float32)
         vs = tl.load(vs_ptr + ssel, mask=lsel, other=0.0).to(tl.float32)
         vz = tl.load(vz_ptr + so[:, None] + cng[None, :], mask=lm, other=0.0)
-        ce, cod = int4_code_pairs(kb, dt, USE_ASM)
-        sst = _mma_acc(qo, tl.trans(cod), _mma(qe, tl.trans(ce), IEEE_F32), IEEE_F32)
-        sst = sst * (ks * qk_scale) + qs[:, None] * kz
+        if KEY_IMMA:
+            # int8 codes straight from the bytes, one exact int32 dot for hi and lo rows
+            ke8, ko8 = int4_code_bytes_i8(kb, USE_ASM)
+            si = tl.dot(qo8, tl.trans(ko8), tl.dot(qe8, tl.trans(ke8)))  # [2R, BN] int32
+            s_hi, s_lo = tl.split(tl.permute(tl.reshape(si, [2, R, BN]), (1, 2, 0)))
+            sst = (s_hi * 256 + s_lo).to(tl.float32) * (ks * q8s[:, None]) + qs[:, None] * kz
+        else:
+            ce, cod = int4_code_pairs(kb, dt, USE_ASM)
+            sst = _mma_acc(qo, tl.trans(cod), _mma(qe, tl.trans(ce), IEEE_F32), IEEE_F32)
+            sst = sst * (ks * qk_scale) + qs[:, None] * kz
         qk = tl.sum(tl.reshape(sst, [BLOCK_HQ, NG, BN]), 1)
         qk = tl.where(live[None, :], qk, float("-inf"))
-        p, alpha, m_i, l_i = _online_softmax(qk, m_i, l_i)
-        zb = _mma_acc(p.to(tl.float16), vz, zb * alpha[:, None], IEEE_F32)
+        if LAZY_RESCALE:
+            # the running max moves (and the accumulators are rescaled) only when some row's
+            # block max exceeds it by more than 2**8: p <= 256 otherwise (exact: l, acc and zb
+            # share the stale max, and the split's output divides it out)
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            if tl.max(m_new - m_i, 0) > 8.0:
+                alpha = tl.exp2(m_i - m_new)
+                alr = tl.reshape(tl.broadcast_to(alpha[:, None], [BLOCK_HQ, NG]), [R])[:, None]
+                l_i = l_i * alpha
+                zb = zb * alpha[:, None]
+                acc_e = acc_e * alr
+                acc_o = acc_o * alr
+                m_i = m_new
+            p = tl.exp2(qk - m_i[:, None])
+            l_i = l_i + tl.sum(p, 1)
+        else:
+            p, alpha, m_i, l_i = _online_softmax(qk, m_i, l_i)
+            alr = tl.reshape(tl.broadcast_to(alpha[:, None], [BLOCK_HQ, NG]), [R])[:, None]
+            zb = zb * alpha[:, None]
+            acc_e = acc_e * alr
+            acc_o = acc_o * alr
+        zb = _mma_acc(p.to(tl.float16), vz, zb, IEEE_F32)
         pst = tl.reshape(tl.broadcast_to(p[:, None, :], [BLOCK_HQ, NG, BN]), [R, BN]) * vs
-        alr = tl.reshape(tl.broadcast_to(alpha[:, None], [BLOCK_HQ, NG]), [R])[:, None]
         l0, l1, l2, l3, h0, h1, h2, h3 = int4_word_codes_f16(vw, USE_ASM)
         ve = tl.reshape(tl.join(tl.join(l0, l2), tl.join(l1, l3)), [BN, H2])
         vo = tl.reshape(tl.join(tl.join(h0, h2), tl.join(h1, h3)), [BN, H2])
         pst = pst.to(tl.float16)
-        acc_e = _mma_acc(pst, ve, acc_e * alr, IEEE_F32)
-        acc_o = _mma_acc(pst, vo, acc_o * alr, IEEE_F32)
+        acc_e = _mma_acc(pst, ve, acc_e, IEEE_F32)
+        acc_o = _mma_acc(pst, vo, acc_o, IEEE_F32)
     own = rg[:, None] == (j // 16)[None, :]
     oe = tl.sum(tl.reshape(tl.where(own, acc_e, 0.0), [BLOCK_HQ, NG, H2]), 1)
     oo = tl.sum(tl.reshape(tl.where(own, acc_o, 0.0), [BLOCK_HQ, NG, H2]), 1)
@@ -505,6 +575,8 @@ def _decode_split_kernel(
     V_FOLD: tl.constexpr,
     INT4_LEGACY: tl.constexpr,
     STACKED: tl.constexpr,
+    KEY_IMMA: tl.constexpr = False,
+    LAZY_RESCALE: tl.constexpr = False,
 ):
     NG: tl.constexpr = D // 32
     Q: tl.constexpr = D // 4
@@ -891,6 +963,8 @@ def _decode_split_kernel(
                         HAS_KCS,
                         IEEE_F32,
                         USE_ASM,
+                        KEY_IMMA,
+                        LAZY_RESCALE,
                     )
                 else:
                     # Scales folded out of the inner loop: per token t and 32-channel group g,
@@ -1410,7 +1484,9 @@ def decode_attention(
         PREFETCH=cfg.prefetch,
         V_FOLD=v_fold,
         INT4_LEGACY=cfg.int4_legacy,
-        STACKED=stacked,
+        STACKED=stacked or cfg.int4_imma,
+        KEY_IMMA=cfg.int4_imma,
+        LAZY_RESCALE=cfg.int4_lazy_rescale,
         num_warps=cfg.warps(m4 > 0),
         num_stages=cfg.num_stages,
     )

@@ -263,6 +263,31 @@ def int4_code_pairs(b, OUT: tl.constexpr, USE_ASM: tl.constexpr):
         return codes_to_f32(x & 15).to(OUT), codes_to_f32(x >> 4).to(OUT)
 
 
+# int4 -> int8 for the integer tensor cores: four code bytes in one register give the four
+# low nibbles (channels 2j) and the four high nibbles (channels 2j + 1) as int8 lanes with
+# one and, one shift and one and; no conversion at all.
+INT4_CODES_I8 = tl.constexpr(
+    "{ .reg .b32 t; and.b32 $0, $2, 0x0F0F0F0F; shr.b32 t, $2, 4; and.b32 $1, t, 0x0F0F0F0F; }"
+)
+
+
+@triton.jit
+def int4_code_bytes_i8(b, USE_ASM: tl.constexpr):
+    """b: [R, C] uint8 INT4 bytes -> (low, high) nibble codes, each [R, C] int8 (0..15):
+    the even and odd channels of the bytes, packed four to a register (IMMA operands)."""
+    if USE_ASM:
+        return tl.inline_asm_elementwise(
+            INT4_CODES_I8,
+            "=r,=r,r",
+            [b],
+            dtype=(tl.int8, tl.int8),
+            is_pure=True,
+            pack=4,
+        )
+    else:
+        return (b & 15).to(tl.int8), (b >> 4).to(tl.int8)
+
+
 def _int4_word_codes_asm() -> str:
     # $8, $9: two int32 words (bytes 0..3 each); outputs $0..$3: low nibbles of byte k of
     # both words (f16x2: word 0 in the low half), $4..$7: their high nibbles. Exact codes.
