@@ -451,16 +451,24 @@ def tune_grid(impl: str) -> list[DecodeConfig]:
     """Configs the ``--tune`` sweep tries for ``impl`` (the defaults first)."""
     if impl == "int4":
         grid = [DecodeConfig()]
-        grid += [  # stacked rows with int8 tensor-core keys and / or the lazy softmax rescale
+        grid += [  # stacked rows with int8 tensor-core keys, the lazy softmax rescale and
+            # subnormal fp16 value codes (each knob alone too, to see what each one buys)
             DecodeConfig(
                 int4_imma=imma,
                 int4_lazy_rescale=lazy,
+                int4_v_subnormal=sub,
                 int4_stacked=True,
                 block_n_int4=bn,
                 num_warps=w,
                 programs_per_sm_int4=pps,
             )
-            for imma, lazy in ((True, True), (True, False), (False, True))
+            for imma, lazy, sub in (
+                (True, True, True),
+                (True, True, False),
+                (True, False, False),
+                (False, True, False),
+                (False, False, True),
+            )
             for bn, w in ((32, 1), (64, 2))
             for pps in (8, 16)
         ]
@@ -510,6 +518,7 @@ def mixed_grid(best4: DecodeConfig, best2: DecodeConfig) -> list[DecodeConfig]:
             "int4_stacked",
             "int4_imma",
             "int4_lazy_rescale",
+            "int4_v_subnormal",
             "programs_per_sm_int4",
         )
     }

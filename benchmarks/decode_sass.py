@@ -64,6 +64,13 @@ VARIANTS = {
     "int4 imma lazy bn32 w1": dict(
         STACKED=True, KEY_IMMA=True, LAZY_RESCALE=True, BN_INT4=32, warps=1
     ),
+    "int4 stacked subnormal-V bn32 w1": dict(STACKED=True, V_SUBNORMAL=True, BN_INT4=32, warps=1),
+    "int4 imma lazy subnormal-V bn32 w1": dict(
+        STACKED=True, KEY_IMMA=True, LAZY_RESCALE=True, V_SUBNORMAL=True, BN_INT4=32, warps=1
+    ),
+    "int4 imma lazy subnormal-V bn64 w2": dict(
+        STACKED=True, KEY_IMMA=True, LAZY_RESCALE=True, V_SUBNORMAL=True, BN_INT4=64, warps=2
+    ),
     "int4 imma lazy bn64 w2": dict(
         STACKED=True, KEY_IMMA=True, LAZY_RESCALE=True, BN_INT4=64, warps=2
     ),
@@ -101,6 +108,7 @@ def compile_split(group: int, head_dim: int, segments: set[str], **knobs):
         STACKED=True,
         KEY_IMMA=False,
         LAZY_RESCALE=False,
+        V_SUBNORMAL=False,
     )
     consts.update(knobs)
     sig = {n: "constexpr" if n in consts else PTRS.get(n, "i32") for n in fn.arg_names}

@@ -50,6 +50,7 @@ from .packing import (
     int4_code_bytes_i8,
     int4_code_pairs,
     int4_word_codes_f16,
+    int4_word_codes_f16_subnormal,
 )
 from .pools import DEAD, INT2_PAGE, KVPools
 
@@ -92,7 +93,10 @@ class DecodeConfig:
     value), one exact int32 dot gives both; values stay fp16. int4_lazy_rescale (stacked
     path): the online softmax moves its running max, and rescales the accumulators, only
     when a block's max exceeds it by more than 2**8 (FlashAttention-4's trick: the common
-    iteration skips ``G * D`` multiplies). prefetch: hand
+    iteration skips ``G * D`` multiplies). int4_v_subnormal (stacked path): value codes
+    enter the fp16 value dot as the subnormals ``n * 2**-24`` (the nibble itself is the bit
+    pattern: no magic number, no fma; exact, and the tensor cores multiply fp16 subnormals
+    exactly), the 2**24 applied once at the store. prefetch: hand
     double-buffering of the INT2 (and legacy INT4) loads. merge_block_s: splits per step
     of the merge kernel."""
 
@@ -110,6 +114,7 @@ class DecodeConfig:
     int4_stacked: bool | None = None
     int4_imma: bool = False
     int4_lazy_rescale: bool = False
+    int4_v_subnormal: bool = False
     merge_block_s: int = 32
     prefetch: bool = True
 
@@ -393,6 +398,7 @@ def _int4_split_stacked(
     USE_ASM: tl.constexpr,
     KEY_IMMA: tl.constexpr,
     LAZY_RESCALE: tl.constexpr,
+    V_SUBNORMAL: tl.constexpr,
 ):
     """One INT4 split with (query head, channel group) pairs stacked as the rows of one dot.
 
@@ -493,7 +499,10 @@ def _int4_split_stacked(
             acc_o = acc_o * alr
         zb = _mma_acc(p.to(tl.float16), vz, zb, IEEE_F32)
         pst = tl.reshape(tl.broadcast_to(p[:, None, :], [BLOCK_HQ, NG, BN]), [R, BN]) * vs
-        l0, l1, l2, l3, h0, h1, h2, h3 = int4_word_codes_f16(vw, USE_ASM)
+        if V_SUBNORMAL:  # codes n as fp16 n * 2**-24: the 2**24 comes back at the store
+            l0, l1, l2, l3, h0, h1, h2, h3 = int4_word_codes_f16_subnormal(vw, USE_ASM)
+        else:
+            l0, l1, l2, l3, h0, h1, h2, h3 = int4_word_codes_f16(vw, USE_ASM)
         ve = tl.reshape(tl.join(tl.join(l0, l2), tl.join(l1, l3)), [BN, H2])
         vo = tl.reshape(tl.join(tl.join(h0, h2), tl.join(h1, h3)), [BN, H2])
         pst = pst.to(tl.float16)
@@ -502,6 +511,9 @@ def _int4_split_stacked(
     own = rg[:, None] == (j // 16)[None, :]
     oe = tl.sum(tl.reshape(tl.where(own, acc_e, 0.0), [BLOCK_HQ, NG, H2]), 1)
     oo = tl.sum(tl.reshape(tl.where(own, acc_o, 0.0), [BLOCK_HQ, NG, H2]), 1)
+    if V_SUBNORMAL:
+        oe = oe * 16777216.0
+        oo = oo * 16777216.0
     z16 = _bcast_groups(zb, BLOCK_HQ, NG, 16)
     inv = 1.0 / tl.where(l_i > 0.0, l_i, 1.0)
     out = tl.interleave(oe + z16, oo + z16) * inv[:, None]
@@ -577,6 +589,7 @@ def _decode_split_kernel(
     STACKED: tl.constexpr,
     KEY_IMMA: tl.constexpr = False,
     LAZY_RESCALE: tl.constexpr = False,
+    V_SUBNORMAL: tl.constexpr = False,
 ):
     NG: tl.constexpr = D // 32
     Q: tl.constexpr = D // 4
@@ -965,6 +978,7 @@ def _decode_split_kernel(
                         USE_ASM,
                         KEY_IMMA,
                         LAZY_RESCALE,
+                        V_SUBNORMAL,
                     )
                 else:
                     # Scales folded out of the inner loop: per token t and 32-channel group g,
@@ -1487,6 +1501,7 @@ def decode_attention(
         STACKED=stacked or cfg.int4_imma,
         KEY_IMMA=cfg.int4_imma,
         LAZY_RESCALE=cfg.int4_lazy_rescale,
+        V_SUBNORMAL=cfg.int4_v_subnormal,
         num_warps=cfg.warps(m4 > 0),
         num_stages=cfg.num_stages,
     )

@@ -309,6 +309,25 @@ def _int4_word_codes_asm() -> str:
 INT4_WORD_CODES = tl.constexpr(_int4_word_codes_asm())
 
 
+def _int4_word_codes_subnormal_asm() -> str:
+    # as _int4_word_codes_asm, but a nibble n in the low bits of an fp16 is the subnormal
+    # n * 2**-24, exactly: no magic number and no fma (the 2**24 is applied after the dot)
+    lines = ["{", ".reg .b32 t;"]
+    for k in range(4):
+        sel = k | (k << 4) | ((4 + k) << 8) | ((4 + k) << 12)
+        lines += [
+            f"prmt.b32 t, $8, $9, {sel:#06x};",
+            f"and.b32 ${k}, t, 0x000F000F;",
+            "shr.b32 t, t, 4;",
+            f"and.b32 ${4 + k}, t, 0x000F000F;",
+        ]
+    lines.append("}")
+    return "\n".join(lines)
+
+
+INT4_WORD_CODES_SUBNORMAL = tl.constexpr(_int4_word_codes_subnormal_asm())
+
+
 @triton.jit
 def int4_word_codes_f16(w, USE_ASM: tl.constexpr):
     """w: [R, W] int32 words of INT4 bytes -> eight [R, W] fp16 tensors of exact codes:
@@ -334,6 +353,34 @@ def int4_word_codes_f16(w, USE_ASM: tl.constexpr):
             codes_to_f32((w >> 12) & 15).to(tl.float16),
             codes_to_f32((w >> 20) & 15).to(tl.float16),
             codes_to_f32((w >> 28) & 15).to(tl.float16),
+        )
+
+
+@triton.jit
+def int4_word_codes_f16_subnormal(w, USE_ASM: tl.constexpr):
+    """As :func:`int4_word_codes_f16` (same eight tensors, same channels), but each code n
+    comes as the fp16 subnormal ``n * 2**-24`` (exact; the tensor cores multiply fp16
+    subnormals exactly into their fp32 accumulators): two integer ops per two codes."""
+    if USE_ASM:
+        return tl.inline_asm_elementwise(
+            INT4_WORD_CODES_SUBNORMAL,
+            "=r,=r,=r,=r,=r,=r,=r,=r,r,r",
+            [w],
+            dtype=(tl.float16,) * 8,
+            is_pure=True,
+            pack=2,
+        )
+    else:
+        t = 5.9604644775390625e-08  # 2**-24
+        return (
+            (codes_to_f32(w & 15) * t).to(tl.float16),
+            (codes_to_f32((w >> 8) & 15) * t).to(tl.float16),
+            (codes_to_f32((w >> 16) & 15) * t).to(tl.float16),
+            (codes_to_f32((w >> 24) & 15) * t).to(tl.float16),
+            (codes_to_f32((w >> 4) & 15) * t).to(tl.float16),
+            (codes_to_f32((w >> 12) & 15) * t).to(tl.float16),
+            (codes_to_f32((w >> 20) & 15) * t).to(tl.float16),
+            (codes_to_f32((w >> 28) & 15) * t).to(tl.float16),
         )
 
 

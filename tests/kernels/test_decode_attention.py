@@ -316,6 +316,11 @@ INT4_CONFIGS = [
     ("imma", DecodeConfig(int4_imma=True)),
     ("imma_lazy_bn64_w2", DecodeConfig(int4_imma=True, int4_lazy_rescale=True, block_n_int4=64)),
     ("stacked_lazy", DecodeConfig(int4_stacked=True, int4_lazy_rescale=True)),
+    (
+        "imma_lazy_subnormal",
+        DecodeConfig(int4_imma=True, int4_lazy_rescale=True, int4_v_subnormal=True),
+    ),
+    ("stacked_subnormal", DecodeConfig(int4_stacked=True, int4_v_subnormal=True)),
 ]
 
 
@@ -355,15 +360,15 @@ def test_int4_key_channel_scale_folded_into_query() -> None:
         DecodeConfig(int4_stacked=False),
         DecodeConfig(int4_stacked=False, int4_v_fold=False),
         DecodeConfig(int4_legacy=True),
-        DecodeConfig(int4_imma=True, int4_lazy_rescale=True),
+        DecodeConfig(int4_imma=True, int4_lazy_rescale=True, int4_v_subnormal=True),
     ):
         _run(mb, torch.float16, split_len=64, config=cfg)
 
 
 @pytest.mark.parametrize("q_scale", [0.25, 4.0, 16.0])
 def test_int4_imma_and_lazy_rescale_within_1e3_of_reference(q_scale) -> None:
-    """The int8 tensor-core keys (query rows as int8 hi + lo / 256 halves) and the lazy
-    softmax rescale keep the fp16 output within 1e-3 (relative L2) of the reference on the
+    """The int8 tensor-core keys (query rows as int8 hi + lo / 256 halves), the lazy
+    softmax rescale and the subnormal fp16 value codes keep the fp16 output within 1e-3 (relative L2) of the reference on the
     same quantized K/V, from flat to sharp softmaxes (large q_scale: the running max jumps
     by more than 2**8 between blocks, so the rescale branch runs and is skipped); mixed
     INT2 + INT4 + bf16 segments, DEAD cells and head masks included."""
@@ -383,6 +388,7 @@ def test_int4_imma_and_lazy_rescale_within_1e3_of_reference(q_scale) -> None:
         DecodeConfig(int4_imma=True),
         DecodeConfig(int4_imma=True, int4_lazy_rescale=True),
         DecodeConfig(int4_stacked=True, int4_lazy_rescale=True),
+        DecodeConfig(int4_imma=True, int4_lazy_rescale=True, int4_v_subnormal=True),
     ):
         out = decode_attention(
             mb.q,

@@ -217,9 +217,10 @@ def test_per_request_lengths_broadcast_over_heads_not_over_requests():
 
 
 def test_per_head_int4_imma_matches_reference():
-    """The int8 tensor-core INT4 variant (with the lazy rescale) on per-head slot maps."""
+    """The int8 tensor-core INT4 variant (lazy rescale, subnormal value codes) on per-head
+    slot maps."""
     pb = PerHeadBatch(
         [[(1, 20, 10), (2, 0, 40)], [(0, 75, 60), (1, 40, 0)]], hkv=2, group=4, dead=0.4, seed=2
     )
-    cfg = DecodeConfig(int4_imma=True, int4_lazy_rescale=True)
+    cfg = DecodeConfig(int4_imma=True, int4_lazy_rescale=True, int4_v_subnormal=True)
     assert rel_err(pb.run(config=cfg), pb.ref()) < 1e-3
