@@ -451,26 +451,30 @@ def tune_grid(impl: str) -> list[DecodeConfig]:
     """Configs the ``--tune`` sweep tries for ``impl`` (the defaults first)."""
     if impl == "int4":
         grid = [DecodeConfig()]
-        grid += [  # stacked rows with int8 tensor-core keys, the lazy softmax rescale and
-            # subnormal fp16 value codes (each knob alone too, to see what each one buys)
+        grid += [  # stacked rows with int8 tensor-core keys, the lazy softmax rescale,
+            # subnormal fp16 value codes and one value dot per code tensor (all four first,
+            # then each knob added in turn and alone, to see what each one buys)
             DecodeConfig(
                 int4_imma=imma,
                 int4_lazy_rescale=lazy,
                 int4_v_subnormal=sub,
+                int4_v_dots8=dots8,
                 int4_stacked=True,
                 block_n_int4=bn,
                 num_warps=w,
                 programs_per_sm_int4=pps,
             )
-            for imma, lazy, sub in (
-                (True, True, True),
-                (True, True, False),
-                (True, False, False),
-                (False, True, False),
-                (False, False, True),
+            for imma, lazy, sub, dots8 in (
+                (True, True, True, True),
+                (True, True, True, False),
+                (True, True, False, False),
+                (True, False, False, False),
+                (False, True, False, False),
+                (False, False, True, False),
+                (False, False, False, True),
             )
             for bn, w in ((32, 1), (64, 2))
-            for pps in (8, 16)
+            for pps in (16, 8)
         ]
         grid += [  # the kernel before issue 10's recipe
             DecodeConfig(int4_legacy=True, block_n_int4=32, num_warps=2, programs_per_sm_int4=pps)
@@ -519,6 +523,7 @@ def mixed_grid(best4: DecodeConfig, best2: DecodeConfig) -> list[DecodeConfig]:
             "int4_imma",
             "int4_lazy_rescale",
             "int4_v_subnormal",
+            "int4_v_dots8",
             "programs_per_sm_int4",
         )
     }

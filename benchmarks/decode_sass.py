@@ -68,6 +68,25 @@ VARIANTS = {
     "int4 imma lazy subnormal-V bn32 w1": dict(
         STACKED=True, KEY_IMMA=True, LAZY_RESCALE=True, V_SUBNORMAL=True, BN_INT4=32, warps=1
     ),
+    "int4 stacked dots8-V bn32 w1": dict(STACKED=True, V_DOTS8=True, BN_INT4=32, warps=1),
+    "int4 imma lazy subnormal-V dots8-V bn32 w1": dict(
+        STACKED=True,
+        KEY_IMMA=True,
+        LAZY_RESCALE=True,
+        V_SUBNORMAL=True,
+        V_DOTS8=True,
+        BN_INT4=32,
+        warps=1,
+    ),
+    "int4 imma lazy subnormal-V dots8-V bn64 w2": dict(
+        STACKED=True,
+        KEY_IMMA=True,
+        LAZY_RESCALE=True,
+        V_SUBNORMAL=True,
+        V_DOTS8=True,
+        BN_INT4=64,
+        warps=2,
+    ),
     "int4 imma lazy subnormal-V bn64 w2": dict(
         STACKED=True, KEY_IMMA=True, LAZY_RESCALE=True, V_SUBNORMAL=True, BN_INT4=64, warps=2
     ),
@@ -109,6 +128,7 @@ def compile_split(group: int, head_dim: int, segments: set[str], **knobs):
         KEY_IMMA=False,
         LAZY_RESCALE=False,
         V_SUBNORMAL=False,
+        V_DOTS8=False,
     )
     consts.update(knobs)
     sig = {n: "constexpr" if n in consts else PTRS.get(n, "i32") for n in fn.arg_names}

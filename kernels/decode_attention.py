@@ -96,7 +96,10 @@ class DecodeConfig:
     iteration skips ``G * D`` multiplies). int4_v_subnormal (stacked path): value codes
     enter the fp16 value dot as the subnormals ``n * 2**-24`` (the nibble itself is the bit
     pattern: no magic number, no fma; exact, and the tensor cores multiply fp16 subnormals
-    exactly), the 2**24 applied once at the store. prefetch: hand
+    exactly), the 2**24 applied once at the store. int4_v_dots8 (stacked path): one value
+    dot per code tensor of the unpacked words (8 dots of N = D / 8 instead of 2 of D / 2
+    after a join), so the words go from shared memory straight into the MMA operand layout
+    and the codes are made there (no store / reload of the fp16 tile). prefetch: hand
     double-buffering of the INT2 (and legacy INT4) loads. merge_block_s: splits per step
     of the merge kernel."""
 
@@ -115,6 +118,7 @@ class DecodeConfig:
     int4_imma: bool = False
     int4_lazy_rescale: bool = False
     int4_v_subnormal: bool = False
+    int4_v_dots8: bool = False
     merge_block_s: int = 32
     prefetch: bool = True
 
@@ -363,6 +367,14 @@ def _q_int8_hi_lo(qe, qo, lo_row):
 
 
 @triton.jit
+def _store_own(ptrs, acc, own, z, inv, v_one, gmask, BLOCK_HQ: tl.constexpr, NG: tl.constexpr):
+    """Store (each head's own-group rows of acc [BLOCK_HQ * NG, W]) * v_one + z, over l."""
+    w: tl.constexpr = acc.shape[1]
+    o = tl.sum(tl.reshape(tl.where(own, acc, 0.0), [BLOCK_HQ, NG, w]), 1)
+    tl.store(ptrs, (o * v_one + z) * inv[:, None], mask=gmask[:, None])
+
+
+@triton.jit
 def _int4_split_stacked(
     q_ptr,
     stride_qb,
@@ -399,6 +411,7 @@ def _int4_split_stacked(
     KEY_IMMA: tl.constexpr,
     LAZY_RESCALE: tl.constexpr,
     V_SUBNORMAL: tl.constexpr,
+    V_DOTS8: tl.constexpr,
 ):
     """One INT4 split with (query head, channel group) pairs stacked as the rows of one dot.
 
@@ -440,12 +453,25 @@ def _int4_split_stacked(
         q8s = tl.where(amax > 0.0, amax / 127.0, 1.0) / 256.0 * qk_scale  # [R]
     m_i = tl.full([BLOCK_HQ], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_HQ], tl.float32)
-    acc_e = tl.zeros([R, H2], tl.float32)
-    acc_o = tl.zeros([R, H2], tl.float32)
+    W: tl.constexpr = D // 8
+    if V_DOTS8:  # one accumulator per (byte k, nibble) of the value words: [R, W] each
+        acc_e = tl.zeros([R, 2], tl.float32)  # unused
+        acc_o = tl.zeros([R, 2], tl.float32)
+        a0 = tl.zeros([R, W], tl.float32)
+        a1 = tl.zeros([R, W], tl.float32)
+        a2 = tl.zeros([R, W], tl.float32)
+        a3 = tl.zeros([R, W], tl.float32)
+        a4 = tl.zeros([R, W], tl.float32)
+        a5 = tl.zeros([R, W], tl.float32)
+        a6 = tl.zeros([R, W], tl.float32)
+        a7 = tl.zeros([R, W], tl.float32)
+    else:
+        acc_e = tl.zeros([R, H2], tl.float32)
+        acc_o = tl.zeros([R, H2], tl.float32)
     zb = tl.zeros([BLOCK_HQ, NG], tl.float32)
     arn = tl.arange(0, BN)
     cng = tl.arange(0, NG)
-    jw = tl.arange(0, D // 8)
+    jw = tl.arange(0, W)
     for start_n in range(start, end, BN):
         slot, live = _live_positions(slot_row, hm_row, start_n + arn, end, dead_id, HAS_HEAD_MASK)
         row = tl.where(live, slot - int4_base, 0) * Hkv + h
@@ -486,8 +512,12 @@ def _int4_split_stacked(
                 alr = tl.reshape(tl.broadcast_to(alpha[:, None], [BLOCK_HQ, NG]), [R])[:, None]
                 l_i = l_i * alpha
                 zb = zb * alpha[:, None]
-                acc_e = acc_e * alr
-                acc_o = acc_o * alr
+                if V_DOTS8:
+                    a0, a1, a2, a3 = a0 * alr, a1 * alr, a2 * alr, a3 * alr
+                    a4, a5, a6, a7 = a4 * alr, a5 * alr, a6 * alr, a7 * alr
+                else:
+                    acc_e = acc_e * alr
+                    acc_o = acc_o * alr
                 m_i = m_new
             p = tl.exp2(qk - m_i[:, None])
             l_i = l_i + tl.sum(p, 1)
@@ -495,32 +525,58 @@ def _int4_split_stacked(
             p, alpha, m_i, l_i = _online_softmax(qk, m_i, l_i)
             alr = tl.reshape(tl.broadcast_to(alpha[:, None], [BLOCK_HQ, NG]), [R])[:, None]
             zb = zb * alpha[:, None]
-            acc_e = acc_e * alr
-            acc_o = acc_o * alr
+            if V_DOTS8:
+                a0, a1, a2, a3 = a0 * alr, a1 * alr, a2 * alr, a3 * alr
+                a4, a5, a6, a7 = a4 * alr, a5 * alr, a6 * alr, a7 * alr
+            else:
+                acc_e = acc_e * alr
+                acc_o = acc_o * alr
         zb = _mma_acc(p.to(tl.float16), vz, zb, IEEE_F32)
         pst = tl.reshape(tl.broadcast_to(p[:, None, :], [BLOCK_HQ, NG, BN]), [R, BN]) * vs
         if V_SUBNORMAL:  # codes n as fp16 n * 2**-24: the 2**24 comes back at the store
             l0, l1, l2, l3, h0, h1, h2, h3 = int4_word_codes_f16_subnormal(vw, USE_ASM)
         else:
             l0, l1, l2, l3, h0, h1, h2, h3 = int4_word_codes_f16(vw, USE_ASM)
-        ve = tl.reshape(tl.join(tl.join(l0, l2), tl.join(l1, l3)), [BN, H2])
-        vo = tl.reshape(tl.join(tl.join(h0, h2), tl.join(h1, h3)), [BN, H2])
         pst = pst.to(tl.float16)
-        acc_e = _mma_acc(pst, ve, acc_e, IEEE_F32)
-        acc_o = _mma_acc(pst, vo, acc_o, IEEE_F32)
-    own = rg[:, None] == (j // 16)[None, :]
-    oe = tl.sum(tl.reshape(tl.where(own, acc_e, 0.0), [BLOCK_HQ, NG, H2]), 1)
-    oo = tl.sum(tl.reshape(tl.where(own, acc_o, 0.0), [BLOCK_HQ, NG, H2]), 1)
-    if V_SUBNORMAL:
-        oe = oe * 16777216.0
-        oo = oo * 16777216.0
-    z16 = _bcast_groups(zb, BLOCK_HQ, NG, 16)
+        if V_DOTS8:  # no join: each code tensor is a dot operand as loaded
+            a0 = _mma_acc(pst, l0, a0, IEEE_F32)
+            a1 = _mma_acc(pst, l1, a1, IEEE_F32)
+            a2 = _mma_acc(pst, l2, a2, IEEE_F32)
+            a3 = _mma_acc(pst, l3, a3, IEEE_F32)
+            a4 = _mma_acc(pst, h0, a4, IEEE_F32)
+            a5 = _mma_acc(pst, h1, a5, IEEE_F32)
+            a6 = _mma_acc(pst, h2, a6, IEEE_F32)
+            a7 = _mma_acc(pst, h3, a7, IEEE_F32)
+        else:
+            ve = tl.reshape(tl.join(tl.join(l0, l2), tl.join(l1, l3)), [BN, H2])
+            vo = tl.reshape(tl.join(tl.join(h0, h2), tl.join(h1, h3)), [BN, H2])
+            acc_e = _mma_acc(pst, ve, acc_e, IEEE_F32)
+            acc_o = _mma_acc(pst, vo, acc_o, IEEE_F32)
     inv = 1.0 / tl.where(l_i > 0.0, l_i, 1.0)
-    out = tl.interleave(oe + z16, oo + z16) * inv[:, None]
     offs_g = tl.arange(0, BLOCK_HQ)
     gmask = offs_g < G
     row_q = (b * (Hkv * G) + h * G + offs_g).to(tl.int64) * S_total + s
-    tl.store(po_ptr + row_q[:, None] * D + tl.arange(0, D)[None, :], out, mask=gmask[:, None])
+    v_one = 16777216.0 if V_SUBNORMAL else 1.0
+    if V_DOTS8:
+        # accumulator k holds channel 8w + 2 (k % 4) + k // 4 in column w (group w // 4)
+        z4 = _bcast_groups(zb, BLOCK_HQ, NG, 4)
+        own8 = rg[:, None] == (jw // 4)[None, :]
+        prow = po_ptr + row_q[:, None] * D + 8 * jw[None, :]
+        _store_own(prow + 0, a0, own8, z4, inv, v_one, gmask, BLOCK_HQ, NG)
+        _store_own(prow + 2, a1, own8, z4, inv, v_one, gmask, BLOCK_HQ, NG)
+        _store_own(prow + 4, a2, own8, z4, inv, v_one, gmask, BLOCK_HQ, NG)
+        _store_own(prow + 6, a3, own8, z4, inv, v_one, gmask, BLOCK_HQ, NG)
+        _store_own(prow + 1, a4, own8, z4, inv, v_one, gmask, BLOCK_HQ, NG)
+        _store_own(prow + 3, a5, own8, z4, inv, v_one, gmask, BLOCK_HQ, NG)
+        _store_own(prow + 5, a6, own8, z4, inv, v_one, gmask, BLOCK_HQ, NG)
+        _store_own(prow + 7, a7, own8, z4, inv, v_one, gmask, BLOCK_HQ, NG)
+    else:
+        own = rg[:, None] == (j // 16)[None, :]
+        oe = tl.sum(tl.reshape(tl.where(own, acc_e, 0.0), [BLOCK_HQ, NG, H2]), 1) * v_one
+        oo = tl.sum(tl.reshape(tl.where(own, acc_o, 0.0), [BLOCK_HQ, NG, H2]), 1) * v_one
+        z16 = _bcast_groups(zb, BLOCK_HQ, NG, 16)
+        out = tl.interleave(oe + z16, oo + z16) * inv[:, None]
+        tl.store(po_ptr + row_q[:, None] * D + tl.arange(0, D)[None, :], out, mask=gmask[:, None])
     _store_lse(plse_ptr, row_q, m_i, l_i, gmask)
 
 
@@ -590,6 +646,7 @@ def _decode_split_kernel(
     KEY_IMMA: tl.constexpr = False,
     LAZY_RESCALE: tl.constexpr = False,
     V_SUBNORMAL: tl.constexpr = False,
+    V_DOTS8: tl.constexpr = False,
 ):
     NG: tl.constexpr = D // 32
     Q: tl.constexpr = D // 4
@@ -979,6 +1036,7 @@ def _decode_split_kernel(
                         KEY_IMMA,
                         LAZY_RESCALE,
                         V_SUBNORMAL,
+                        V_DOTS8,
                     )
                 else:
                     # Scales folded out of the inner loop: per token t and 32-channel group g,
@@ -1502,6 +1560,7 @@ def decode_attention(
         KEY_IMMA=cfg.int4_imma,
         LAZY_RESCALE=cfg.int4_lazy_rescale,
         V_SUBNORMAL=cfg.int4_v_subnormal,
+        V_DOTS8=cfg.int4_v_dots8,
         num_warps=cfg.warps(m4 > 0),
         num_stages=cfg.num_stages,
     )

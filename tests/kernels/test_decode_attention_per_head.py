@@ -222,5 +222,10 @@ def test_per_head_int4_imma_matches_reference():
     pb = PerHeadBatch(
         [[(1, 20, 10), (2, 0, 40)], [(0, 75, 60), (1, 40, 0)]], hkv=2, group=4, dead=0.4, seed=2
     )
-    cfg = DecodeConfig(int4_imma=True, int4_lazy_rescale=True, int4_v_subnormal=True)
-    assert rel_err(pb.run(config=cfg), pb.ref()) < 1e-3
+    for cfg in (
+        DecodeConfig(int4_imma=True, int4_lazy_rescale=True, int4_v_subnormal=True),
+        DecodeConfig(
+            int4_imma=True, int4_lazy_rescale=True, int4_v_subnormal=True, int4_v_dots8=True
+        ),
+    ):
+        assert rel_err(pb.run(config=cfg), pb.ref()) < 1e-3
