@@ -459,19 +459,21 @@ def tune_grid(impl: str) -> list[DecodeConfig]:
                 int4_lazy_rescale=lazy,
                 int4_v_subnormal=sub,
                 int4_v_dots8=dots8,
+                int4_offsets32=o32,
                 int4_stacked=True,
                 block_n_int4=bn,
                 num_warps=w,
                 programs_per_sm_int4=pps,
             )
-            for imma, lazy, sub, dots8 in (
-                (True, True, True, True),
-                (True, True, True, False),
-                (True, True, False, False),
-                (True, False, False, False),
-                (False, True, False, False),
-                (False, False, True, False),
-                (False, False, False, True),
+            for imma, lazy, sub, dots8, o32 in (
+                (True, True, True, True, True),
+                (True, True, True, True, False),
+                (True, True, True, False, False),
+                (True, True, False, False, False),
+                (True, False, False, False, False),
+                (False, True, False, False, False),
+                (False, False, True, False, False),
+                (False, False, False, True, False),
             )
             for bn, w in ((32, 1), (64, 2))
             for pps in (16, 8)
@@ -524,6 +526,7 @@ def mixed_grid(best4: DecodeConfig, best2: DecodeConfig) -> list[DecodeConfig]:
             "int4_lazy_rescale",
             "int4_v_subnormal",
             "int4_v_dots8",
+            "int4_offsets32",
             "programs_per_sm_int4",
         )
     }

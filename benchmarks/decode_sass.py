@@ -78,6 +78,16 @@ VARIANTS = {
         BN_INT4=32,
         warps=1,
     ),
+    "int4 imma lazy subnormal-V dots8-V offs32 bn32 w1": dict(
+        STACKED=True,
+        KEY_IMMA=True,
+        LAZY_RESCALE=True,
+        V_SUBNORMAL=True,
+        V_DOTS8=True,
+        OFFS32=True,
+        BN_INT4=32,
+        warps=1,
+    ),
     "int4 imma lazy subnormal-V dots8-V bn64 w2": dict(
         STACKED=True,
         KEY_IMMA=True,
@@ -129,6 +139,7 @@ def compile_split(group: int, head_dim: int, segments: set[str], **knobs):
         LAZY_RESCALE=False,
         V_SUBNORMAL=False,
         V_DOTS8=False,
+        OFFS32=False,
     )
     consts.update(knobs)
     sig = {n: "constexpr" if n in consts else PTRS.get(n, "i32") for n in fn.arg_names}

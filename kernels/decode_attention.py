@@ -96,10 +96,13 @@ class DecodeConfig:
     iteration skips ``G * D`` multiplies). int4_v_subnormal (stacked path): value codes
     enter the fp16 value dot as the subnormals ``n * 2**-24`` (the nibble itself is the bit
     pattern: no magic number, no fma; exact, and the tensor cores multiply fp16 subnormals
-    exactly), the 2**24 applied once at the store. int4_v_dots8 (stacked path): one value
+    exactly), the 2**24 applied once at the store, and ``p * s`` formed in packed fp16.
+    int4_v_dots8 (stacked path): one value
     dot per code tensor of the unpacked words (8 dots of N = D / 8 instead of 2 of D / 2
     after a join), so the words go from shared memory straight into the MMA operand layout
-    and the codes are made there (no store / reload of the fp16 tile). prefetch: hand
+    and the codes are made there (no store / reload of the fp16 tile). int4_offsets32
+    (stacked path): row offsets in int32 when the INT4 pool has < 2**31 bytes per tensor
+    (fewer 64-bit address instructions). prefetch: hand
     double-buffering of the INT2 (and legacy INT4) loads. merge_block_s: splits per step
     of the merge kernel."""
 
@@ -119,6 +122,7 @@ class DecodeConfig:
     int4_lazy_rescale: bool = False
     int4_v_subnormal: bool = False
     int4_v_dots8: bool = False
+    int4_offsets32: bool = False
     merge_block_s: int = 32
     prefetch: bool = True
 
@@ -412,6 +416,7 @@ def _int4_split_stacked(
     LAZY_RESCALE: tl.constexpr,
     V_SUBNORMAL: tl.constexpr,
     V_DOTS8: tl.constexpr,
+    OFFS32: tl.constexpr,
 ):
     """One INT4 split with (query head, channel group) pairs stacked as the rows of one dot.
 
@@ -475,6 +480,8 @@ def _int4_split_stacked(
     for start_n in range(start, end, BN):
         slot, live = _live_positions(slot_row, hm_row, start_n + arn, end, dead_id, HAS_HEAD_MASK)
         row = tl.where(live, slot - int4_base, 0) * Hkv + h
+        if OFFS32:  # the pool's byte offsets fit int32 (checked on the host)
+            row = row.to(tl.int32)
         lm = live[:, None]
         co = row[:, None] * H2 + j[None, :]
         kb = tl.load(k_ptr + co, mask=lm, other=0)
@@ -488,7 +495,7 @@ def _int4_split_stacked(
         lsel = live[None, :] & (rr >= 0)[:, None]
         ks = tl.load(ks_ptr + ssel, mask=lsel, other=0.0).to(tl.float32)
         kz = tl.load(kz_ptr + ssel, mask=lsel, other=0.0).to(tl.float32)
-        vs = tl.load(vs_ptr + ssel, mask=lsel, other=0.0).to(tl.float32)
+        vs = tl.load(vs_ptr + ssel, mask=lsel, other=0.0)
         vz = tl.load(vz_ptr + so[:, None] + cng[None, :], mask=lm, other=0.0)
         if KEY_IMMA:
             # int8 codes straight from the bytes, one exact int32 dot for hi and lo rows
@@ -532,7 +539,13 @@ def _int4_split_stacked(
                 acc_e = acc_e * alr
                 acc_o = acc_o * alr
         zb = _mma_acc(p.to(tl.float16), vz, zb, IEEE_F32)
-        pst = tl.reshape(tl.broadcast_to(p[:, None, :], [BLOCK_HQ, NG, BN]), [R, BN]) * vs
+        if V_SUBNORMAL:  # and p * s in packed fp16 (it is rounded to fp16 for the dot anyway)
+            p16 = p.to(tl.float16)
+            pst = tl.reshape(tl.broadcast_to(p16[:, None, :], [BLOCK_HQ, NG, BN]), [R, BN]) * vs
+        else:
+            pst = tl.reshape(tl.broadcast_to(p[:, None, :], [BLOCK_HQ, NG, BN]), [R, BN]) * vs.to(
+                tl.float32
+            )
         if V_SUBNORMAL:  # codes n as fp16 n * 2**-24: the 2**24 comes back at the store
             l0, l1, l2, l3, h0, h1, h2, h3 = int4_word_codes_f16_subnormal(vw, USE_ASM)
         else:
@@ -647,6 +660,7 @@ def _decode_split_kernel(
     LAZY_RESCALE: tl.constexpr = False,
     V_SUBNORMAL: tl.constexpr = False,
     V_DOTS8: tl.constexpr = False,
+    OFFS32: tl.constexpr = False,
 ):
     NG: tl.constexpr = D // 32
     Q: tl.constexpr = D // 4
@@ -1037,6 +1051,7 @@ def _decode_split_kernel(
                         LAZY_RESCALE,
                         V_SUBNORMAL,
                         V_DOTS8,
+                        OFFS32,
                     )
                 else:
                     # Scales folded out of the inner loop: per token t and 32-channel group g,
@@ -1561,6 +1576,7 @@ def decode_attention(
         LAZY_RESCALE=cfg.int4_lazy_rescale,
         V_SUBNORMAL=cfg.int4_v_subnormal,
         V_DOTS8=cfg.int4_v_dots8,
+        OFFS32=cfg.int4_offsets32 and has4 and p4.k.numel() < 2**31,
         num_warps=cfg.warps(m4 > 0),
         num_stages=cfg.num_stages,
     )

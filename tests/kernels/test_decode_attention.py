@@ -325,7 +325,11 @@ INT4_CONFIGS = [
     (
         "imma_all",
         DecodeConfig(
-            int4_imma=True, int4_lazy_rescale=True, int4_v_subnormal=True, int4_v_dots8=True
+            int4_imma=True,
+            int4_lazy_rescale=True,
+            int4_v_subnormal=True,
+            int4_v_dots8=True,
+            int4_offsets32=True,
         ),
     ),
 ]
@@ -368,7 +372,11 @@ def test_int4_key_channel_scale_folded_into_query() -> None:
         DecodeConfig(int4_stacked=False, int4_v_fold=False),
         DecodeConfig(int4_legacy=True),
         DecodeConfig(
-            int4_imma=True, int4_lazy_rescale=True, int4_v_subnormal=True, int4_v_dots8=True
+            int4_imma=True,
+            int4_lazy_rescale=True,
+            int4_v_subnormal=True,
+            int4_v_dots8=True,
+            int4_offsets32=True,
         ),
     ):
         _run(mb, torch.float16, split_len=64, config=cfg)
@@ -399,7 +407,11 @@ def test_int4_imma_and_lazy_rescale_within_1e3_of_reference(q_scale) -> None:
         DecodeConfig(int4_stacked=True, int4_lazy_rescale=True),
         DecodeConfig(int4_imma=True, int4_lazy_rescale=True, int4_v_subnormal=True),
         DecodeConfig(
-            int4_imma=True, int4_lazy_rescale=True, int4_v_subnormal=True, int4_v_dots8=True
+            int4_imma=True,
+            int4_lazy_rescale=True,
+            int4_v_subnormal=True,
+            int4_v_dots8=True,
+            int4_offsets32=True,
         ),
     ):
         out = decode_attention(

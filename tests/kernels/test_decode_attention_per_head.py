@@ -225,7 +225,11 @@ def test_per_head_int4_imma_matches_reference():
     for cfg in (
         DecodeConfig(int4_imma=True, int4_lazy_rescale=True, int4_v_subnormal=True),
         DecodeConfig(
-            int4_imma=True, int4_lazy_rescale=True, int4_v_subnormal=True, int4_v_dots8=True
+            int4_imma=True,
+            int4_lazy_rescale=True,
+            int4_v_subnormal=True,
+            int4_v_dots8=True,
+            int4_offsets32=True,
         ),
     ):
         assert rel_err(pb.run(config=cfg), pb.ref()) < 1e-3
