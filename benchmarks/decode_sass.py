@@ -230,7 +230,7 @@ def main() -> None:
         k = compile_split(args.group, args.head_dim, {args.segments}, **dict(knobs))
         st = sass_stats(k, tokens, warps)
         print(
-            f"{name:34s} regs {st['regs']:>3} spill {st['spill_stack_bytes']:>4} B  "
+            f"{name:50s} regs {st['regs']:>3} spill {st['spill_stack_bytes']:>4} B  "
             f"loop {st['loop_instructions']:>5}  lane-instr/token "
             f"{st['lane_instructions_per_token']:7.0f}  skipping branches "
             f"{st['lane_instructions_per_token_skipping']:7.0f}  {st['top_ops'][:5]}",

@@ -446,14 +446,17 @@ def _int4_split_stacked(
     qo = qo.to(dt)
     qs = tl.sum(qe.to(tl.float32) + qo.to(tl.float32), 1) * qk_scale  # [R]
     if KEY_IMMA:  # the stacked rows twice (hi and lo halves) as int8
+        # loaded channel-contiguous and split into even / odd channels in registers, so the
+        # int8 operand's shared-memory copy is K-major (ldmatrix; Triton 3.6 otherwise reads
+        # it byte by byte every iteration)
         r2 = tl.arange(0, 2 * R) % R
-        in2 = (r2 // NG < G)[:, None] & ((j // 16)[None, :] == (r2 % NG)[:, None])
+        dd = tl.arange(0, D)
+        in2 = (r2 // NG < G)[:, None] & ((dd // 32)[None, :] == (r2 % NG)[:, None])
         qrow2 = q_ptr + b * stride_qb + (h * G + r2 // NG)[:, None] * stride_qh
-        q2e = tl.load(qrow2 + 2 * j[None, :], mask=in2, other=0.0).to(tl.float32)
-        q2o = tl.load(qrow2 + 2 * j[None, :] + 1, mask=in2, other=0.0).to(tl.float32)
+        q2 = tl.load(qrow2 + dd[None, :], mask=in2, other=0.0).to(tl.float32)
         if HAS_KCS:
-            q2e = q2e * tl.load(c_ptr + h * D + 2 * j)[None, :]
-            q2o = q2o * tl.load(c_ptr + h * D + 2 * j + 1)[None, :]
+            q2 = q2 * tl.load(c_ptr + h * D + dd)[None, :]
+        q2e, q2o = tl.split(tl.reshape(q2, [2 * R, H2, 2]))
         qe8, qo8, _ = _q_int8_hi_lo(q2e, q2o, tl.arange(0, 2 * R) >= R)
         q8s = tl.where(amax > 0.0, amax / 127.0, 1.0) / 256.0 * qk_scale  # [R]
     m_i = tl.full([BLOCK_HQ], -1.0e30, tl.float32)
@@ -500,7 +503,8 @@ def _int4_split_stacked(
         if KEY_IMMA:
             # int8 codes straight from the bytes, one exact int32 dot for hi and lo rows
             ke8, ko8 = int4_code_bytes_i8(kb, USE_ASM)
-            si = tl.dot(qo8, tl.trans(ko8), tl.dot(qe8, tl.trans(ke8)))  # [2R, BN] int32
+            si = tl.dot(qe8, tl.trans(ke8), out_dtype=tl.int32)  # [2R, BN]
+            si = tl.dot(qo8, tl.trans(ko8), si, out_dtype=tl.int32)
             s_hi, s_lo = tl.split(tl.permute(tl.reshape(si, [2, R, BN]), (1, 2, 0)))
             sst = (s_hi * 256 + s_lo).to(tl.float32) * (ks * q8s[:, None]) + qs[:, None] * kz
         else:
