@@ -176,13 +176,16 @@ def sass_stats(kernel, tokens_per_iter: int, warps: int) -> dict:
     ]
     at = {a: i for i, (a, _) in enumerate(ins)}
     # backward branches close loops; the inner loop is the one holding the most MMAs (the
-    # smallest such), which is also the largest loop when the body has no branch
+    # smallest such; with several segments compiled in, the quantized one when it has more
+    # MMAs per iteration), which is also the largest loop when the body has no branch
     best, lo, hi = (-1, 0), 0, 0
     for i, (a, text) in enumerate(ins):
         if "BRA" in text and (m := re.search(r"0x([0-9a-f]+)", text.split("BRA")[1])):
             target = int(m.group(1), 16)
-            if target < a and target in at:
-                n_mma = sum("MMA" in t for _, t in ins[at[target] : i + 1])
+            body = ins[at[target] : i + 1] if target < a and target in at else []
+            # a range holding an EXIT is a divergence fallback jumping back, not a loop
+            if body and not any("EXIT" in t for _, t in body):
+                n_mma = sum("MMA" in t for _, t in body)
                 key = (n_mma, -(i + 1 - at[target]))
                 if key > best:
                     best, lo, hi = key, at[target], i + 1
