@@ -92,7 +92,7 @@ class DecodeConfig:
     is two int8 rows (``q ~= a / 256 * (256 hi + lo)``, ~1 / 65,000 of the row's largest
     value), one exact int32 dot gives both; values stay fp16. int4_lazy_rescale (stacked
     path): the online softmax moves its running max, and rescales the accumulators, only
-    when a block's max exceeds it by more than 2**8 (FlashAttention-4's trick: the common
+    when a block's max exceeds it by more than 2**4 (FlashAttention-4's trick: the common
     iteration skips ``G * D`` multiplies). int4_v_subnormal (stacked path): value codes
     enter the fp16 value dot as the subnormals ``n * 2**-24`` (the nibble itself is the bit
     pattern: no magic number, no fma; exact, and the tensor cores multiply fp16 subnormals
@@ -515,10 +515,11 @@ def _int4_split_stacked(
         qk = tl.where(live[None, :], qk, float("-inf"))
         if LAZY_RESCALE:
             # the running max moves (and the accumulators are rescaled) only when some row's
-            # block max exceeds it by more than 2**8: p <= 256 otherwise (exact: l, acc and zb
-            # share the stale max, and the split's output divides it out)
+            # block max exceeds it by more than 2**4: p <= 16 otherwise (exact: l, acc and zb
+            # share the stale max, and the split's output divides it out; p * s in fp16
+            # stays finite unless a value group spans > 60,000)
             m_new = tl.maximum(m_i, tl.max(qk, 1))
-            if tl.max(m_new - m_i, 0) > 8.0:
+            if tl.max(m_new - m_i, 0) > 4.0:
                 alpha = tl.exp2(m_i - m_new)
                 alr = tl.reshape(tl.broadcast_to(alpha[:, None], [BLOCK_HQ, NG]), [R])[:, None]
                 l_i = l_i * alpha

@@ -387,7 +387,7 @@ def test_int4_imma_and_lazy_rescale_within_1e3_of_reference(q_scale) -> None:
     """The int8 tensor-core keys (query rows as int8 hi + lo / 256 halves), the lazy
     softmax rescale and the subnormal fp16 value codes keep the fp16 output within 1e-3 (relative L2) of the reference on the
     same quantized K/V, from flat to sharp softmaxes (large q_scale: the running max jumps
-    by more than 2**8 between blocks, so the rescale branch runs and is skipped); mixed
+    by more than 2**4 between blocks, so the rescale branch runs and is skipped); mixed
     INT2 + INT4 + bf16 segments, DEAD cells and head masks included."""
     mb = build_mixed_batch(
         [(0, 300, 0), (1, 150, 9)],
