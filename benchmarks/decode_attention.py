@@ -451,6 +451,37 @@ def tune_grid(impl: str) -> list[DecodeConfig]:
     """Configs the ``--tune`` sweep tries for ``impl`` (the defaults first)."""
     if impl == "int4":
         grid = [DecodeConfig()]
+        # stacked rows with int8 tensor-core keys, the lazy softmax rescale, subnormal fp16
+        # value codes, one value dot per code tensor and int32 offsets: all five at two
+        # shapes x two split targets first, then each knob dropped in turn and alone (at the
+        # default's shape) to see what each one buys
+        knobs = ("imma", "lazy_rescale", "v_subnormal", "v_dots8", "offsets32")
+        grid += [
+            DecodeConfig(
+                **{f"int4_{k}": True for k in knobs},
+                int4_stacked=True,
+                block_n_int4=bn,
+                num_warps=w,
+                programs_per_sm_int4=pps,
+            )
+            for bn, w in ((32, 1), (64, 2))
+            for pps in (16, 8)
+        ]
+        grid += [
+            DecodeConfig(
+                **{f"int4_{k}": on for k, on in zip(knobs, mask, strict=True)}, int4_stacked=True
+            )
+            for mask in (
+                (True, True, True, True, False),
+                (True, True, True, False, False),
+                (True, True, False, False, False),
+                (True, False, False, False, False),
+                (False, True, False, False, False),
+                (False, False, True, False, False),
+                (False, False, False, True, False),
+                (False, False, False, False, True),
+            )
+        ]
         grid += [  # the kernel before issue 10's recipe
             DecodeConfig(int4_legacy=True, block_n_int4=32, num_warps=2, programs_per_sm_int4=pps)
             for pps in (8, 16)
@@ -495,6 +526,11 @@ def mixed_grid(best4: DecodeConfig, best2: DecodeConfig) -> list[DecodeConfig]:
             "int4_v_fold",
             "int4_legacy",
             "int4_stacked",
+            "int4_imma",
+            "int4_lazy_rescale",
+            "int4_v_subnormal",
+            "int4_v_dots8",
+            "int4_offsets32",
             "programs_per_sm_int4",
         )
     }

@@ -58,6 +58,51 @@ DIV16 = {"stride_qb", "stride_qh", "stride_sb", "stride_fs", "stride_fh"}
 DIV16 |= {"split_len2", "split_len4", "split_lenf"}
 
 VARIANTS = {
+    "int4 stacked bn32 w1 (default)": dict(STACKED=True, BN_INT4=32, warps=1),
+    "int4 stacked lazy bn32 w1": dict(STACKED=True, LAZY_RESCALE=True, BN_INT4=32, warps=1),
+    "int4 imma bn32 w1": dict(STACKED=True, KEY_IMMA=True, BN_INT4=32, warps=1),
+    "int4 imma lazy bn32 w1": dict(
+        STACKED=True, KEY_IMMA=True, LAZY_RESCALE=True, BN_INT4=32, warps=1
+    ),
+    "int4 stacked subnormal-V bn32 w1": dict(STACKED=True, V_SUBNORMAL=True, BN_INT4=32, warps=1),
+    "int4 imma lazy subnormal-V bn32 w1": dict(
+        STACKED=True, KEY_IMMA=True, LAZY_RESCALE=True, V_SUBNORMAL=True, BN_INT4=32, warps=1
+    ),
+    "int4 stacked dots8-V bn32 w1": dict(STACKED=True, V_DOTS8=True, BN_INT4=32, warps=1),
+    "int4 imma lazy subnormal-V dots8-V bn32 w1": dict(
+        STACKED=True,
+        KEY_IMMA=True,
+        LAZY_RESCALE=True,
+        V_SUBNORMAL=True,
+        V_DOTS8=True,
+        BN_INT4=32,
+        warps=1,
+    ),
+    "int4 imma lazy subnormal-V dots8-V offs32 bn32 w1": dict(
+        STACKED=True,
+        KEY_IMMA=True,
+        LAZY_RESCALE=True,
+        V_SUBNORMAL=True,
+        V_DOTS8=True,
+        OFFS32=True,
+        BN_INT4=32,
+        warps=1,
+    ),
+    "int4 imma lazy subnormal-V dots8-V bn64 w2": dict(
+        STACKED=True,
+        KEY_IMMA=True,
+        LAZY_RESCALE=True,
+        V_SUBNORMAL=True,
+        V_DOTS8=True,
+        BN_INT4=64,
+        warps=2,
+    ),
+    "int4 imma lazy subnormal-V bn64 w2": dict(
+        STACKED=True, KEY_IMMA=True, LAZY_RESCALE=True, V_SUBNORMAL=True, BN_INT4=64, warps=2
+    ),
+    "int4 imma lazy bn64 w2": dict(
+        STACKED=True, KEY_IMMA=True, LAZY_RESCALE=True, BN_INT4=64, warps=2
+    ),
     "int4 stacked bn64 w2": dict(STACKED=True, BN_INT4=64, warps=2),
     "int4 stacked bn32 w4": dict(STACKED=True, BN_INT4=32, warps=4),
     "int4 per-group folded V bn64 w2": dict(STACKED=False, V_FOLD=True, BN_INT4=64, warps=2),
@@ -90,6 +135,11 @@ def compile_split(group: int, head_dim: int, segments: set[str], **knobs):
         V_FOLD=True,
         INT4_LEGACY=False,
         STACKED=True,
+        KEY_IMMA=False,
+        LAZY_RESCALE=False,
+        V_SUBNORMAL=False,
+        V_DOTS8=False,
+        OFFS32=False,
     )
     consts.update(knobs)
     sig = {n: "constexpr" if n in consts else PTRS.get(n, "i32") for n in fn.arg_names}
@@ -125,12 +175,31 @@ def sass_stats(kernel, tokens_per_iter: int, warps: int) -> dict:
         if (m := re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?);", line))
     ]
     at = {a: i for i, (a, _) in enumerate(ins)}
-    loop: list[str] = []
-    for i, (a, text) in enumerate(ins):  # backward branches close loops; keep the largest
+    # backward branches close loops; the inner loop is the one holding the most MMAs (the
+    # smallest such; with several segments compiled in, the quantized one when it has more
+    # MMAs per iteration), which is also the largest loop when the body has no branch
+    best, lo, hi = (-1, 0), 0, 0
+    for i, (a, text) in enumerate(ins):
         if "BRA" in text and (m := re.search(r"0x([0-9a-f]+)", text.split("BRA")[1])):
             target = int(m.group(1), 16)
-            if target < a and target in at and i + 1 - at[target] > len(loop):
-                loop = [t for _, t in ins[at[target] : i + 1]]
+            body = ins[at[target] : i + 1] if target < a and target in at else []
+            # a range holding an EXIT is a divergence fallback jumping back, not a loop
+            if body and not any("EXIT" in t for _, t in body):
+                n_mma = sum("MMA" in t for _, t in body)
+                key = (n_mma, -(i + 1 - at[target]))
+                if key > best:
+                    best, lo, hi = key, at[target], i + 1
+    loop = [t for _, t in ins[lo:hi]]
+    # conditional forward branches inside the loop (e.g. a lazy rescale) skip a block on the
+    # common path: count the loop without the skipped blocks too
+    skipped = set()
+    for i in range(lo, hi):
+        text = ins[i][1]
+        if text.startswith("@") and " BRA " in f" {text} " and "BRA.DIV" not in text:
+            m = re.search(r"0x([0-9a-f]+)", text.split("BRA")[1])
+            target = int(m.group(1), 16) if m else -1
+            if ins[i][0] < target <= ins[hi - 1][0] and target in at:
+                skipped.update(range(i + 1, at[target]))
     ops = collections.Counter(t.split()[1] if t.startswith("@") else t.split()[0] for t in loop)
     reg = re.search(r"REG:(\d+)", res)
     stack = re.search(r"STACK:(\d+)", res)
@@ -139,6 +208,10 @@ def sass_stats(kernel, tokens_per_iter: int, warps: int) -> dict:
         "spill_stack_bytes": int(stack.group(1)) if stack else None,
         "loop_instructions": len(loop),
         "lane_instructions_per_token": len(loop) * warps * 32 / tokens_per_iter,
+        "lane_instructions_per_token_skipping": (len(loop) - len(skipped))
+        * warps
+        * 32
+        / tokens_per_iter,
         "top_ops": ops.most_common(8),
     }
 
@@ -160,9 +233,10 @@ def main() -> None:
         k = compile_split(args.group, args.head_dim, {args.segments}, **dict(knobs))
         st = sass_stats(k, tokens, warps)
         print(
-            f"{name:34s} regs {st['regs']:>3} spill {st['spill_stack_bytes']:>4} B  "
+            f"{name:50s} regs {st['regs']:>3} spill {st['spill_stack_bytes']:>4} B  "
             f"loop {st['loop_instructions']:>5}  lane-instr/token "
-            f"{st['lane_instructions_per_token']:7.0f}  {st['top_ops'][:5]}",
+            f"{st['lane_instructions_per_token']:7.0f}  skipping branches "
+            f"{st['lane_instructions_per_token_skipping']:7.0f}  {st['top_ops'][:5]}",
             flush=True,
         )
 

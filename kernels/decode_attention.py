@@ -47,8 +47,10 @@ from .packing import (
     dequant_int2_quads,
     dequant_int4_pairs,
     int2_code_quads,
+    int4_code_bytes_i8,
     int4_code_pairs,
     int4_word_codes_f16,
+    int4_word_codes_f16_subnormal,
 )
 from .pools import DEAD, INT2_PAGE, KVPools
 
@@ -84,7 +86,23 @@ class DecodeConfig:
     on sm_90; the per-group variant with fp16 values otherwise), with int4_v_fold choosing between
     scale-folded values (exact codes into the dot, ``p * s`` per group) and values
     dequantized to fp16 in registers. int4_legacy: the INT4 path before issue 10 (values
-    dequantized to the query dtype, 16 padded rows, hand prefetch). prefetch: hand
+    dequantized to the query dtype, 16 padded rows, hand prefetch). int4_imma (implies
+    stacked): the stacked key dot on the int8 tensor cores (IMMA): the codes become int8
+    straight from the bytes (an and, a shift, an and per four bytes), each stacked query row
+    is two int8 rows (``q ~= a / 256 * (256 hi + lo)``, ~1 / 65,000 of the row's largest
+    value), one exact int32 dot gives both; values stay fp16. int4_lazy_rescale (stacked
+    path): the online softmax moves its running max, and rescales the accumulators, only
+    when a block's max exceeds it by more than 2**4 (FlashAttention-4's trick: the common
+    iteration skips ``G * D`` multiplies). int4_v_subnormal (stacked path): value codes
+    enter the fp16 value dot as the subnormals ``n * 2**-24`` (the nibble itself is the bit
+    pattern: no magic number, no fma; exact, and the tensor cores multiply fp16 subnormals
+    exactly), the 2**24 applied once at the store, and ``p * s`` formed in packed fp16.
+    int4_v_dots8 (stacked path): one value
+    dot per code tensor of the unpacked words (8 dots of N = D / 8 instead of 2 of D / 2
+    after a join), so the words go from shared memory straight into the MMA operand layout
+    and the codes are made there (no store / reload of the fp16 tile). int4_offsets32
+    (stacked path): row offsets in int32 when the INT4 pool has < 2**31 bytes per tensor
+    (fewer 64-bit address instructions). prefetch: hand
     double-buffering of the INT2 (and legacy INT4) loads. merge_block_s: splits per step
     of the merge kernel."""
 
@@ -100,6 +118,11 @@ class DecodeConfig:
     int4_v_fold: bool = True
     int4_legacy: bool = False
     int4_stacked: bool | None = None
+    int4_imma: bool = False
+    int4_lazy_rescale: bool = False
+    int4_v_subnormal: bool = False
+    int4_v_dots8: bool = False
+    int4_offsets32: bool = False
     merge_block_s: int = 32
     prefetch: bool = True
 
@@ -328,6 +351,34 @@ def _store_partial(po_ptr, row_o, cols, acc, l_i, hmask, D: tl.constexpr):
 
 
 @triton.jit
+def _q_int8_hi_lo(qe, qo, lo_row):
+    """Stacked query rows as int8 for the integer tensor cores. qe, qo: [2R, C] float32
+    (even / odd channels; rows ``r`` and ``R + r`` hold the same query row), lo_row [2R]:
+    True on the second copy. Returns (even, odd) [2R, C] int8 and the row scale [2R]:
+    first copies ``hi = round(q / a)``, second copies ``lo = round((q / a - hi) * 256)``,
+    ``a = max|q_r| / 127``, so ``q ~= a / 256 * (256 hi + lo)`` to ~1 / 65,000 of the row's
+    largest value (one exact int32 dot gives both halves); scale = ``a / 256``."""
+    amax = tl.maximum(tl.max(tl.abs(qe), 1), tl.max(tl.abs(qo), 1))
+    a = tl.where(amax > 0.0, amax / 127.0, 1.0)
+    xe = qe / a[:, None]
+    xo = qo / a[:, None]
+    he = tl.floor(xe + 0.5)
+    ho = tl.floor(xo + 0.5)
+    le = tl.minimum(tl.maximum(tl.floor((xe - he) * 256.0 + 0.5), -127.0), 127.0)
+    lo = tl.minimum(tl.maximum(tl.floor((xo - ho) * 256.0 + 0.5), -127.0), 127.0)
+    sel = lo_row[:, None]
+    return tl.where(sel, le, he).to(tl.int8), tl.where(sel, lo, ho).to(tl.int8), a / 256.0
+
+
+@triton.jit
+def _store_own(ptrs, acc, own, z, inv, v_one, gmask, BLOCK_HQ: tl.constexpr, NG: tl.constexpr):
+    """Store (each head's own-group rows of acc [BLOCK_HQ * NG, W]) * v_one + z, over l."""
+    w: tl.constexpr = acc.shape[1]
+    o = tl.sum(tl.reshape(tl.where(own, acc, 0.0), [BLOCK_HQ, NG, w]), 1)
+    tl.store(ptrs, (o * v_one + z) * inv[:, None], mask=gmask[:, None])
+
+
+@triton.jit
 def _int4_split_stacked(
     q_ptr,
     stride_qb,
@@ -361,6 +412,11 @@ def _int4_split_stacked(
     HAS_KCS: tl.constexpr,
     IEEE_F32: tl.constexpr,
     USE_ASM: tl.constexpr,
+    KEY_IMMA: tl.constexpr,
+    LAZY_RESCALE: tl.constexpr,
+    V_SUBNORMAL: tl.constexpr,
+    V_DOTS8: tl.constexpr,
+    OFFS32: tl.constexpr,
 ):
     """One INT4 split with (query head, channel group) pairs stacked as the rows of one dot.
 
@@ -385,20 +441,50 @@ def _int4_split_stacked(
     if HAS_KCS:
         qe = qe * tl.load(c_ptr + h * D + 2 * j)[None, :]
         qo = qo * tl.load(c_ptr + h * D + 2 * j + 1)[None, :]
+    amax = tl.maximum(tl.max(tl.abs(qe), 1), tl.max(tl.abs(qo), 1))  # [R], as _q_int8_hi_lo
     qe = qe.to(dt)
     qo = qo.to(dt)
     qs = tl.sum(qe.to(tl.float32) + qo.to(tl.float32), 1) * qk_scale  # [R]
+    if KEY_IMMA:  # the stacked rows twice (hi and lo halves) as int8
+        # loaded channel-contiguous and split into even / odd channels in registers, so the
+        # int8 operand's shared-memory copy is K-major (ldmatrix; Triton 3.6 otherwise reads
+        # it byte by byte every iteration)
+        r2 = tl.arange(0, 2 * R) % R
+        dd = tl.arange(0, D)
+        in2 = (r2 // NG < G)[:, None] & ((dd // 32)[None, :] == (r2 % NG)[:, None])
+        qrow2 = q_ptr + b * stride_qb + (h * G + r2 // NG)[:, None] * stride_qh
+        q2 = tl.load(qrow2 + dd[None, :], mask=in2, other=0.0).to(tl.float32)
+        if HAS_KCS:
+            q2 = q2 * tl.load(c_ptr + h * D + dd)[None, :]
+        q2e, q2o = tl.split(tl.reshape(q2, [2 * R, H2, 2]))
+        qe8, qo8, _ = _q_int8_hi_lo(q2e, q2o, tl.arange(0, 2 * R) >= R)
+        q8s = tl.where(amax > 0.0, amax / 127.0, 1.0) / 256.0 * qk_scale  # [R]
     m_i = tl.full([BLOCK_HQ], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_HQ], tl.float32)
-    acc_e = tl.zeros([R, H2], tl.float32)
-    acc_o = tl.zeros([R, H2], tl.float32)
+    W: tl.constexpr = D // 8
+    if V_DOTS8:  # one accumulator per (byte k, nibble) of the value words: [R, W] each
+        acc_e = tl.zeros([R, 2], tl.float32)  # unused
+        acc_o = tl.zeros([R, 2], tl.float32)
+        a0 = tl.zeros([R, W], tl.float32)
+        a1 = tl.zeros([R, W], tl.float32)
+        a2 = tl.zeros([R, W], tl.float32)
+        a3 = tl.zeros([R, W], tl.float32)
+        a4 = tl.zeros([R, W], tl.float32)
+        a5 = tl.zeros([R, W], tl.float32)
+        a6 = tl.zeros([R, W], tl.float32)
+        a7 = tl.zeros([R, W], tl.float32)
+    else:
+        acc_e = tl.zeros([R, H2], tl.float32)
+        acc_o = tl.zeros([R, H2], tl.float32)
     zb = tl.zeros([BLOCK_HQ, NG], tl.float32)
     arn = tl.arange(0, BN)
     cng = tl.arange(0, NG)
-    jw = tl.arange(0, D // 8)
+    jw = tl.arange(0, W)
     for start_n in range(start, end, BN):
         slot, live = _live_positions(slot_row, hm_row, start_n + arn, end, dead_id, HAS_HEAD_MASK)
         row = tl.where(live, slot - int4_base, 0) * Hkv + h
+        if OFFS32:  # the pool's byte offsets fit int32 (checked on the host)
+            row = row.to(tl.int32)
         lm = live[:, None]
         co = row[:, None] * H2 + j[None, :]
         kb = tl.load(k_ptr + co, mask=lm, other=0)
@@ -412,33 +498,103 @@ def _int4_split_stacked(
         lsel = live[None, :] & (rr >= 0)[:, None]
         ks = tl.load(ks_ptr + ssel, mask=lsel, other=0.0).to(tl.float32)
         kz = tl.load(kz_ptr + ssel, mask=lsel, other=0.0).to(tl.float32)
-        vs = tl.load(vs_ptr + ssel, mask=lsel, other=0.0).to(tl.float32)
+        vs = tl.load(vs_ptr + ssel, mask=lsel, other=0.0)
         vz = tl.load(vz_ptr + so[:, None] + cng[None, :], mask=lm, other=0.0)
-        ce, cod = int4_code_pairs(kb, dt, USE_ASM)
-        sst = _mma_acc(qo, tl.trans(cod), _mma(qe, tl.trans(ce), IEEE_F32), IEEE_F32)
-        sst = sst * (ks * qk_scale) + qs[:, None] * kz
+        if KEY_IMMA:
+            # int8 codes straight from the bytes, one exact int32 dot for hi and lo rows
+            ke8, ko8 = int4_code_bytes_i8(kb, USE_ASM)
+            si = tl.dot(qe8, tl.trans(ke8), out_dtype=tl.int32)  # [2R, BN]
+            si = tl.dot(qo8, tl.trans(ko8), si, out_dtype=tl.int32)
+            s_hi, s_lo = tl.split(tl.permute(tl.reshape(si, [2, R, BN]), (1, 2, 0)))
+            sst = (s_hi * 256 + s_lo).to(tl.float32) * (ks * q8s[:, None]) + qs[:, None] * kz
+        else:
+            ce, cod = int4_code_pairs(kb, dt, USE_ASM)
+            sst = _mma_acc(qo, tl.trans(cod), _mma(qe, tl.trans(ce), IEEE_F32), IEEE_F32)
+            sst = sst * (ks * qk_scale) + qs[:, None] * kz
         qk = tl.sum(tl.reshape(sst, [BLOCK_HQ, NG, BN]), 1)
         qk = tl.where(live[None, :], qk, float("-inf"))
-        p, alpha, m_i, l_i = _online_softmax(qk, m_i, l_i)
-        zb = _mma_acc(p.to(tl.float16), vz, zb * alpha[:, None], IEEE_F32)
-        pst = tl.reshape(tl.broadcast_to(p[:, None, :], [BLOCK_HQ, NG, BN]), [R, BN]) * vs
-        alr = tl.reshape(tl.broadcast_to(alpha[:, None], [BLOCK_HQ, NG]), [R])[:, None]
-        l0, l1, l2, l3, h0, h1, h2, h3 = int4_word_codes_f16(vw, USE_ASM)
-        ve = tl.reshape(tl.join(tl.join(l0, l2), tl.join(l1, l3)), [BN, H2])
-        vo = tl.reshape(tl.join(tl.join(h0, h2), tl.join(h1, h3)), [BN, H2])
+        if LAZY_RESCALE:
+            # the running max moves (and the accumulators are rescaled) only when some row's
+            # block max exceeds it by more than 2**4: p <= 16 otherwise (exact: l, acc and zb
+            # share the stale max, and the split's output divides it out; p * s in fp16
+            # stays finite unless a value group spans > 60,000)
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            if tl.max(m_new - m_i, 0) > 4.0:
+                alpha = tl.exp2(m_i - m_new)
+                alr = tl.reshape(tl.broadcast_to(alpha[:, None], [BLOCK_HQ, NG]), [R])[:, None]
+                l_i = l_i * alpha
+                zb = zb * alpha[:, None]
+                if V_DOTS8:
+                    a0, a1, a2, a3 = a0 * alr, a1 * alr, a2 * alr, a3 * alr
+                    a4, a5, a6, a7 = a4 * alr, a5 * alr, a6 * alr, a7 * alr
+                else:
+                    acc_e = acc_e * alr
+                    acc_o = acc_o * alr
+                m_i = m_new
+            p = tl.exp2(qk - m_i[:, None])
+            l_i = l_i + tl.sum(p, 1)
+        else:
+            p, alpha, m_i, l_i = _online_softmax(qk, m_i, l_i)
+            alr = tl.reshape(tl.broadcast_to(alpha[:, None], [BLOCK_HQ, NG]), [R])[:, None]
+            zb = zb * alpha[:, None]
+            if V_DOTS8:
+                a0, a1, a2, a3 = a0 * alr, a1 * alr, a2 * alr, a3 * alr
+                a4, a5, a6, a7 = a4 * alr, a5 * alr, a6 * alr, a7 * alr
+            else:
+                acc_e = acc_e * alr
+                acc_o = acc_o * alr
+        zb = _mma_acc(p.to(tl.float16), vz, zb, IEEE_F32)
+        if V_SUBNORMAL:  # and p * s in packed fp16 (it is rounded to fp16 for the dot anyway)
+            p16 = p.to(tl.float16)
+            pst = tl.reshape(tl.broadcast_to(p16[:, None, :], [BLOCK_HQ, NG, BN]), [R, BN]) * vs
+        else:
+            pst = tl.reshape(tl.broadcast_to(p[:, None, :], [BLOCK_HQ, NG, BN]), [R, BN]) * vs.to(
+                tl.float32
+            )
+        if V_SUBNORMAL:  # codes n as fp16 n * 2**-24: the 2**24 comes back at the store
+            l0, l1, l2, l3, h0, h1, h2, h3 = int4_word_codes_f16_subnormal(vw, USE_ASM)
+        else:
+            l0, l1, l2, l3, h0, h1, h2, h3 = int4_word_codes_f16(vw, USE_ASM)
         pst = pst.to(tl.float16)
-        acc_e = _mma_acc(pst, ve, acc_e * alr, IEEE_F32)
-        acc_o = _mma_acc(pst, vo, acc_o * alr, IEEE_F32)
-    own = rg[:, None] == (j // 16)[None, :]
-    oe = tl.sum(tl.reshape(tl.where(own, acc_e, 0.0), [BLOCK_HQ, NG, H2]), 1)
-    oo = tl.sum(tl.reshape(tl.where(own, acc_o, 0.0), [BLOCK_HQ, NG, H2]), 1)
-    z16 = _bcast_groups(zb, BLOCK_HQ, NG, 16)
+        if V_DOTS8:  # no join: each code tensor is a dot operand as loaded
+            a0 = _mma_acc(pst, l0, a0, IEEE_F32)
+            a1 = _mma_acc(pst, l1, a1, IEEE_F32)
+            a2 = _mma_acc(pst, l2, a2, IEEE_F32)
+            a3 = _mma_acc(pst, l3, a3, IEEE_F32)
+            a4 = _mma_acc(pst, h0, a4, IEEE_F32)
+            a5 = _mma_acc(pst, h1, a5, IEEE_F32)
+            a6 = _mma_acc(pst, h2, a6, IEEE_F32)
+            a7 = _mma_acc(pst, h3, a7, IEEE_F32)
+        else:
+            ve = tl.reshape(tl.join(tl.join(l0, l2), tl.join(l1, l3)), [BN, H2])
+            vo = tl.reshape(tl.join(tl.join(h0, h2), tl.join(h1, h3)), [BN, H2])
+            acc_e = _mma_acc(pst, ve, acc_e, IEEE_F32)
+            acc_o = _mma_acc(pst, vo, acc_o, IEEE_F32)
     inv = 1.0 / tl.where(l_i > 0.0, l_i, 1.0)
-    out = tl.interleave(oe + z16, oo + z16) * inv[:, None]
     offs_g = tl.arange(0, BLOCK_HQ)
     gmask = offs_g < G
     row_q = (b * (Hkv * G) + h * G + offs_g).to(tl.int64) * S_total + s
-    tl.store(po_ptr + row_q[:, None] * D + tl.arange(0, D)[None, :], out, mask=gmask[:, None])
+    v_one = 16777216.0 if V_SUBNORMAL else 1.0
+    if V_DOTS8:
+        # accumulator k holds channel 8w + 2 (k % 4) + k // 4 in column w (group w // 4)
+        z4 = _bcast_groups(zb, BLOCK_HQ, NG, 4)
+        own8 = rg[:, None] == (jw // 4)[None, :]
+        prow = po_ptr + row_q[:, None] * D + 8 * jw[None, :]
+        _store_own(prow + 0, a0, own8, z4, inv, v_one, gmask, BLOCK_HQ, NG)
+        _store_own(prow + 2, a1, own8, z4, inv, v_one, gmask, BLOCK_HQ, NG)
+        _store_own(prow + 4, a2, own8, z4, inv, v_one, gmask, BLOCK_HQ, NG)
+        _store_own(prow + 6, a3, own8, z4, inv, v_one, gmask, BLOCK_HQ, NG)
+        _store_own(prow + 1, a4, own8, z4, inv, v_one, gmask, BLOCK_HQ, NG)
+        _store_own(prow + 3, a5, own8, z4, inv, v_one, gmask, BLOCK_HQ, NG)
+        _store_own(prow + 5, a6, own8, z4, inv, v_one, gmask, BLOCK_HQ, NG)
+        _store_own(prow + 7, a7, own8, z4, inv, v_one, gmask, BLOCK_HQ, NG)
+    else:
+        own = rg[:, None] == (j // 16)[None, :]
+        oe = tl.sum(tl.reshape(tl.where(own, acc_e, 0.0), [BLOCK_HQ, NG, H2]), 1) * v_one
+        oo = tl.sum(tl.reshape(tl.where(own, acc_o, 0.0), [BLOCK_HQ, NG, H2]), 1) * v_one
+        z16 = _bcast_groups(zb, BLOCK_HQ, NG, 16)
+        out = tl.interleave(oe + z16, oo + z16) * inv[:, None]
+        tl.store(po_ptr + row_q[:, None] * D + tl.arange(0, D)[None, :], out, mask=gmask[:, None])
     _store_lse(plse_ptr, row_q, m_i, l_i, gmask)
 
 
@@ -505,6 +661,11 @@ def _decode_split_kernel(
     V_FOLD: tl.constexpr,
     INT4_LEGACY: tl.constexpr,
     STACKED: tl.constexpr,
+    KEY_IMMA: tl.constexpr = False,
+    LAZY_RESCALE: tl.constexpr = False,
+    V_SUBNORMAL: tl.constexpr = False,
+    V_DOTS8: tl.constexpr = False,
+    OFFS32: tl.constexpr = False,
 ):
     NG: tl.constexpr = D // 32
     Q: tl.constexpr = D // 4
@@ -891,6 +1052,11 @@ def _decode_split_kernel(
                         HAS_KCS,
                         IEEE_F32,
                         USE_ASM,
+                        KEY_IMMA,
+                        LAZY_RESCALE,
+                        V_SUBNORMAL,
+                        V_DOTS8,
+                        OFFS32,
                     )
                 else:
                     # Scales folded out of the inner loop: per token t and 32-channel group g,
@@ -1410,7 +1576,12 @@ def decode_attention(
         PREFETCH=cfg.prefetch,
         V_FOLD=v_fold,
         INT4_LEGACY=cfg.int4_legacy,
-        STACKED=stacked,
+        STACKED=stacked or cfg.int4_imma,
+        KEY_IMMA=cfg.int4_imma,
+        LAZY_RESCALE=cfg.int4_lazy_rescale,
+        V_SUBNORMAL=cfg.int4_v_subnormal,
+        V_DOTS8=cfg.int4_v_dots8,
+        OFFS32=cfg.int4_offsets32 and has4 and p4.k.numel() < 2**31,
         num_warps=cfg.warps(m4 > 0),
         num_stages=cfg.num_stages,
     )

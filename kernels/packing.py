@@ -263,6 +263,31 @@ def int4_code_pairs(b, OUT: tl.constexpr, USE_ASM: tl.constexpr):
         return codes_to_f32(x & 15).to(OUT), codes_to_f32(x >> 4).to(OUT)
 
 
+# int4 -> int8 for the integer tensor cores: four code bytes in one register give the four
+# low nibbles (channels 2j) and the four high nibbles (channels 2j + 1) as int8 lanes with
+# one and, one shift and one and; no conversion at all.
+INT4_CODES_I8 = tl.constexpr(
+    "{ .reg .b32 t; and.b32 $0, $2, 0x0F0F0F0F; shr.b32 t, $2, 4; and.b32 $1, t, 0x0F0F0F0F; }"
+)
+
+
+@triton.jit
+def int4_code_bytes_i8(b, USE_ASM: tl.constexpr):
+    """b: [R, C] uint8 INT4 bytes -> (low, high) nibble codes, each [R, C] int8 (0..15):
+    the even and odd channels of the bytes, packed four to a register (IMMA operands)."""
+    if USE_ASM:
+        return tl.inline_asm_elementwise(
+            INT4_CODES_I8,
+            "=r,=r,r",
+            [b],
+            dtype=(tl.int8, tl.int8),
+            is_pure=True,
+            pack=4,
+        )
+    else:
+        return (b & 15).to(tl.int8), (b >> 4).to(tl.int8)
+
+
 def _int4_word_codes_asm() -> str:
     # $8, $9: two int32 words (bytes 0..3 each); outputs $0..$3: low nibbles of byte k of
     # both words (f16x2: word 0 in the low half), $4..$7: their high nibbles. Exact codes.
@@ -282,6 +307,25 @@ def _int4_word_codes_asm() -> str:
 
 
 INT4_WORD_CODES = tl.constexpr(_int4_word_codes_asm())
+
+
+def _int4_word_codes_subnormal_asm() -> str:
+    # as _int4_word_codes_asm, but a nibble n in the low bits of an fp16 is the subnormal
+    # n * 2**-24, exactly: no magic number and no fma (the 2**24 is applied after the dot)
+    lines = ["{", ".reg .b32 t;"]
+    for k in range(4):
+        sel = k | (k << 4) | ((4 + k) << 8) | ((4 + k) << 12)
+        lines += [
+            f"prmt.b32 t, $8, $9, {sel:#06x};",
+            f"and.b32 ${k}, t, 0x000F000F;",
+            "shr.b32 t, t, 4;",
+            f"and.b32 ${4 + k}, t, 0x000F000F;",
+        ]
+    lines.append("}")
+    return "\n".join(lines)
+
+
+INT4_WORD_CODES_SUBNORMAL = tl.constexpr(_int4_word_codes_subnormal_asm())
 
 
 @triton.jit
@@ -309,6 +353,34 @@ def int4_word_codes_f16(w, USE_ASM: tl.constexpr):
             codes_to_f32((w >> 12) & 15).to(tl.float16),
             codes_to_f32((w >> 20) & 15).to(tl.float16),
             codes_to_f32((w >> 28) & 15).to(tl.float16),
+        )
+
+
+@triton.jit
+def int4_word_codes_f16_subnormal(w, USE_ASM: tl.constexpr):
+    """As :func:`int4_word_codes_f16` (same eight tensors, same channels), but each code n
+    comes as the fp16 subnormal ``n * 2**-24`` (exact; the tensor cores multiply fp16
+    subnormals exactly into their fp32 accumulators): two integer ops per two codes."""
+    if USE_ASM:
+        return tl.inline_asm_elementwise(
+            INT4_WORD_CODES_SUBNORMAL,
+            "=r,=r,=r,=r,=r,=r,=r,=r,r,r",
+            [w],
+            dtype=(tl.float16,) * 8,
+            is_pure=True,
+            pack=2,
+        )
+    else:
+        t = 5.9604644775390625e-08  # 2**-24
+        return (
+            (codes_to_f32(w & 15) * t).to(tl.float16),
+            (codes_to_f32((w >> 8) & 15) * t).to(tl.float16),
+            (codes_to_f32((w >> 16) & 15) * t).to(tl.float16),
+            (codes_to_f32((w >> 24) & 15) * t).to(tl.float16),
+            (codes_to_f32((w >> 4) & 15) * t).to(tl.float16),
+            (codes_to_f32((w >> 12) & 15) * t).to(tl.float16),
+            (codes_to_f32((w >> 20) & 15) * t).to(tl.float16),
+            (codes_to_f32((w >> 28) & 15) * t).to(tl.float16),
         )
 
 

@@ -313,6 +313,25 @@ INT4_CONFIGS = [
     ("folded_bn128", DecodeConfig(int4_stacked=False, block_n_int4=128, num_warps=4)),
     ("dequant_v", DecodeConfig(int4_stacked=False, int4_v_fold=False)),
     ("legacy", DecodeConfig(int4_legacy=True, block_n_int4=32)),
+    ("imma", DecodeConfig(int4_imma=True)),
+    ("imma_lazy_bn64_w2", DecodeConfig(int4_imma=True, int4_lazy_rescale=True, block_n_int4=64)),
+    ("stacked_lazy", DecodeConfig(int4_stacked=True, int4_lazy_rescale=True)),
+    (
+        "imma_lazy_subnormal",
+        DecodeConfig(int4_imma=True, int4_lazy_rescale=True, int4_v_subnormal=True),
+    ),
+    ("stacked_subnormal", DecodeConfig(int4_stacked=True, int4_v_subnormal=True)),
+    ("stacked_dots8", DecodeConfig(int4_stacked=True, int4_v_dots8=True)),
+    (
+        "imma_all",
+        DecodeConfig(
+            int4_imma=True,
+            int4_lazy_rescale=True,
+            int4_v_subnormal=True,
+            int4_v_dots8=True,
+            int4_offsets32=True,
+        ),
+    ),
 ]
 
 
@@ -352,5 +371,60 @@ def test_int4_key_channel_scale_folded_into_query() -> None:
         DecodeConfig(int4_stacked=False),
         DecodeConfig(int4_stacked=False, int4_v_fold=False),
         DecodeConfig(int4_legacy=True),
+        DecodeConfig(
+            int4_imma=True,
+            int4_lazy_rescale=True,
+            int4_v_subnormal=True,
+            int4_v_dots8=True,
+            int4_offsets32=True,
+        ),
     ):
         _run(mb, torch.float16, split_len=64, config=cfg)
+
+
+@pytest.mark.parametrize("q_scale", [0.25, 4.0, 16.0])
+def test_int4_imma_and_lazy_rescale_within_1e3_of_reference(q_scale) -> None:
+    """The int8 tensor-core keys (query rows as int8 hi + lo / 256 halves), the lazy
+    softmax rescale and the subnormal fp16 value codes keep the fp16 output within 1e-3 (relative L2) of the reference on the
+    same quantized K/V, from flat to sharp softmaxes (large q_scale: the running max jumps
+    by more than 2**4 between blocks, so the rescale branch runs and is skipped); mixed
+    INT2 + INT4 + bf16 segments, DEAD cells and head masks included."""
+    mb = build_mixed_batch(
+        [(0, 300, 0), (1, 150, 9)],
+        hq=8,
+        hkv=2,
+        d=128,
+        dead_fraction=0.2,
+        head_mask_fraction=0.2,
+        pad=3,
+        seed=5,
+    )
+    mb.q = (mb.q.float() * q_scale).to(torch.float16)
+    ref = decode_attention_ref(mb.q, mb.pools, mb.slot_map, mb.seq_lens, mb.head_mask).float()
+    for cfg in (
+        DecodeConfig(int4_imma=True),
+        DecodeConfig(int4_imma=True, int4_lazy_rescale=True),
+        DecodeConfig(int4_stacked=True, int4_lazy_rescale=True),
+        DecodeConfig(int4_imma=True, int4_lazy_rescale=True, int4_v_subnormal=True),
+        DecodeConfig(
+            int4_imma=True,
+            int4_lazy_rescale=True,
+            int4_v_subnormal=True,
+            int4_v_dots8=True,
+            int4_offsets32=True,
+        ),
+    ):
+        out = decode_attention(
+            mb.q,
+            mb.pools,
+            mb.slot_map,
+            mb.seq_lens,
+            int2_lens=mb.int2_lens,
+            int4_lens=mb.int4_lens,
+            head_mask=mb.head_mask,
+            split_len=256,
+            config=cfg,
+            backend="triton",
+        )
+        rel = float((out.float() - ref).norm() / ref.norm())
+        assert rel < 1e-3, (cfg, rel)

@@ -8,7 +8,13 @@ import pytest
 import torch
 from mixed_batch import build_mixed_batch
 
-from agentkv.kernels import DEAD, decode_attention, decode_attention_ref, validate_decode_inputs
+from agentkv.kernels import (
+    DEAD,
+    DecodeConfig,
+    decode_attention,
+    decode_attention_ref,
+    validate_decode_inputs,
+)
 
 TOL = {torch.float16: 3e-3, torch.bfloat16: 3e-2 if torch.cuda.is_available() else 5e-2}
 
@@ -208,3 +214,22 @@ def test_per_request_lengths_broadcast_over_heads_not_over_requests():
     )
     ref = decode_attention_ref(mb.q, mb.pools, mb.slot_map, mb.seq_lens)
     assert rel_err(out, ref) < TOL[torch.float16]
+
+
+def test_per_head_int4_imma_matches_reference():
+    """The int8 tensor-core INT4 variant (lazy rescale, subnormal value codes) on per-head
+    slot maps."""
+    pb = PerHeadBatch(
+        [[(1, 20, 10), (2, 0, 40)], [(0, 75, 60), (1, 40, 0)]], hkv=2, group=4, dead=0.4, seed=2
+    )
+    for cfg in (
+        DecodeConfig(int4_imma=True, int4_lazy_rescale=True, int4_v_subnormal=True),
+        DecodeConfig(
+            int4_imma=True,
+            int4_lazy_rescale=True,
+            int4_v_subnormal=True,
+            int4_v_dots8=True,
+            int4_offsets32=True,
+        ),
+    ):
+        assert rel_err(pb.run(config=cfg), pb.ref()) < 1e-3

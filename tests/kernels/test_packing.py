@@ -10,12 +10,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from agentkv.kernels.asymmetric_quant import asym_codes, asym_dequant, asym_params
+from agentkv.kernels.backend import triton_interpreting
 from agentkv.kernels.packing import (
     dequant_int2_quads,
     dequant_int4_pairs,
     int2_code_quads,
+    int4_code_bytes_i8,
     int4_code_pairs,
     int4_word_codes_f16,
+    int4_word_codes_f16_subnormal,
     pack_int2,
     pack_int2_u8,
     pack_int4,
@@ -234,3 +237,46 @@ def test_int4_code_views_match_torch(device: torch.device) -> None:
     for even, odd in ((lo, hi), (wl, wh)):
         assert torch.equal(even.float(), c[:, 0::2].float())
         assert torch.equal(odd.float(), c[:, 1::2].float())
+
+
+@triton.jit
+def _int4_imma_views_kernel(
+    p_ptr, lo_ptr, hi_ptr, wl_ptr, wh_ptr, R: tl.constexpr, D: tl.constexpr, ASM: tl.constexpr
+):
+    r = tl.arange(0, R)
+    ob = r[:, None] * (D // 2) + tl.arange(0, D // 2)[None, :]
+    lo, hi = int4_code_bytes_i8(tl.load(p_ptr + ob), ASM)
+    tl.store(lo_ptr + ob, lo)
+    tl.store(hi_ptr + ob, hi)
+    w = tl.load(
+        p_ptr.to(tl.pointer_type(tl.int32)) + r[:, None] * (D // 8) + tl.arange(0, D // 8)[None, :]
+    )
+    c0, c1, c2, c3, c4, c5, c6, c7 = int4_word_codes_f16_subnormal(w, ASM)
+    ow = r[:, None] * (D // 2) + 4 * tl.arange(0, D // 8)[None, :]  # byte 4w + k
+    tl.store(wl_ptr + ow, c0)
+    tl.store(wl_ptr + ow + 1, c1)
+    tl.store(wl_ptr + ow + 2, c2)
+    tl.store(wl_ptr + ow + 3, c3)
+    tl.store(wh_ptr + ow, c4)
+    tl.store(wh_ptr + ow + 1, c5)
+    tl.store(wh_ptr + ow + 2, c6)
+    tl.store(wh_ptr + ow + 3, c7)
+
+
+def test_int4_imma_and_subnormal_code_views_match_torch(device: torch.device) -> None:
+    """The int8 (bytes -> low / high nibbles as int8) and subnormal-fp16 (words -> n * 2**-24
+    per byte nibble) unpackings of the int4_imma / int4_v_subnormal decode variants against
+    torch's unpack_int4 (the inline PTX on a GPU, the fallback in the interpreter)."""
+    g = torch.Generator().manual_seed(5)
+    rows, d = 4, 128
+    codes = torch.randint(0, 16, (rows, d), generator=g, dtype=torch.uint8)
+    packed = pack_int4(codes).to(device)
+    lo, hi = (torch.empty(rows, d // 2, dtype=torch.int8, device=device) for _ in range(2))
+    wl, wh = (torch.empty(rows, d // 2, dtype=torch.float16, device=device) for _ in range(2))
+    asm = not triton_interpreting()
+    _int4_imma_views_kernel[(1,)](packed, lo, hi, wl, wh, R=rows, D=d, ASM=asm)
+    c = codes.to(device)
+    assert torch.equal(lo, c[:, 0::2].to(torch.int8))
+    assert torch.equal(hi, c[:, 1::2].to(torch.int8))
+    assert torch.equal(wl.float() * 2.0**24, c[:, 0::2].float())
+    assert torch.equal(wh.float() * 2.0**24, c[:, 1::2].float())
