@@ -102,7 +102,9 @@ class DecodeConfig:
     after a join), so the words go from shared memory straight into the MMA operand layout
     and the codes are made there (no store / reload of the fp16 tile). int4_offsets32
     (stacked path): row offsets in int32 when the INT4 pool has < 2**31 bytes per tensor
-    (fewer 64-bit address instructions). prefetch: hand
+    (fewer 64-bit address instructions). Defaults: every stacked-path knob on, int4_imma
+    None = on wherever the stacked path runs (the H100 sweep of session 10: INT4 at B=8
+    N=32k 202 µs vs 278 µs with them off, docs/benchmarks.md §3). prefetch: hand
     double-buffering of the INT2 (and legacy INT4) loads. merge_block_s: splits per step
     of the merge kernel."""
 
@@ -118,11 +120,11 @@ class DecodeConfig:
     int4_v_fold: bool = True
     int4_legacy: bool = False
     int4_stacked: bool | None = None
-    int4_imma: bool = False
-    int4_lazy_rescale: bool = False
-    int4_v_subnormal: bool = False
-    int4_v_dots8: bool = False
-    int4_offsets32: bool = False
+    int4_imma: bool | None = None
+    int4_lazy_rescale: bool = True
+    int4_v_subnormal: bool = True
+    int4_v_dots8: bool = True
+    int4_offsets32: bool = True
     merge_block_s: int = 32
     prefetch: bool = True
 
@@ -1525,6 +1527,7 @@ def decode_attention(
     if stacked is None:  # stacked rows fit one 16-row MMA tile; else fp16-dequantized values
         stacked = block_hq * (d // 32) <= 16
         v_fold = v_fold and stacked
+    imma = stacked if cfg.int4_imma is None else cfg.int4_imma  # int8 key dots where stacked
     _decode_split_kernel[(s_total, hkv, b)](
         q,
         q.stride(0),
@@ -1576,8 +1579,8 @@ def decode_attention(
         PREFETCH=cfg.prefetch,
         V_FOLD=v_fold,
         INT4_LEGACY=cfg.int4_legacy,
-        STACKED=stacked or cfg.int4_imma,
-        KEY_IMMA=cfg.int4_imma,
+        STACKED=stacked or imma,
+        KEY_IMMA=imma,
         LAZY_RESCALE=cfg.int4_lazy_rescale,
         V_SUBNORMAL=cfg.int4_v_subnormal,
         V_DOTS8=cfg.int4_v_dots8,

@@ -136,6 +136,24 @@ def _pools_to(pools: KVPools, device: torch.device) -> KVPools:
     def move(obj):  # type: ignore[no-untyped-def]
         if obj is None:
             return None
-        return replace(obj, **{f.name: getattr(obj, f.name).to(device) for f in fields(obj)})
+        moved = {f.name: getattr(obj, f.name) for f in fields(obj)}  # optional fields: None
+        return replace(obj, **{k: v if v is None else v.to(device) for k, v in moved.items()})
 
     return KVPools(move(pools.full), move(pools.int4), move(pools.int2))
+
+
+#: the INT4 stacked-path knobs, all off (``DecodeConfig()`` has them on since session 10)
+KNOBS_OFF = dict(
+    int4_imma=False,
+    int4_lazy_rescale=False,
+    int4_v_subnormal=False,
+    int4_v_dots8=False,
+    int4_offsets32=False,
+)
+
+
+def int4_config(**on):  # type: ignore[no-untyped-def]
+    """A ``DecodeConfig`` with the INT4 stacked-path knobs off except those given."""
+    from agentkv.kernels import DecodeConfig
+
+    return DecodeConfig(**(KNOBS_OFF | on))

@@ -9,7 +9,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from mixed_batch import build_mixed_batch
+from mixed_batch import build_mixed_batch, int4_config
 
 from agentkv.kernels import (
     DecodeConfig,
@@ -306,25 +306,26 @@ def test_triton_path_needs_head_dim_64_or_128(d: int) -> None:
 
 INT4_CONFIGS = [
     # the INT4 path's variants (benchmarks/decode_attention.py --tune picks among them)
-    ("default", DecodeConfig()),
-    ("folded_bn64", DecodeConfig(int4_stacked=False)),
-    ("stacked_bn32_w4", DecodeConfig(int4_stacked=True, block_n_int4=32, num_warps=4)),
-    ("folded_bn32_pad16", DecodeConfig(int4_stacked=False, block_n_int4=32, min_block_hq=16)),
-    ("folded_bn128", DecodeConfig(int4_stacked=False, block_n_int4=128, num_warps=4)),
-    ("dequant_v", DecodeConfig(int4_stacked=False, int4_v_fold=False)),
-    ("legacy", DecodeConfig(int4_legacy=True, block_n_int4=32)),
-    ("imma", DecodeConfig(int4_imma=True)),
-    ("imma_lazy_bn64_w2", DecodeConfig(int4_imma=True, int4_lazy_rescale=True, block_n_int4=64)),
-    ("stacked_lazy", DecodeConfig(int4_stacked=True, int4_lazy_rescale=True)),
+    ("default", DecodeConfig()),  # every stacked-path knob on
+    ("stacked_plain", int4_config(int4_stacked=True)),  # the default before session 10
+    ("folded_bn64", int4_config(int4_stacked=False)),
+    ("stacked_bn32_w4", int4_config(int4_stacked=True, block_n_int4=32, num_warps=4)),
+    ("folded_bn32_pad16", int4_config(int4_stacked=False, block_n_int4=32, min_block_hq=16)),
+    ("folded_bn128", int4_config(int4_stacked=False, block_n_int4=128, num_warps=4)),
+    ("dequant_v", int4_config(int4_stacked=False, int4_v_fold=False)),
+    ("legacy", int4_config(int4_legacy=True, block_n_int4=32)),
+    ("imma", int4_config(int4_imma=True)),
+    ("imma_lazy_bn64_w2", int4_config(int4_imma=True, int4_lazy_rescale=True, block_n_int4=64)),
+    ("stacked_lazy", int4_config(int4_stacked=True, int4_lazy_rescale=True)),
     (
         "imma_lazy_subnormal",
-        DecodeConfig(int4_imma=True, int4_lazy_rescale=True, int4_v_subnormal=True),
+        int4_config(int4_imma=True, int4_lazy_rescale=True, int4_v_subnormal=True),
     ),
-    ("stacked_subnormal", DecodeConfig(int4_stacked=True, int4_v_subnormal=True)),
-    ("stacked_dots8", DecodeConfig(int4_stacked=True, int4_v_dots8=True)),
+    ("stacked_subnormal", int4_config(int4_stacked=True, int4_v_subnormal=True)),
+    ("stacked_dots8", int4_config(int4_stacked=True, int4_v_dots8=True)),
     (
         "imma_all",
-        DecodeConfig(
+        int4_config(
             int4_imma=True,
             int4_lazy_rescale=True,
             int4_v_subnormal=True,
@@ -367,11 +368,11 @@ def test_int4_key_channel_scale_folded_into_query() -> None:
     kc = torch.exp2(torch.randint(-2, 3, (2, 128), generator=g).float()).to(mb.q.device)
     mb.pools.int4.k_channel = kc  # keys read as stored codes * scale * k_channel
     for cfg in (
-        DecodeConfig(int4_stacked=True),
-        DecodeConfig(int4_stacked=False),
-        DecodeConfig(int4_stacked=False, int4_v_fold=False),
-        DecodeConfig(int4_legacy=True),
-        DecodeConfig(
+        int4_config(int4_stacked=True),
+        int4_config(int4_stacked=False),
+        int4_config(int4_stacked=False, int4_v_fold=False),
+        int4_config(int4_legacy=True),
+        int4_config(
             int4_imma=True,
             int4_lazy_rescale=True,
             int4_v_subnormal=True,
@@ -402,11 +403,11 @@ def test_int4_imma_and_lazy_rescale_within_1e3_of_reference(q_scale) -> None:
     mb.q = (mb.q.float() * q_scale).to(torch.float16)
     ref = decode_attention_ref(mb.q, mb.pools, mb.slot_map, mb.seq_lens, mb.head_mask).float()
     for cfg in (
-        DecodeConfig(int4_imma=True),
-        DecodeConfig(int4_imma=True, int4_lazy_rescale=True),
-        DecodeConfig(int4_stacked=True, int4_lazy_rescale=True),
-        DecodeConfig(int4_imma=True, int4_lazy_rescale=True, int4_v_subnormal=True),
-        DecodeConfig(
+        int4_config(int4_imma=True),
+        int4_config(int4_imma=True, int4_lazy_rescale=True),
+        int4_config(int4_stacked=True, int4_lazy_rescale=True),
+        int4_config(int4_imma=True, int4_lazy_rescale=True, int4_v_subnormal=True),
+        int4_config(
             int4_imma=True,
             int4_lazy_rescale=True,
             int4_v_subnormal=True,

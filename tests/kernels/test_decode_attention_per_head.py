@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from mixed_batch import build_mixed_batch
+from mixed_batch import build_mixed_batch, int4_config
 
 from agentkv.kernels import (
     DEAD,
-    DecodeConfig,
     decode_attention,
     decode_attention_ref,
     validate_decode_inputs,
@@ -223,8 +222,8 @@ def test_per_head_int4_imma_matches_reference():
         [[(1, 20, 10), (2, 0, 40)], [(0, 75, 60), (1, 40, 0)]], hkv=2, group=4, dead=0.4, seed=2
     )
     for cfg in (
-        DecodeConfig(int4_imma=True, int4_lazy_rescale=True, int4_v_subnormal=True),
-        DecodeConfig(
+        int4_config(int4_imma=True, int4_lazy_rescale=True, int4_v_subnormal=True),
+        int4_config(
             int4_imma=True,
             int4_lazy_rescale=True,
             int4_v_subnormal=True,
