@@ -60,12 +60,22 @@ class ExtendLayout:
 
     def __init__(self) -> None:
         self.pool_idx: list[int] | None = None
+        self.reqs: list[Any] | None = None
 
     def record(self, reqs: list[Any]) -> None:
-        self.pool_idx = [r.req_pool_idx for r in reqs]
+        self.reqs = list(reqs)
+        self.pool_idx = [r.req_pool_idx for r in self.reqs]
 
     def clear(self) -> None:
-        self.pool_idx = None
+        self.pool_idx = self.reqs = None
+
+    def owner(self, i: int, n: int) -> Any:
+        """The ``Req`` at row ``i`` of a batch of ``n`` requests, None when not recorded. An
+        observer table is keyed by ``req_pool_idx``, which SGLang reuses: an entry is fed only
+        if it belongs to the request now holding that row (``req.agentkv``)."""
+        if self.reqs is None or len(self.reqs) != n:
+            return None
+        return self.reqs[i]
 
     def of(self, forward_batch: Any) -> tuple[list[int], list[int], list[int], list[int]]:
         """``(pool_idx, starts, lens, prefix)`` of an extend batch: per request its row in
@@ -116,6 +126,9 @@ class _BatchRows:
             observer = None if entry is None else entry.observer
             if observer is None or lens[i] == 0:
                 continue
+            owner = EXTEND_LAYOUT.owner(i, len(pool_idx)) if extend else None
+            if owner is not None and getattr(owner, "agentkv", None) is not entry:
+                continue  # an entry left by an earlier holder of the row
             s, n = starts[i], lens[i]
             if extend:
                 n = entry.prompt_rows(prefix[i], n)

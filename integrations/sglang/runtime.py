@@ -470,6 +470,9 @@ class _ExtendRows:
             state = OBSERVING.get(idx)
             if state is None or state.observer is None:
                 continue
+            owner = EXTEND_LAYOUT.owner(i, len(pool_idx))
+            if owner is not None and getattr(owner, "agentkv", None) is not state:
+                continue  # an entry left by an earlier holder of the row: not this request's
             s, n = starts[i], state.prompt_rows(prefix[i], lens[i])
             if n == 0:
                 continue

@@ -151,6 +151,9 @@ KNOBS_OFF = dict(
     int4_offsets32=False,
 )
 
+#: the same knobs all on (what ``DecodeConfig()``'s stacked path runs since session 10)
+KNOBS_ON = {k: True for k in KNOBS_OFF}
+
 
 def int4_config(**on):  # type: ignore[no-untyped-def]
     """A ``DecodeConfig`` with the INT4 stacked-path knobs off except those given."""

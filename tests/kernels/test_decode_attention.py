@@ -9,7 +9,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from mixed_batch import build_mixed_batch, int4_config
+from mixed_batch import KNOBS_ON, build_mixed_batch, int4_config
 
 from agentkv.kernels import (
     DecodeConfig,
@@ -325,13 +325,7 @@ INT4_CONFIGS = [
     ("stacked_dots8", int4_config(int4_stacked=True, int4_v_dots8=True)),
     (
         "imma_all",
-        int4_config(
-            int4_imma=True,
-            int4_lazy_rescale=True,
-            int4_v_subnormal=True,
-            int4_v_dots8=True,
-            int4_offsets32=True,
-        ),
+        int4_config(**KNOBS_ON),
     ),
 ]
 
@@ -372,13 +366,7 @@ def test_int4_key_channel_scale_folded_into_query() -> None:
         int4_config(int4_stacked=False),
         int4_config(int4_stacked=False, int4_v_fold=False),
         int4_config(int4_legacy=True),
-        int4_config(
-            int4_imma=True,
-            int4_lazy_rescale=True,
-            int4_v_subnormal=True,
-            int4_v_dots8=True,
-            int4_offsets32=True,
-        ),
+        int4_config(**KNOBS_ON),
     ):
         _run(mb, torch.float16, split_len=64, config=cfg)
 
@@ -407,13 +395,7 @@ def test_int4_imma_and_lazy_rescale_within_1e3_of_reference(q_scale) -> None:
         int4_config(int4_imma=True, int4_lazy_rescale=True),
         int4_config(int4_stacked=True, int4_lazy_rescale=True),
         int4_config(int4_imma=True, int4_lazy_rescale=True, int4_v_subnormal=True),
-        int4_config(
-            int4_imma=True,
-            int4_lazy_rescale=True,
-            int4_v_subnormal=True,
-            int4_v_dots8=True,
-            int4_offsets32=True,
-        ),
+        int4_config(**KNOBS_ON),
     ):
         out = decode_attention(
             mb.q,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from mixed_batch import build_mixed_batch, int4_config
+from mixed_batch import KNOBS_ON, build_mixed_batch, int4_config
 
 from agentkv.kernels import (
     DEAD,
@@ -223,12 +223,6 @@ def test_per_head_int4_imma_matches_reference():
     )
     for cfg in (
         int4_config(int4_imma=True, int4_lazy_rescale=True, int4_v_subnormal=True),
-        int4_config(
-            int4_imma=True,
-            int4_lazy_rescale=True,
-            int4_v_subnormal=True,
-            int4_v_dots8=True,
-            int4_offsets32=True,
-        ),
+        int4_config(**KNOBS_ON),
     ):
         assert rel_err(pb.run(config=cfg), pb.ref()) < 1e-3

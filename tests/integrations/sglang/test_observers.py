@@ -7,6 +7,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
 import torch
 
 from agentkv.integrations.sglang.request_plan import (
@@ -400,3 +401,52 @@ def test_before_extend_leaves_an_evicting_requests_holes_to_its_plan(steps, host
     for r in (e, f):
         steps.finish(r)
     steps.cache.check_invariants()
+
+
+def test_an_entry_left_by_an_earlier_holder_of_the_row_is_not_fed(steps):
+    """SGLang reuses ``req_pool_idx``. An observer-table entry that does not belong to the
+    request now holding the row (one an earlier request left behind) is not fed that
+    request's queries or layer inputs. (On the H100 a StreamingLLM run, whose requests
+    observe nothing, spent 1.6 s feeding entries of an earlier run's requests.)"""
+    from sglang.srt.layers.radix_attention import RadixAttention
+
+    import agentkv.integrations.sglang.runtime as runtime
+    from agentkv.integrations.sglang.hidden_states import HIDDEN_OBSERVING, observe_layer_input
+    from agentkv.methods.base import PrefillObserver
+    from agentkv.policies import FullCache
+
+    class Boom(PrefillObserver):
+        reads_keys = False
+
+        def observe(self, *args):
+            raise AssertionError("fed")
+
+        def observe_hidden(self, *args):
+            raise AssertionError("fed")
+
+    T = 20
+    r = steps.request(tokens(T, 40), encode_payload(KVPayload(session_id="n", policy=FullCache())))
+    steps.prefill(r, plan=False)
+    r.prefix_indices = steps.row(r)[:0]
+    runtime._PLANNER = steps.planner
+    left = SimpleNamespace(observer=Boom(), prompt_rows=lambda prefix, n: n)
+    OBSERVING[r.req_pool_idx] = HIDDEN_OBSERVING[r.req_pool_idx] = left
+    try:
+        before_extend(scheduler_of(steps), SimpleNamespace(reqs=[r]))
+        shape = steps.planner.shape
+        hq, d = shape.num_q_heads, shape.head_dim
+        fb = one_request_extend(r, 0, T, host_lens=True)
+        backend = SimpleNamespace(token_to_kv_pool=steps.kv, req_to_token=steps.r2t.req_to_token)
+        attn = RadixAttention(hq, d, d**-0.5, shape.num_kv_heads, 0)
+        observe_extend(backend, torch.randn(T, hq * d), attn, fb)
+        observe_layer_input(0, torch.randn(T, 32), None, fb)
+        runtime.reset_extend_rows()
+        # the fallback without the scheduler's record (a forward outside run_batch) still
+        # feeds by row, as before
+        fb = one_request_extend(r, 0, T, host_lens=True)
+        with pytest.raises(AssertionError, match="fed"):
+            observe_extend(backend, torch.randn(T, hq * d), attn, fb)
+    finally:
+        OBSERVING.clear()
+        HIDDEN_OBSERVING.clear()
+    steps.finish(r)
