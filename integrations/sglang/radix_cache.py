@@ -261,8 +261,9 @@ class AgentKVRadixCache(RadixCache):
         if state is not None:
             HOLEY.release(state)
             _stop_watching(req.req_pool_idx, state)  # finished, aborted or retracted
-            if not is_insert:
-                state.planned = False  # retracted: computed (and planned) again later
+            if not is_insert:  # retracted: computed (and planned) again later, from the start
+                state.planned = False
+                state.observer = None  # what it saw of the rows computed so far would count twice
 
     @timed("radix_unfinished")
     def cache_unfinished_req(self, req: Any, chunked: bool = False):

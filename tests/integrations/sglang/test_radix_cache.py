@@ -183,6 +183,21 @@ def test_retracted_request_is_planned_again(steps):
     assert steps.alloc.available_size() == steps.alloc.size - 1
 
 
+def test_a_retraction_drops_what_the_observer_saw(steps):
+    """A request retracted before its plan (mid chunked prefill) is computed again from its
+    prompt's start: it gets a fresh observer then, so the rows its first observer saw do not
+    count twice."""
+    from agentkv.integrations.sglang.request_plan import request_state
+
+    req = steps.request(tokens(30, 8), payload("r", StreamingLLM(budget=10, sinks=2)))
+    steps.prefill(req, plan=False)
+    state = request_state(req)
+    state.observer = object()  # fed the rows computed so far
+    steps.finish(req, insert=False)
+    assert state.observer is None and not state.planned
+    steps.cache.check_invariants()
+
+
 @pytest.mark.parametrize(
     "strict,evicting",
     [(True, True), (False, True), (True, False), (False, False)],
