@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -49,6 +50,30 @@ def attention_probs(
     return torch.nan_to_num(probs, nan=0.0)
 
 
+@dataclass
+class _ChunkSeen:
+    """What one prefill chunk adds to :class:`AttentionColumnSums`' ``counts``, ``seen`` and
+    ``head_live``: the same at every layer (the chunk's positions and head mask do not
+    change between layers), so written once for the run of layers ``first..last``.
+
+    Attributes:
+        key: the chunk's ``(q_positions, k_positions, head_mask)`` objects.
+        pos: int64 ``[m]``, the keys' positions; visible: float32 ``[m]``, observed queries
+            that see each key; seen: bool ``[m]``; live: bool ``[Hkv, m]`` (None: every head).
+        any_sel: bool scalar (window path): whether any query of the chunk is observed; None:
+            always.
+    """
+
+    key: tuple
+    first: int
+    last: int
+    pos: torch.Tensor
+    visible: torch.Tensor
+    seen: torch.Tensor
+    live: torch.Tensor | None
+    any_sel: torch.Tensor | None = None
+
+
 class AttentionColumnSums(PrefillObserver):
     """Prefill observer: per layer, the attention each key receives from the observed queries
     (those at positions ``>= first_query``), for attention-statistics scorers (SnapKV, H2O).
@@ -74,8 +99,10 @@ class AttentionColumnSums(PrefillObserver):
         self.counts = torch.zeros(s.num_layers, req.seq_len)
         self.seen = torch.zeros(s.num_layers, req.seq_len, dtype=torch.bool)
         self.head_live = torch.zeros(s.num_layers, s.num_kv_heads, req.seq_len, dtype=torch.bool)
+        self._pending: _ChunkSeen | None = None
 
     def observe(self, layer, q, q_positions, k, k_positions, head_mask):
+        key = (q_positions, k_positions, head_mask)
         if self.first_query > 0:
             if q_positions.device.type != "cpu":
                 self._observe_window(layer, q, q_positions, k, k_positions, head_mask)
@@ -88,15 +115,17 @@ class AttentionColumnSums(PrefillObserver):
         self._move(probs.device)
         pos = k_positions.to(probs.device)
         self.sums[layer][:, pos] += probs.sum(dim=1)
+        if self._extends(layer, key):
+            return
         visible = (k_positions[None, :] <= q_positions[:, None]).sum(dim=0).to(probs.device)
         held = self._held(head_mask, probs.device)
-        if held is None:
-            self.counts[layer, pos] += visible.to(torch.float32)
-            self.seen[layer, pos] = True
-        else:  # a key no KV head holds (DEAD, fed masked) is neither seen nor counted
-            self.counts[layer, pos] += (visible * held).to(torch.float32)
-            self.seen[layer, pos] = self.seen[layer, pos] | held
-        self.head_live[layer][:, pos] = True if head_mask is None else head_mask.to(probs.device)
+        if (
+            held is not None
+        ):  # a key no KV head holds (DEAD, fed masked) is neither seen nor counted
+            visible = visible * held
+        seen = torch.ones_like(pos, dtype=torch.bool) if held is None else held
+        live = None if head_mask is None else head_mask.to(probs.device)
+        self._pending = _ChunkSeen(key, layer, layer, pos, visible.to(torch.float32), seen, live)
 
     def _observe_window(self, layer, q, q_positions, k, k_positions, head_mask):
         """:meth:`observe` for ``first_query > 0`` without a host read: the queries before
@@ -104,6 +133,7 @@ class AttentionColumnSums(PrefillObserver):
         length back). Same result as the selection for ascending ``q_positions < seq_len``
         (every caller's prefill chunk): the window's queries are then among the last
         ``seq_len - first_query`` rows, the only ones computed."""
+        key = (q_positions, k_positions, head_mask)
         w = self.seq_len - self.first_query
         if q.shape[1] > w:
             q, q_positions = q[:, -w:], q_positions[-w:]
@@ -113,17 +143,50 @@ class AttentionColumnSums(PrefillObserver):
         self._move(probs.device)
         pos = k_positions.to(probs.device)
         self.sums[layer][:, pos] += probs.sum(dim=1)
+        if self._extends(layer, key):
+            return
         visible = ((k_positions[None, :] <= q_positions[:, None]) & sel[:, None]).sum(dim=0)
         visible = visible.to(probs.device)
         any_sel = sel.any().to(probs.device)  # stays on the device
         held = self._held(head_mask, probs.device)
+        seen = any_sel.expand(pos.shape[0])
         if held is not None:  # a key no KV head holds (DEAD, fed masked): neither
-            visible, any_sel = visible * held, any_sel & held
-        self.counts[layer, pos] += visible.to(torch.float32)
-        self.seen[layer, pos] = self.seen[layer, pos] | any_sel
-        live = True if head_mask is None else head_mask.to(probs.device)
-        old = self.head_live[layer][:, pos]
-        self.head_live[layer][:, pos] = torch.where(any_sel, live, old)
+            visible, seen = visible * held, seen & held
+        live = None if head_mask is None else head_mask.to(probs.device)
+        self._pending = _ChunkSeen(
+            key, layer, layer, pos, visible.to(torch.float32), seen, live, any_sel
+        )
+
+    def _extends(self, layer: int, key: tuple) -> bool:
+        """Whether this layer's call continues the pending chunk (the same positions and head
+        mask objects, the next layer): its counts, seen flags and held heads are the pending
+        ones, recorded for the whole run of layers at once. Otherwise the pending chunk is
+        written out and the caller computes this one's."""
+        p = self._pending
+        if (
+            p is not None
+            and layer == p.last + 1
+            and all(a is b for a, b in zip(key, p.key, strict=True))
+        ):
+            p.last = layer
+            return True
+        self._flush()
+        return False
+
+    def _flush(self) -> None:
+        """Write the pending chunk's counts, seen flags and held heads into its layers."""
+        p, self._pending = self._pending, None
+        if p is None:
+            return
+        layers = slice(p.first, p.last + 1)
+        counts, seen, held = self.counts[layers], self.seen[layers], self.head_live[layers]
+        counts[:, p.pos] += p.visible
+        seen[:, p.pos] = seen[:, p.pos] | p.seen
+        live = True if p.live is None else p.live[None]
+        if p.any_sel is None:
+            held[:, :, p.pos] = live
+        else:
+            held[:, :, p.pos] = torch.where(p.any_sel, live, held[:, :, p.pos])
 
     @staticmethod
     def _held(head_mask: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
@@ -132,6 +195,7 @@ class AttentionColumnSums(PrefillObserver):
 
     def result(self) -> AttentionColumnSums:
         """The sums, on the observed device (the CPU when nothing was observed)."""
+        self._flush()
         return self
 
     def _move(self, device: torch.device) -> None:

@@ -447,9 +447,9 @@ class _ExtendRows:
     (``head_mask``) rather than the live ones selected (a selection's length is a read).
 
     Attributes:
-        rows: ``(state, first row, rows, q_pos, slots, k_pos, live)`` per request observed
-            one by one (``slots`` / ``k_pos`` / ``live`` None when its observer reads no
-            keys).
+        rows: ``(state, first row, rows, q_pos, slots, k_pos, head_mask)`` per request
+            observed one by one (``head_mask`` bool ``[Hkv, m]``: False at DEAD; ``slots`` /
+            ``k_pos`` / ``head_mask`` None when its observer reads no keys).
         sums: the batch's query sums, None when no observer sums queries.
     """
 
@@ -486,7 +486,9 @@ class _ExtendRows:
             slots = backend.req_to_token[idx, : prefix[i] + n].to(torch.int64)
             live = slots != dead if dead is not None else torch.ones_like(slots, dtype=torch.bool)
             k_pos = torch.arange(prefix[i] + n, device=slots.device)
-            self.rows.append((state, s, n, q_pos, slots, k_pos, live))
+            # one mask object for every layer: the observer records the chunk's counts once
+            hkv = backend.token_to_kv_pool.get_key_buffer(0).shape[1]
+            self.rows.append((state, s, n, q_pos, slots, k_pos, live[None].expand(hkv, -1)))
         if summed and self.shape is not None:
             sh = self.shape
             self.sums = QuerySumBatch.build(
@@ -521,11 +523,10 @@ def observe_extend(backend: Any, q: torch.Tensor, layer: Any, forward_batch: Any
     rows = _EXTEND_ROWS.of(backend, forward_batch, q)
     if _EXTEND_ROWS.sums is not None:
         _EXTEND_ROWS.sums.observe(layer.layer_id, q)
-    for state, s, n, q_pos, slots, k_pos, live in rows:
+    for state, s, n, q_pos, slots, k_pos, head_mask in rows:
         qi = q[s : s + n].reshape(n, hq, d).transpose(0, 1).float()
         if slots is None:
             state.observer.observe(layer.layer_id, qi, q_pos, None, None, None)
             continue
-        k = k_buf[slots].transpose(0, 1).float()  # [Hkv, m, D], DEAD masked below
-        head_mask = live[None].expand(k.shape[0], -1)
+        k = k_buf[slots].transpose(0, 1).float()  # [Hkv, m, D], DEAD masked by head_mask
         state.observer.observe(layer.layer_id, qi, q_pos, k, k_pos, head_mask)
