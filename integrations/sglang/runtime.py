@@ -254,10 +254,46 @@ def _prefill_complete(req: Any) -> bool:
     return len(req.get_fill_ids()) >= len(req.origin_input_ids)
 
 
+def _held_requests(scheduler: Any, batch: Any) -> list[Any]:
+    """Every request the scheduler holds: the batch about to run, the running batch, the
+    last batch (under the overlap scheduler its results are not processed yet), the chunked
+    request between its chunks, the waiting queue."""
+    reqs = list(batch.reqs)
+    for name in ("running_batch", "last_batch"):
+        reqs += list(getattr(getattr(scheduler, name, None), "reqs", None) or [])
+    chunked = getattr(scheduler, "chunked_req", None)
+    if chunked is not None:
+        reqs.append(chunked)
+    return reqs + list(getattr(scheduler, "waiting_queue", None) or [])
+
+
+def drop_orphan_observers(scheduler: Any, batch: Any) -> int:
+    """Drop the observer-table entries whose request the scheduler no longer holds; returns
+    how many. None should exist (a finish, an abort and a retraction each drop their own in
+    ``cache_finished_req``), yet an H100 run fed entries an earlier run's requests had left
+    (cause not found): without this a long-running server would keep their buffers (SnapKV's
+    and H2O's ``[L, Hq, T]`` sums on the GPU) for good."""
+    tables = (OBSERVING, HIDDEN_OBSERVING, HIDDEN_DECODING)
+    if not any(tables):
+        return 0
+    held = {id(getattr(r, "agentkv", None)) for r in _held_requests(scheduler, batch)}
+    dropped = 0
+    for table in tables:
+        for idx, entry in list(table.items()):
+            state = getattr(entry, "state", entry)  # HIDDEN_DECODING holds DecodeWatch
+            if id(state) not in held:
+                del table[idx]
+                dropped += 1
+    if dropped:
+        logger.warning("agentkv: dropped %d observer entries of requests no longer held", dropped)
+    return dropped
+
+
 @timed("before_extend")
 def before_extend(scheduler: Any, batch: Any) -> None:
     allocator = scheduler.token_to_kv_pool_allocator
     HOLEY.dead_slot = getattr(allocator, "dead_slot", None)
+    drop_orphan_observers(scheduler, batch)
     EXTEND_LAYOUT.record(batch.reqs)
     _EXTEND_ROWS.shape = planner_for(scheduler).shape
     for req in batch.reqs:

@@ -404,10 +404,11 @@ def test_before_extend_leaves_an_evicting_requests_holes_to_its_plan(steps, host
 
 
 def test_an_entry_left_by_an_earlier_holder_of_the_row_is_not_fed(steps):
-    """SGLang reuses ``req_pool_idx``. An observer-table entry that does not belong to the
-    request now holding the row (one an earlier request left behind) is not fed that
-    request's queries or layer inputs. (On the H100 a StreamingLLM run, whose requests
-    observe nothing, spent 1.6 s feeding entries of an earlier run's requests.)"""
+    """SGLang reuses ``req_pool_idx``. An observer-table entry whose request the scheduler no
+    longer holds is dropped at the next extend batch (``drop_orphan_observers``), and one
+    whose request is still held elsewhere (here: waiting) is not fed the rows of the request
+    now holding its row. (On the H100 a StreamingLLM run, whose requests observe nothing,
+    spent 1.6 s feeding entries of an earlier run's requests.)"""
     from sglang.srt.layers.radix_attention import RadixAttention
 
     import agentkv.integrations.sglang.runtime as runtime
@@ -430,9 +431,19 @@ def test_an_entry_left_by_an_earlier_holder_of_the_row_is_not_fed(steps):
     r.prefix_indices = steps.row(r)[:0]
     runtime._PLANNER = steps.planner
     left = SimpleNamespace(observer=Boom(), prompt_rows=lambda prefix, n: n)
-    OBSERVING[r.req_pool_idx] = HIDDEN_OBSERVING[r.req_pool_idx] = left
+    sched = scheduler_of(steps)
     try:
-        before_extend(scheduler_of(steps), SimpleNamespace(reqs=[r]))
+        # nobody holds its request any more: dropped
+        OBSERVING[r.req_pool_idx] = HIDDEN_OBSERVING[r.req_pool_idx] = left
+        OBSERVING[999] = left
+        before_extend(sched, SimpleNamespace(reqs=[r]))
+        assert not OBSERVING and not HIDDEN_OBSERVING
+        runtime.reset_extend_rows()
+        # its request waits (a retracted one, say): kept, but not fed another's rows
+        sched.waiting_queue = [SimpleNamespace(agentkv=left)]
+        OBSERVING[r.req_pool_idx] = HIDDEN_OBSERVING[r.req_pool_idx] = left
+        before_extend(sched, SimpleNamespace(reqs=[r]))
+        assert OBSERVING[r.req_pool_idx] is left
         shape = steps.planner.shape
         hq, d = shape.num_q_heads, shape.head_dim
         fb = one_request_extend(r, 0, T, host_lens=True)
