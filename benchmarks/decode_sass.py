@@ -57,54 +57,30 @@ PTRS = {
 DIV16 = {"stride_qb", "stride_qh", "stride_sb", "stride_fs", "stride_fh"}
 DIV16 |= {"split_len2", "split_len4", "split_lenf"}
 
+
+def _stacked(bn: int, warps: int, *knobs: str) -> dict:
+    """A stacked-path variant: ``bn`` positions per iteration, ``warps``, the named knobs on."""
+    return dict(STACKED=True, BN_INT4=bn, warps=warps, **dict.fromkeys(knobs, True))
+
+
+#: the five stacked-path knobs (``DecodeConfig``'s ``int4_imma`` ... ``int4_offsets32``)
+KNOBS = ("KEY_IMMA", "LAZY_RESCALE", "V_SUBNORMAL", "V_DOTS8", "OFFS32")
+
 VARIANTS = {
-    "int4 stacked bn32 w1 (default)": dict(STACKED=True, BN_INT4=32, warps=1),
-    "int4 stacked lazy bn32 w1": dict(STACKED=True, LAZY_RESCALE=True, BN_INT4=32, warps=1),
-    "int4 imma bn32 w1": dict(STACKED=True, KEY_IMMA=True, BN_INT4=32, warps=1),
-    "int4 imma lazy bn32 w1": dict(
-        STACKED=True, KEY_IMMA=True, LAZY_RESCALE=True, BN_INT4=32, warps=1
-    ),
-    "int4 stacked subnormal-V bn32 w1": dict(STACKED=True, V_SUBNORMAL=True, BN_INT4=32, warps=1),
-    "int4 imma lazy subnormal-V bn32 w1": dict(
-        STACKED=True, KEY_IMMA=True, LAZY_RESCALE=True, V_SUBNORMAL=True, BN_INT4=32, warps=1
-    ),
-    "int4 stacked dots8-V bn32 w1": dict(STACKED=True, V_DOTS8=True, BN_INT4=32, warps=1),
-    "int4 imma lazy subnormal-V dots8-V bn32 w1": dict(
-        STACKED=True,
-        KEY_IMMA=True,
-        LAZY_RESCALE=True,
-        V_SUBNORMAL=True,
-        V_DOTS8=True,
-        BN_INT4=32,
-        warps=1,
-    ),
-    "int4 imma lazy subnormal-V dots8-V offs32 bn32 w1": dict(
-        STACKED=True,
-        KEY_IMMA=True,
-        LAZY_RESCALE=True,
-        V_SUBNORMAL=True,
-        V_DOTS8=True,
-        OFFS32=True,
-        BN_INT4=32,
-        warps=1,
-    ),
-    "int4 imma lazy subnormal-V dots8-V bn64 w2": dict(
-        STACKED=True,
-        KEY_IMMA=True,
-        LAZY_RESCALE=True,
-        V_SUBNORMAL=True,
-        V_DOTS8=True,
-        BN_INT4=64,
-        warps=2,
-    ),
-    "int4 imma lazy subnormal-V bn64 w2": dict(
-        STACKED=True, KEY_IMMA=True, LAZY_RESCALE=True, V_SUBNORMAL=True, BN_INT4=64, warps=2
-    ),
-    "int4 imma lazy bn64 w2": dict(
-        STACKED=True, KEY_IMMA=True, LAZY_RESCALE=True, BN_INT4=64, warps=2
-    ),
-    "int4 stacked bn64 w2": dict(STACKED=True, BN_INT4=64, warps=2),
-    "int4 stacked bn32 w4": dict(STACKED=True, BN_INT4=32, warps=4),
+    "int4 stacked bn32 w1, knobs off (the default before session 10)": _stacked(32, 1),
+    "int4 stacked lazy bn32 w1": _stacked(32, 1, "LAZY_RESCALE"),
+    "int4 imma bn32 w1": _stacked(32, 1, "KEY_IMMA"),
+    "int4 imma lazy bn32 w1": _stacked(32, 1, *KNOBS[:2]),
+    "int4 stacked subnormal-V bn32 w1": _stacked(32, 1, "V_SUBNORMAL"),
+    "int4 imma lazy subnormal-V bn32 w1": _stacked(32, 1, *KNOBS[:3]),
+    "int4 stacked dots8-V bn32 w1": _stacked(32, 1, "V_DOTS8"),
+    "int4 imma lazy subnormal-V dots8-V bn32 w1": _stacked(32, 1, *KNOBS[:4]),
+    "int4 all five knobs bn32 w1 (the default)": _stacked(32, 1, *KNOBS),
+    "int4 imma lazy subnormal-V dots8-V bn64 w2": _stacked(64, 2, *KNOBS[:4]),
+    "int4 imma lazy subnormal-V bn64 w2": _stacked(64, 2, *KNOBS[:3]),
+    "int4 imma lazy bn64 w2": _stacked(64, 2, *KNOBS[:2]),
+    "int4 stacked bn64 w2": _stacked(64, 2),
+    "int4 stacked bn32 w4": _stacked(32, 4),
     "int4 per-group folded V bn64 w2": dict(STACKED=False, V_FOLD=True, BN_INT4=64, warps=2),
     "int4 per-group fp16 V bn64 w2": dict(STACKED=False, V_FOLD=False, BN_INT4=64, warps=2),
     "int4 per-group fp16 V bn32 w2": dict(STACKED=False, V_FOLD=False, BN_INT4=32, warps=2),
@@ -135,11 +111,7 @@ def compile_split(group: int, head_dim: int, segments: set[str], **knobs):
         V_FOLD=True,
         INT4_LEGACY=False,
         STACKED=True,
-        KEY_IMMA=False,
-        LAZY_RESCALE=False,
-        V_SUBNORMAL=False,
-        V_DOTS8=False,
-        OFFS32=False,
+        **dict.fromkeys(KNOBS, False),
     )
     consts.update(knobs)
     sig = {n: "constexpr" if n in consts else PTRS.get(n, "i32") for n in fn.arg_names}

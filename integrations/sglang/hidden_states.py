@@ -69,13 +69,15 @@ class ExtendLayout:
     def clear(self) -> None:
         self.pool_idx = self.reqs = None
 
-    def owner(self, i: int, n: int) -> Any:
-        """The ``Req`` at row ``i`` of a batch of ``n`` requests, None when not recorded. An
-        observer table is keyed by ``req_pool_idx``, which SGLang reuses: an entry is fed only
-        if it belongs to the request now holding that row (``req.agentkv``)."""
-        if self.reqs is None or len(self.reqs) != n:
-            return None
-        return self.reqs[i]
+    def entry(self, table: dict[int, Any], i: int, idx: int, n: int) -> Any:
+        """``table[idx]`` for request ``i`` of a batch of ``n`` (at row ``idx``), None when it
+        has none. A table is keyed by ``req_pool_idx``, which SGLang reuses: an entry that
+        belongs to another request than the one the scheduler put at ``i`` (``req.agentkv``)
+        is not this request's (without a record, the row decides, as before)."""
+        entry = table.get(idx)
+        if entry is None or self.reqs is None or len(self.reqs) != n:
+            return entry
+        return entry if getattr(self.reqs[i], "agentkv", None) is entry else None
 
     def of(self, forward_batch: Any) -> tuple[list[int], list[int], list[int], list[int]]:
         """``(pool_idx, starts, lens, prefix)`` of an extend batch: per request its row in
@@ -122,13 +124,13 @@ class _BatchRows:
             pool_idx = forward_batch.req_pool_indices.tolist()
             starts, lens = list(range(len(pool_idx))), [1] * len(pool_idx)
         for i, idx in enumerate(pool_idx):
-            entry = (HIDDEN_OBSERVING if extend else HIDDEN_DECODING).get(idx)
+            if extend:
+                entry = EXTEND_LAYOUT.entry(HIDDEN_OBSERVING, i, idx, len(pool_idx))
+            else:
+                entry = HIDDEN_DECODING.get(idx)
             observer = None if entry is None else entry.observer
             if observer is None or lens[i] == 0:
                 continue
-            owner = EXTEND_LAYOUT.owner(i, len(pool_idx)) if extend else None
-            if owner is not None and getattr(owner, "agentkv", None) is not entry:
-                continue  # an entry left by an earlier holder of the row
             s, n = starts[i], lens[i]
             if extend:
                 n = entry.prompt_rows(prefix[i], n)

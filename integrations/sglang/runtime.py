@@ -501,14 +501,12 @@ class _ExtendRows:
         self.batch, self.rows, self.sums = forward_batch, [], None
         pool_idx, starts, lens, prefix = EXTEND_LAYOUT.of(forward_batch)
         dead = HOLEY.dead_slot
+        hkv = backend.token_to_kv_pool.get_key_buffer(0).shape[1]
         summed = []
         for i, idx in enumerate(pool_idx):
-            state = OBSERVING.get(idx)
+            state = EXTEND_LAYOUT.entry(OBSERVING, i, idx, len(pool_idx))
             if state is None or state.observer is None:
                 continue
-            owner = EXTEND_LAYOUT.owner(i, len(pool_idx))
-            if owner is not None and getattr(owner, "agentkv", None) is not state:
-                continue  # an entry left by an earlier holder of the row: not this request's
             s, n = starts[i], state.prompt_rows(prefix[i], lens[i])
             if n == 0:
                 continue
@@ -523,7 +521,6 @@ class _ExtendRows:
             live = slots != dead if dead is not None else torch.ones_like(slots, dtype=torch.bool)
             k_pos = torch.arange(prefix[i] + n, device=slots.device)
             # one mask object for every layer: the observer records the chunk's counts once
-            hkv = backend.token_to_kv_pool.get_key_buffer(0).shape[1]
             self.rows.append((state, s, n, q_pos, slots, k_pos, live[None].expand(hkv, -1)))
         if summed and self.shape is not None:
             sh = self.shape
