@@ -467,6 +467,11 @@ def tune_grid(impl: str) -> list[DecodeConfig]:
             for bn, w in ((32, 1), (64, 2))
             for pps in (16, 8)
         ]
+        grid += [  # registers capped: more programs per SM resident, at the price of spills
+            DecodeConfig(max_registers=r, programs_per_sm_int4=pps)
+            for r in (128, 168)
+            for pps in (16, 24, 32)
+        ]
         grid += [
             DecodeConfig(
                 **{f"int4_{k}": on for k, on in zip(knobs, mask, strict=True)}, int4_stacked=True
@@ -507,12 +512,27 @@ def tune_grid(impl: str) -> list[DecodeConfig]:
         ]
         return grid
     if impl == "int2":
-        return [
+        grid = [DecodeConfig()]
+        grid += [  # every scale folded out of the codes, codes as fp16 subnormals
+            DecodeConfig(
+                int2_fold=True, int4_lazy_rescale=lazy, num_warps=w, programs_per_sm_int2=pps
+            )
+            for w in (1, 2)
+            for pps in (16, 8, 32)
+            for lazy in (True, False)
+        ]
+        grid += [
+            DecodeConfig(int2_fold=True, num_warps=w, programs_per_sm_int2=pps, max_registers=r)
+            for w, r in ((1, 128), (1, 168), (2, 128))
+            for pps in (16, 32)
+        ]
+        grid += [
             DecodeConfig(num_warps=w, prefetch=pf, programs_per_sm_int2=pps)
             for w in (2, 4)
             for pf in (True, False)
             for pps in (8, 16, 32)
         ]
+        return grid
     return [DecodeConfig()]
 
 
@@ -534,10 +554,11 @@ def mixed_grid(best4: DecodeConfig, best2: DecodeConfig) -> list[DecodeConfig]:
             "programs_per_sm_int4",
         )
     }
-    int2_fields = {k: getattr(best2, k) for k in ("prefetch", "programs_per_sm_int2")}
+    int2_fields = {k: getattr(best2, k) for k in ("prefetch", "programs_per_sm_int2", "int2_fold")}
     return [
-        DecodeConfig(num_warps=w, **int4_fields, **int2_fields)
+        DecodeConfig(num_warps=w, max_registers=r, **int4_fields, **int2_fields)
         for w in sorted({best4.warps(has_int4=True), best2.warps(has_int4=False)})
+        for r in sorted({best4.max_registers, best2.max_registers}, key=lambda r: r or 0)
     ]
 
 

@@ -76,6 +76,8 @@ VARIANTS = {
     "int4 stacked dots8-V bn32 w1": _stacked(32, 1, "V_DOTS8"),
     "int4 imma lazy subnormal-V dots8-V bn32 w1": _stacked(32, 1, *KNOBS[:4]),
     "int4 all five knobs bn32 w1 (the default)": _stacked(32, 1, *KNOBS),
+    "int4 the default, maxnreg 168": dict(_stacked(32, 1, *KNOBS), maxnreg=168),
+    "int4 the default, maxnreg 128": dict(_stacked(32, 1, *KNOBS), maxnreg=128),
     "int4 imma lazy subnormal-V dots8-V bn64 w2": _stacked(64, 2, *KNOBS[:4]),
     "int4 imma lazy subnormal-V bn64 w2": _stacked(64, 2, *KNOBS[:3]),
     "int4 imma lazy bn64 w2": _stacked(64, 2, *KNOBS[:2]),
@@ -93,6 +95,7 @@ def compile_split(group: int, head_dim: int, segments: set[str], **knobs):
     mod = importlib.import_module("agentkv.kernels.decode_attention")
     fn = mod._decode_split_kernel
     warps = knobs.pop("warps", 2)
+    maxnreg = knobs.pop("maxnreg", None)
     consts = dict(
         G=group,
         BLOCK_H=max(16, triton.next_power_of_2(group)),
@@ -111,6 +114,7 @@ def compile_split(group: int, head_dim: int, segments: set[str], **knobs):
         V_FOLD=True,
         INT4_LEGACY=False,
         STACKED=True,
+        INT2_FOLD=False,
         **dict.fromkeys(KNOBS, False),
     )
     consts.update(knobs)
@@ -121,9 +125,10 @@ def compile_split(group: int, head_dim: int, segments: set[str], **knobs):
         if sig[n].startswith("*") or n in DIV16
     }
     src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
-    return triton.compile(
-        src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": 2}
-    )
+    options = {"num_warps": warps, "num_stages": 2}
+    if maxnreg:
+        options["maxnreg"] = maxnreg
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
 def _tool(name: str) -> str:
@@ -196,6 +201,17 @@ def main() -> None:
     args = ap.parse_args()
     if args.segments == "int4":
         runs = VARIANTS.items()
+    elif args.segments == "int2":
+        runs = [
+            (f"int2 {'folded' if fold else 'dequantizing'}{' lazy' if lazy else ''} w{w}", knobs)
+            for fold, lazy in ((False, False), (True, False), (True, True))
+            for w in (1, 2, 4)
+            if (knobs := dict(warps=w, INT2_FOLD=fold, LAZY_RESCALE=lazy))
+        ]
+        runs += [
+            (f"int2 folded lazy w{w} maxnreg {r}", dict(warps=w, INT2_FOLD=True, maxnreg=r))
+            for w, r in ((1, 128), (1, 168), (2, 128))
+        ]
     else:
         runs = [(f"{args.segments} w2", dict(warps=2)), (f"{args.segments} w4", dict(warps=4))]
     print(f"triton {triton.__version__}, sm_90, G={args.group}, D={args.head_dim}")

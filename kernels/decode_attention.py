@@ -47,6 +47,7 @@ from .packing import (
     dequant_int2_quads,
     dequant_int4_pairs,
     int2_code_quads,
+    int2_code_quads_subnormal,
     int4_code_bytes_i8,
     int4_code_pairs,
     int4_word_codes_f16,
@@ -106,7 +107,11 @@ class DecodeConfig:
     None = on wherever the stacked path runs (the H100 sweep of session 10: INT4 at B=8
     N=32k 202 µs vs 278 µs with them off, docs/benchmarks.md §3). prefetch: hand
     double-buffering of the INT2 (and legacy INT4) loads. merge_block_s: splits per step
-    of the merge kernel."""
+    of the merge kernel. int2_fold: the INT2 split with every scale folded out of the codes
+    (key page scales into the query, value token scales into ``p``, codes as fp16
+    subnormals: no per-element dequantization; ``int4_lazy_rescale`` applies to it too).
+    max_registers: a cap on registers per thread (ptxas ``.maxnreg``): more programs per SM
+    at the price of spills; None: the compiler's choice."""
 
     block_n_full: int = 64
     block_n_int4: int = 32
@@ -127,6 +132,8 @@ class DecodeConfig:
     int4_offsets32: bool = True
     merge_block_s: int = 32
     prefetch: bool = True
+    int2_fold: bool = False
+    max_registers: int | None = None
 
     def warps(self, has_int4: bool) -> int:
         """``num_warps`` of a launch (None: 1 with INT4 segments, else 2)."""
@@ -601,6 +608,154 @@ def _int4_split_stacked(
 
 
 @triton.jit
+def _int2_split_folded(
+    q_ptr,
+    stride_qb,
+    stride_qh,
+    slot_row,
+    hm_row,
+    k_ptr,
+    v_ptr,
+    ks_ptr,
+    kz_ptr,
+    vs_ptr,
+    vz_ptr,
+    po_ptr,
+    plse_ptr,
+    qk_scale,
+    dead_id,
+    int2_base,
+    Hkv,
+    b,
+    h,
+    s,
+    start,
+    end,
+    S_total,
+    G: tl.constexpr,
+    BLOCK_HQ: tl.constexpr,
+    D: tl.constexpr,
+    HAS_HEAD_MASK: tl.constexpr,
+    IEEE_F32: tl.constexpr,
+    USE_ASM: tl.constexpr,
+    LAZY_RESCALE: tl.constexpr,
+):
+    """One INT2 split with every scale folded out of the codes (``int2_fold``).
+
+    Per 32-position page block and channel plane ``k`` (channels ``[kQ, (k+1)Q)``, Q = D/4;
+    bit pair k of each code byte): keys ``q.k = sum_k (q_k * ks_k) . c_k + q . kz`` with the
+    page's per-channel scale / zero; values ``sum_t p_t v_t = sum_t (p_t vs_tk) c_tk +
+    sum_t p_t vz_tk`` with each token's group scale / zero (plane k lies in group kQ / 32).
+    The codes enter both dots as the fp16 subnormals ``n * 2**-24`` (one ``and`` per code,
+    no magic number, no fma, no per-element scale), the 2**24 applied after the key dot and
+    at the store. The GQA group is unpadded (BLOCK_HQ rows) and operands are fp16."""
+    NG: tl.constexpr = D // 32
+    Q: tl.constexpr = D // 4
+    offs_g = tl.arange(0, BLOCK_HQ)
+    gmask = offs_g < G
+    qrow = q_ptr + b * stride_qb + (h * G + offs_g)[:, None] * stride_qh
+    cq = tl.arange(0, Q)
+    hq = gmask[:, None]
+    qf0 = tl.load(qrow + cq[None, :], mask=hq, other=0.0).to(tl.float32)
+    qf1 = tl.load(qrow + cq[None, :] + Q, mask=hq, other=0.0).to(tl.float32)
+    qf2 = tl.load(qrow + cq[None, :] + 2 * Q, mask=hq, other=0.0).to(tl.float32)
+    qf3 = tl.load(qrow + cq[None, :] + 3 * Q, mask=hq, other=0.0).to(tl.float32)
+    key_one = qk_scale * 16777216.0
+    m_i = tl.full([BLOCK_HQ], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_HQ], tl.float32)
+    a0 = tl.zeros([BLOCK_HQ, Q], tl.float32)
+    a1 = tl.zeros([BLOCK_HQ, Q], tl.float32)
+    a2 = tl.zeros([BLOCK_HQ, Q], tl.float32)
+    a3 = tl.zeros([BLOCK_HQ, Q], tl.float32)
+    zb = tl.zeros([BLOCK_HQ, NG], tl.float32)
+    ar = tl.arange(0, 32)
+    cng = tl.arange(0, NG)
+    for start_n in range(start, end, 32):
+        slot, live = _live_positions(slot_row, hm_row, start_n + ar, end, dead_id, HAS_HEAD_MASK)
+        j = tl.where(live, slot - int2_base, -1)
+        ph = (tl.maximum(tl.max(j, 0), 0) // 32) * Hkv + h
+        row = ph * 32 + tl.where(live, j % 32, 0)
+        lm = live[:, None]
+        co = row[:, None] * Q + cq[None, :]
+        kb = tl.load(k_ptr + co, mask=lm, other=0)
+        vb = tl.load(v_ptr + co, mask=lm, other=0)
+        so = row * NG
+        vs0 = tl.load(vs_ptr + so + (0 * Q) // 32, mask=live, other=0.0)
+        vs1 = tl.load(vs_ptr + so + (1 * Q) // 32, mask=live, other=0.0)
+        vs2 = tl.load(vs_ptr + so + (2 * Q) // 32, mask=live, other=0.0)
+        vs3 = tl.load(vs_ptr + so + (3 * Q) // 32, mask=live, other=0.0)
+        vz = tl.load(vz_ptr + so[:, None] + cng[None, :], mask=lm, other=0.0)
+        kc = ph * D + cq[None, :]
+        qz = tl.sum(
+            qf0 * tl.load(kz_ptr + kc).to(tl.float32)
+            + qf1 * tl.load(kz_ptr + kc + Q).to(tl.float32)
+            + qf2 * tl.load(kz_ptr + kc + 2 * Q).to(tl.float32)
+            + qf3 * tl.load(kz_ptr + kc + 3 * Q).to(tl.float32),
+            1,
+        )
+        u0, u1, u2, u3 = int2_code_quads_subnormal(kb, USE_ASM)
+        sc = _mma(
+            (qf0 * tl.load(ks_ptr + kc).to(tl.float32)).to(tl.float16), tl.trans(u0), IEEE_F32
+        )
+        sc = _mma_acc(
+            (qf1 * tl.load(ks_ptr + kc + Q).to(tl.float32)).to(tl.float16),
+            tl.trans(u1),
+            sc,
+            IEEE_F32,
+        )
+        sc = _mma_acc(
+            (qf2 * tl.load(ks_ptr + kc + 2 * Q).to(tl.float32)).to(tl.float16),
+            tl.trans(u2),
+            sc,
+            IEEE_F32,
+        )
+        sc = _mma_acc(
+            (qf3 * tl.load(ks_ptr + kc + 3 * Q).to(tl.float32)).to(tl.float16),
+            tl.trans(u3),
+            sc,
+            IEEE_F32,
+        )
+        qk = sc * key_one + (qz * qk_scale)[:, None]
+        qk = tl.where(live[None, :], qk, float("-inf"))
+        if LAZY_RESCALE:  # as the INT4 stacked path: rescale only when the max moves > 2**4
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            if tl.max(m_new - m_i, 0) > 4.0:
+                alpha = tl.exp2(m_i - m_new)
+                al = alpha[:, None]
+                l_i = l_i * alpha
+                zb = zb * al
+                a0, a1, a2, a3 = a0 * al, a1 * al, a2 * al, a3 * al
+                m_i = m_new
+            p = tl.exp2(qk - m_i[:, None])
+            l_i = l_i + tl.sum(p, 1)
+        else:
+            p, alpha, m_i, l_i = _online_softmax(qk, m_i, l_i)
+            al = alpha[:, None]
+            zb = zb * al
+            a0, a1, a2, a3 = a0 * al, a1 * al, a2 * al, a3 * al
+        p16 = p.to(tl.float16)
+        zb = _mma_acc(p16, vz, zb, IEEE_F32)
+        v0, v1, v2, v3 = int2_code_quads_subnormal(vb, USE_ASM)
+        a0 = _mma_acc(p16 * vs0[None, :], v0, a0, IEEE_F32)
+        a1 = _mma_acc(p16 * vs1[None, :], v1, a1, IEEE_F32)
+        a2 = _mma_acc(p16 * vs2[None, :], v2, a2, IEEE_F32)
+        a3 = _mma_acc(p16 * vs3[None, :], v3, a3, IEEE_F32)
+    inv = 1.0 / tl.where(l_i > 0.0, l_i, 1.0)
+    row_o = (b * (Hkv * G) + h * G + offs_g).to(tl.int64) * S_total + s
+    prow = po_ptr + row_o[:, None] * D + cq[None, :]
+    zg0 = tl.sum(tl.where(cng[None, :] == (0 * Q) // 32, zb, 0.0), 1)[:, None]
+    zg1 = tl.sum(tl.where(cng[None, :] == (1 * Q) // 32, zb, 0.0), 1)[:, None]
+    zg2 = tl.sum(tl.where(cng[None, :] == (2 * Q) // 32, zb, 0.0), 1)[:, None]
+    zg3 = tl.sum(tl.where(cng[None, :] == (3 * Q) // 32, zb, 0.0), 1)[:, None]
+    one = 16777216.0
+    tl.store(prow, (a0 * one + zg0) * inv[:, None], mask=hq)
+    tl.store(prow + Q, (a1 * one + zg1) * inv[:, None], mask=hq)
+    tl.store(prow + 2 * Q, (a2 * one + zg2) * inv[:, None], mask=hq)
+    tl.store(prow + 3 * Q, (a3 * one + zg3) * inv[:, None], mask=hq)
+    _store_lse(plse_ptr, row_o, m_i, l_i, gmask)
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr,
     stride_qb,
@@ -668,6 +823,7 @@ def _decode_split_kernel(
     V_SUBNORMAL: tl.constexpr = False,
     V_DOTS8: tl.constexpr = False,
     OFFS32: tl.constexpr = False,
+    INT2_FOLD: tl.constexpr = False,
 ):
     NG: tl.constexpr = D // 32
     Q: tl.constexpr = D // 4
@@ -709,7 +865,41 @@ def _decode_split_kernel(
     # Every dequantized tile is a contiguous run of code bytes per row whose scale is one
     # value per row, so it unpacks in registers with packed 16-bit math (see packing.py).
     # constexpr guard outside, runtime branch inside: Triton must not fuse the two
-    if HAS_INT2:  # noqa: SIM102
+    if HAS_INT2 and INT2_FOLD:  # noqa: SIM102
+        if is2:
+            _int2_split_folded(
+                q_ptr,
+                stride_qb,
+                stride_qh,
+                slot_row,
+                hm_row,
+                q2k_ptr,
+                q2v_ptr,
+                q2ks_ptr,
+                q2kz_ptr,
+                q2vs_ptr,
+                q2vz_ptr,
+                po_ptr,
+                plse_ptr,
+                qk_scale,
+                dead_id,
+                int2_base,
+                Hkv,
+                b,
+                h,
+                s,
+                start,
+                end,
+                S_total,
+                G,
+                BLOCK_HQ,
+                D,
+                HAS_HEAD_MASK,
+                IEEE_F32,
+                USE_ASM,
+                LAZY_RESCALE,
+            )
+    if HAS_INT2 and not INT2_FOLD:  # noqa: SIM102
         if is2:
             # the GQA group unpadded (BLOCK_HQ rows); 16-bit operands in fp16 (11-bit
             # mantissa) whatever the query dtype: q * page scale and p are rounded once
@@ -1585,8 +1775,10 @@ def decode_attention(
         V_SUBNORMAL=cfg.int4_v_subnormal,
         V_DOTS8=cfg.int4_v_dots8,
         OFFS32=cfg.int4_offsets32 and has4 and p4.k.numel() < 2**31,
+        INT2_FOLD=cfg.int2_fold,
         num_warps=cfg.warps(m4 > 0),
         num_stages=cfg.num_stages,
+        **({"maxnreg": cfg.max_registers} if cfg.max_registers and not interpreting else {}),
     )
     _merge_splits_kernel[(b * hq,)](
         part_o,

@@ -416,6 +416,47 @@ def int2_code_quads(b, OUT: tl.constexpr, USE_ASM: tl.constexpr):
         return c0, c1, c2, c3
 
 
+def _int2_quads_subnormal_asm() -> str:
+    # $0..$7: pairs of output i = 0..3 (bits 2i..2i+1 of each of four code bytes in $8) as
+    # the fp16 subnormals n * 2**-24: the code itself is the bit pattern, no magic number
+    lines = ["{", ".reg .b32 zz, t01, t23;", "mov.b32 zz, 0;"]
+    lines += ["prmt.b32 t01, $8, zz, 0x4140;", "prmt.b32 t23, $8, zz, 0x4342;"]
+    for i in range(4):
+        lines += [f"and.b32 ${2 * i}, t01, 0x00030003;", f"and.b32 ${2 * i + 1}, t23, 0x00030003;"]
+        if i < 3:
+            lines += ["shr.b32 t01, t01, 2;", "shr.b32 t23, t23, 2;"]
+    lines.append("}")
+    return "\n".join(lines)
+
+
+INT2_QUADS_SUBNORMAL = tl.constexpr(_int2_quads_subnormal_asm())
+
+
+@triton.jit
+def int2_code_quads_subnormal(b, USE_ASM: tl.constexpr):
+    """As :func:`int2_code_quads` with OUT fp16 (same four tensors, same channels), but each
+    code n comes as the fp16 subnormal ``n * 2**-24`` (exact; the tensor cores multiply fp16
+    subnormals exactly into fp32): one integer op per code, the 2**24 applied after the dot."""
+    if USE_ASM:
+        return tl.inline_asm_elementwise(
+            INT2_QUADS_SUBNORMAL,
+            "=r,=r,=r,=r,=r,=r,=r,=r,r",
+            [b],
+            dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+            is_pure=True,
+            pack=4,
+        )
+    else:
+        t = 5.9604644775390625e-08  # 2**-24
+        x = b.to(tl.int32)
+        return (
+            (codes_to_f32(x & 3) * t).to(tl.float16),
+            (codes_to_f32((x >> 2) & 3) * t).to(tl.float16),
+            (codes_to_f32((x >> 4) & 3) * t).to(tl.float16),
+            (codes_to_f32(x >> 6) * t).to(tl.float16),
+        )
+
+
 @triton.jit
 def dequant_int2_quads(b, s0, z0, s1, z1, s2, z2, s3, z3, USE_ASM: tl.constexpr):
     """b: [R, C] uint8 INT2 bytes (planar); s_i, z_i: [R, C] bf16 / fp16 scale / zero for

@@ -399,3 +399,57 @@ def test_int4_imma_and_lazy_rescale_within_1e3_of_reference(q_scale) -> None:
         out, ref = _run(mb, torch.float16, split_len=256, config=cfg)
         rel = float((out.float() - ref.float()).norm() / ref.float().norm())
         assert rel < 1e-3, (cfg, rel)
+
+
+INT2_CONFIGS = [
+    ("fold", DecodeConfig(int2_fold=True)),
+    ("fold_eager", DecodeConfig(int2_fold=True, int4_lazy_rescale=False)),
+    ("fold_w1", DecodeConfig(int2_fold=True, num_warps=1)),
+]
+
+
+@pytest.mark.parametrize(("name", "cfg"), INT2_CONFIGS, ids=[c[0] for c in INT2_CONFIGS])
+@pytest.mark.parametrize(
+    ("group", "d", "dtype"),
+    [(4, 128, torch.float16), (4, 128, torch.bfloat16), (3, 64, torch.float16)],
+    ids=["g4d128-fp16", "g4d128-bf16", "g3d64-fp16"],
+)
+def test_int2_folded_matches_reference(name, cfg, group, d, dtype) -> None:
+    """The folded INT2 split (page key scales in the query, token value scales in p, codes
+    as fp16 subnormals) on INT2 segments with DEAD cells, head masks and shuffled page rows,
+    next to INT4 and full segments."""
+    mb = build_mixed_batch(
+        [(3, 0, 0), (2, 40, 9)],
+        hq=2 * group,
+        hkv=2,
+        d=d,
+        dtype=dtype,
+        dead_fraction=0.3,
+        head_mask_fraction=0.2,
+        pad=3,
+        seed=group * 11 + d,
+    )
+    _run(mb, dtype, split_len=64, config=cfg)
+
+
+@pytest.mark.parametrize("q_scale", [0.25, 4.0, 16.0])
+def test_int2_folded_within_1e3_of_reference(q_scale) -> None:
+    """The folded INT2 path keeps the fp16 output within 1e-3 (relative L2) of the reference
+    on the same quantized K/V, from flat to sharp softmaxes (the lazy rescale's branch both
+    taken and skipped), and agrees with the dequantizing INT2 path to the same bound."""
+    mb = build_mixed_batch(
+        [(9, 0, 0), (5, 0, 9)], hq=8, hkv=2, d=128, dead_fraction=0.2, pad=3, seed=9
+    )
+    mb.q = (mb.q.float() * q_scale).to(torch.float16)
+    outs = []
+    for cfg in (
+        DecodeConfig(int2_fold=True),
+        DecodeConfig(int2_fold=True, int4_lazy_rescale=False),
+    ):
+        out, ref = _run(mb, torch.float16, split_len=128, config=cfg)
+        rel = float((out.float() - ref.float()).norm() / ref.float().norm())
+        assert rel < 1e-3, (cfg, rel)
+        outs.append(out.float())
+    old, _ = _run(mb, torch.float16, split_len=128, config=DecodeConfig(int2_fold=False))
+    for out in outs:
+        assert float((out - old.float()).norm() / old.float().norm()) < 1e-3

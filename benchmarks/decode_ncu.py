@@ -1,0 +1,213 @@
+"""Where the decode kernels' time goes: Nsight Compute counters of one call per variant.
+
+Run on the GPU machine (ncu on the PATH; Firecracker runtime)::
+
+    python3 benchmarks/decode_ncu.py --out $OUT/ncu
+
+It re-runs itself under ``ncu --clock-control none`` (the clocks left alone, as the
+device notes ask), profiling the split kernel (``_decode_split_kernel``, not the merge)
+of one call per variant at one shape (default B=8, N=32k, Hq=32, Hkv=8, D=128, every
+position live), and writes ``<out>/ncu.csv`` (ncu's raw per-metric rows) and
+``<out>/ncu.json`` / ``<out>/ncu.md``: duration, DRAM throughput and bytes, achieved
+occupancy and its register limit, issue-slot use, warp instructions and the warp-stall
+breakdown (cycles per issued instruction by reason) of each variant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+#: variant name -> (impl, DecodeConfig keyword arguments)
+VARIANTS: dict[str, tuple[str, dict]] = {
+    "bf16": ("bf16", {}),
+    "int4 default": ("int4", {}),
+    "int4 knobs off": (
+        "int4",
+        dict(
+            int4_stacked=True,
+            int4_imma=False,
+            int4_lazy_rescale=False,
+            int4_v_subnormal=False,
+            int4_v_dots8=False,
+            int4_offsets32=False,
+        ),
+    ),
+    "int4 default maxnreg128": ("int4", dict(max_registers=128, programs_per_sm_int4=32)),
+    "int2 dequantizing": ("int2", {}),
+    "int2 folded w1": ("int2", dict(int2_fold=True, num_warps=1)),
+    "int2 folded w2": ("int2", dict(int2_fold=True, num_warps=2)),
+}
+
+METRICS = {
+    "gpu__time_duration.sum": "duration_ns",
+    "dram__throughput.avg.pct_of_peak_sustained_elapsed": "dram_pct_of_peak",
+    "dram__bytes_read.sum": "dram_bytes_read",
+    "sm__warps_active.avg.pct_of_peak_sustained_active": "achieved_occupancy_pct",
+    "launch__occupancy_limit_registers": "blocks_per_sm_limit_registers",
+    "launch__registers_per_thread": "registers_per_thread",
+    "smsp__issue_active.avg.pct_of_peak_sustained_active": "issue_active_pct",
+    "smsp__inst_executed.sum": "warp_instructions",
+    "smsp__warps_eligible.avg.per_cycle_active": "eligible_warps_per_cycle",
+}
+STALLS = (
+    "long_scoreboard",
+    "short_scoreboard",
+    "barrier",
+    "wait",
+    "math_pipe_throttle",
+    "mio_throttle",
+    "lg_throttle",
+    "not_selected",
+    "selected",
+    "dispatch_stall",
+    "no_instruction",
+    "branch_resolving",
+    "membar",
+    "tex_throttle",
+    "drain",
+    "imc_miss",
+    "sleeping",
+    "misc",
+)
+STALL_METRIC = "smsp__average_warps_issue_stalled_{}_per_issue_active.ratio"
+
+
+def child(b: int, n: int, names: list[str]) -> None:
+    """Build the shape, compile every variant, then profile one call of each."""
+    import torch
+    from decode_attention import DecodeConfig, Shape, _ours
+
+    s = Shape(b, n)
+    s.drop_sdpa_kv()
+    fns = [_ours(s, VARIANTS[k][0], False, DecodeConfig(**VARIANTS[k][1])) for k in names]
+    for fn in fns:  # compile and warm outside the profiled range
+        fn()
+        fn()
+    torch.cuda.synchronize()
+    for name, fn in zip(names, fns, strict=True):
+        print(f"profiling {name}", flush=True)
+        torch.cuda.profiler.start()
+        fn()
+        torch.cuda.synchronize()
+        torch.cuda.profiler.stop()
+
+
+def summarize(rows: list[dict], names: list[str]) -> list[dict]:
+    """ncu's raw-page CSV rows (one per profiled kernel, a column per metric; the first row
+    after the header holds the units) -> one dict per profiled variant, in launch order."""
+    kernels = [r for r in rows if "_decode_split_kernel" in r.get("Kernel Name", "")]
+    out = []
+    for name, met in zip(names, kernels, strict=False):
+
+        def num(key: str, met: dict = met) -> float | None:
+            v = met.get(key)
+            try:
+                return float(str(v).replace(",", ""))
+            except (TypeError, ValueError):
+                return None
+
+        row = {"variant": name, "config": VARIANTS[name][1]}
+        row.update({short: num(key) for key, short in METRICS.items()})
+        stalls = {k: num(STALL_METRIC.format(k)) for k in STALLS}
+        row["stall_cycles_per_issue"] = {k: v for k, v in stalls.items() if v}
+        out.append(row)
+    return out
+
+
+def markdown(summary: list[dict], b: int, n: int) -> str:
+    head = (
+        f"B={b}, N={n}, Hq=32, Hkv=8, D=128, 0% DEAD; one call per variant, "
+        "`ncu --clock-control none`\n\n"
+        "| variant | µs | DRAM % peak | GB read | occupancy % | regs | issue active % | "
+        "warp instr (M) | top stalls (cycles per issued instr) |\n"
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |\n"
+    )
+    lines = []
+    for r in summary:
+        st = sorted(r["stall_cycles_per_issue"].items(), key=lambda x: -x[1])[:4]
+
+        def f(x: float | None, scale: float = 1.0, spec: str = ".1f") -> str:
+            return "-" if x is None else format(x * scale, spec)
+
+        lines.append(
+            f"| {r['variant']} | {f(r['duration_ns'], 1e-3)} | {f(r['dram_pct_of_peak'])} | "
+            f"{f(r['dram_bytes_read'], 1e-9, '.3f')} | {f(r['achieved_occupancy_pct'])} | "
+            f"{f(r['registers_per_thread'], 1, '.0f')} | {f(r['issue_active_pct'])} | "
+            f"{f(r['warp_instructions'], 1e-6, '.2f')} | "
+            + ", ".join(f"{k} {v:.1f}" for k, v in st)
+            + " |"
+        )
+    return head + "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", type=Path, default=Path("ncu_out"))
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--tokens", type=int, default=32768)
+    ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated names")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    names = [v for v in args.variants.split(",") if v]
+    unknown = [v for v in names if v not in VARIANTS]
+    if unknown:
+        raise SystemExit(f"unknown variants {unknown}; known: {list(VARIANTS)}")
+    if args.child:
+        child(args.batch, args.tokens, names)
+        return
+    ncu = shutil.which("ncu")
+    if ncu is None:
+        raise SystemExit("ncu (Nsight Compute) is not on the PATH")
+    args.out.mkdir(parents=True, exist_ok=True)
+    metrics = list(METRICS) + [STALL_METRIC.format(k) for k in STALLS]
+    cmd = [
+        ncu,
+        "--clock-control",
+        "none",
+        "--profile-from-start",
+        "off",
+        "-k",
+        "regex:_decode_split_kernel",
+        "--metrics",
+        ",".join(metrics),
+        "--csv",
+        "--page",
+        "raw",
+        sys.executable,
+        __file__,
+        "--child",
+        "--batch",
+        str(args.batch),
+        "--tokens",
+        str(args.tokens),
+        "--variants",
+        ",".join(names),
+    ]
+    res = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy())
+    (args.out / "ncu.log").write_text(res.stderr)
+    text = res.stdout
+    (args.out / "ncu.csv").write_text(text)  # the raw page: a row per kernel
+    start = text.find('"ID"')
+    rows = list(csv.DictReader(io.StringIO(text[start:]))) if start >= 0 else []
+    summary = summarize(rows, names)
+    (args.out / "ncu.json").write_text(json.dumps(summary, indent=1))
+    md = markdown(summary, args.batch, args.tokens)
+    (args.out / "ncu.md").write_text(md)
+    print(md)
+    if not summary:
+        print(res.stderr[-3000:])
+        raise SystemExit(f"ncu gave no rows (exit {res.returncode})")
+
+
+if __name__ == "__main__":
+    main()
