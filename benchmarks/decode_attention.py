@@ -513,24 +513,18 @@ def tune_grid(impl: str) -> list[DecodeConfig]:
         return grid
     if impl == "int2":
         grid = [DecodeConfig()]
-        grid += [  # every scale folded out of the codes, codes as fp16 subnormals
+        grid += [  # folded (every scale out of the codes, codes as fp16 subnormals)
             DecodeConfig(
-                int2_fold=True, int4_lazy_rescale=lazy, num_warps=w, programs_per_sm_int2=pps
+                int4_lazy_rescale=lazy, num_warps=w, programs_per_sm_int2=pps, max_registers=r
             )
-            for w in (1, 2)
-            for pps in (16, 8, 32)
+            for w, r in ((2, 128), (1, 0), (2, 0), (1, 168))
+            for pps in (16, 32)
             for lazy in (True, False)
         ]
-        grid += [
-            DecodeConfig(int2_fold=True, num_warps=w, programs_per_sm_int2=pps, max_registers=r)
-            for w, r in ((1, 128), (1, 168), (2, 128))
-            for pps in (16, 32)
-        ]
-        grid += [
-            DecodeConfig(num_warps=w, prefetch=pf, programs_per_sm_int2=pps)
+        grid += [  # the dequantizing split (the default before session 11)
+            DecodeConfig(int2_fold=False, num_warps=w, prefetch=True, programs_per_sm_int2=pps)
             for w in (2, 4)
-            for pf in (True, False)
-            for pps in (8, 16, 32)
+            for pps in (16, 32)
         ]
         return grid
     return [DecodeConfig()]

@@ -43,9 +43,10 @@ VARIANTS: dict[str, tuple[str, dict]] = {
         ),
     ),
     "int4 default maxnreg128": ("int4", dict(max_registers=128, programs_per_sm_int4=32)),
-    "int2 dequantizing": ("int2", {}),
-    "int2 folded w1": ("int2", dict(int2_fold=True, num_warps=1)),
-    "int2 folded w2": ("int2", dict(int2_fold=True, num_warps=2)),
+    "int2 default (folded, w2, 128 regs)": ("int2", {}),
+    "int2 folded w1 uncapped": ("int2", dict(num_warps=1, max_registers=0)),
+    "int2 folded w2 uncapped": ("int2", dict(max_registers=0)),
+    "int2 dequantizing": ("int2", dict(int2_fold=False)),
 }
 
 METRICS = {

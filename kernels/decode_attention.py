@@ -24,9 +24,11 @@ the 1024 removed *before* the dot) and the GQA group is not padded to 16 rows. B
 the (query head, channel group) pairs are stacked as the rows of one dot
 (``int4_stacked``); the per-group variant, a variant with fp16-dequantized values and the
 previous kernel (``int4_legacy``) remain selectable. INT2: keys fold the page's
-per-channel scale into the query (``(q * s) . code + q . zero``), values are dequantized in
-registers with packed f16x2 PTX; its MMA operands are fp16 whatever the query dtype, and
-its GQA group is unpadded too. Full precision: unchanged (16 padded rows, 64-token blocks).
+per-channel scale into the query (``(q * s) . code + q . zero``); by default (``int2_fold``)
+values fold each token's group scale into ``p`` the same way and every code enters its dot
+as an fp16 subnormal (no per-element dequantization); the previous path, values
+dequantized in registers with packed f16x2 PTX, remains selectable. Its MMA operands are
+fp16 whatever the query dtype, and its GQA group is unpadded too. Full precision: unchanged (16 padded rows, 64-token blocks).
 Online softmax in base 2; a second kernel merges the splits by log-sum-exp.
 Supported head_dim: 64 and 128 (other sizes: ``backend="torch"``).
 """
@@ -111,7 +113,9 @@ class DecodeConfig:
     (key page scales into the query, value token scales into ``p``, codes as fp16
     subnormals: no per-element dequantization; ``int4_lazy_rescale`` applies to it too).
     max_registers: a cap on registers per thread (ptxas ``.maxnreg``): more programs per SM
-    at the price of spills; None: the compiler's choice."""
+    at the price of spills; 0: no cap; None: 128 for launches with folded INT2 segments and
+    no INT4 ones (the H100 sweep of session 11: 2 warps capped at 128 registers, 227 vs 247
+    µs at B=8 N=32k for 1 warp uncapped), no cap otherwise (INT4 spills badly under a cap)."""
 
     block_n_full: int = 64
     block_n_int4: int = 32
@@ -132,7 +136,7 @@ class DecodeConfig:
     int4_offsets32: bool = True
     merge_block_s: int = 32
     prefetch: bool = True
-    int2_fold: bool = False
+    int2_fold: bool = True
     max_registers: int | None = None
 
     def warps(self, has_int4: bool) -> int:
@@ -140,6 +144,12 @@ class DecodeConfig:
         if self.num_warps is not None:
             return self.num_warps
         return 1 if has_int4 else 2
+
+    def registers(self, has_int4: bool, has_int2: bool) -> int | None:
+        """The register cap of a launch (None: no cap); see ``max_registers``."""
+        if self.max_registers is not None:
+            return self.max_registers or None
+        return 128 if has_int2 and self.int2_fold and not has_int4 else None
 
 
 @triton.jit
@@ -1718,6 +1728,7 @@ def decode_attention(
         stacked = block_hq * (d // 32) <= 16
         v_fold = v_fold and stacked
     imma = stacked if cfg.int4_imma is None else cfg.int4_imma  # int8 key dots where stacked
+    regs = None if interpreting else cfg.registers(m4 > 0, m2 > 0)
     _decode_split_kernel[(s_total, hkv, b)](
         q,
         q.stride(0),
@@ -1778,7 +1789,7 @@ def decode_attention(
         INT2_FOLD=cfg.int2_fold,
         num_warps=cfg.warps(m4 > 0),
         num_stages=cfg.num_stages,
-        **({"maxnreg": cfg.max_registers} if cfg.max_registers and not interpreting else {}),
+        **({"maxnreg": regs} if regs else {}),
     )
     _merge_splits_kernel[(b * hq,)](
         part_o,

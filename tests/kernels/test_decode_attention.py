@@ -402,9 +402,11 @@ def test_int4_imma_and_lazy_rescale_within_1e3_of_reference(q_scale) -> None:
 
 
 INT2_CONFIGS = [
-    ("fold", DecodeConfig(int2_fold=True)),
+    ("fold", DecodeConfig(int2_fold=True)),  # the default
     ("fold_eager", DecodeConfig(int2_fold=True, int4_lazy_rescale=False)),
     ("fold_w1", DecodeConfig(int2_fold=True, num_warps=1)),
+    ("dequantizing", DecodeConfig(int2_fold=False)),  # the default before session 11
+    ("dequantizing_no_prefetch", DecodeConfig(int2_fold=False, prefetch=False)),
 ]
 
 
@@ -414,10 +416,10 @@ INT2_CONFIGS = [
     [(4, 128, torch.float16), (4, 128, torch.bfloat16), (3, 64, torch.float16)],
     ids=["g4d128-fp16", "g4d128-bf16", "g3d64-fp16"],
 )
-def test_int2_folded_matches_reference(name, cfg, group, d, dtype) -> None:
-    """The folded INT2 split (page key scales in the query, token value scales in p, codes
-    as fp16 subnormals) on INT2 segments with DEAD cells, head masks and shuffled page rows,
-    next to INT4 and full segments."""
+def test_int2_variants_match_reference(name, cfg, group, d, dtype) -> None:
+    """Both INT2 splits (folded: page key scales in the query, token value scales in p,
+    codes as fp16 subnormals; dequantizing) on INT2 segments with DEAD cells, head masks and
+    shuffled page rows, next to INT4 and full segments."""
     mb = build_mixed_batch(
         [(3, 0, 0), (2, 40, 9)],
         hq=2 * group,
@@ -453,3 +455,16 @@ def test_int2_folded_within_1e3_of_reference(q_scale) -> None:
     old, _ = _run(mb, torch.float16, split_len=128, config=DecodeConfig(int2_fold=False))
     for out in outs:
         assert float((out - old.float()).norm() / old.float().norm()) < 1e-3
+
+
+def test_register_cap_only_where_it_pays() -> None:
+    """The default register cap applies to folded INT2 launches without INT4 segments
+    (where the H100 sweep found it faster); INT4 launches stay uncapped; 0 disables it."""
+    cfg = DecodeConfig()
+    assert cfg.registers(has_int4=False, has_int2=True) == 128
+    assert cfg.registers(has_int4=True, has_int2=True) is None
+    assert cfg.registers(has_int4=True, has_int2=False) is None
+    assert cfg.registers(has_int4=False, has_int2=False) is None
+    assert DecodeConfig(int2_fold=False).registers(has_int4=False, has_int2=True) is None
+    assert DecodeConfig(max_registers=0).registers(has_int4=False, has_int2=True) is None
+    assert DecodeConfig(max_registers=168).registers(has_int4=True, has_int2=False) == 168
