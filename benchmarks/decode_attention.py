@@ -467,10 +467,10 @@ def tune_grid(impl: str) -> list[DecodeConfig]:
             for bn, w in ((32, 1), (64, 2))
             for pps in (16, 8)
         ]
-        grid += [  # registers capped: more programs per SM resident, at the price of spills
-            DecodeConfig(max_registers=r, programs_per_sm_int4=pps)
-            for r in (128, 168)
-            for pps in (16, 24, 32)
+        grid += [  # deeper software pipelining (more loads in flight per program)
+            DecodeConfig(num_stages=st, programs_per_sm_int4=pps)
+            for st in (3, 4)
+            for pps in (16, 12)
         ]
         grid += [
             DecodeConfig(
@@ -513,17 +513,24 @@ def tune_grid(impl: str) -> list[DecodeConfig]:
         return grid
     if impl == "int2":
         grid = [DecodeConfig()]
-        grid += [  # folded (every scale out of the codes, codes as fp16 subnormals)
+        grid += [  # value codes as in-place words (int2_v_words), at several occupancies
+            DecodeConfig(int2_v_words=True, num_warps=w, programs_per_sm_int2=pps, max_registers=r)
+            for w, r in ((1, 0), (1, 168), (1, 128), (2, 128), (2, 160))
+            for pps in (16, 32)
+        ]
+        grid += [
+            DecodeConfig(int2_v_words=True, num_warps=w, max_registers=r, num_stages=3)
+            for w, r in ((1, 0), (1, 168), (2, 128))
+        ]
+        grid += [  # folded, byte codes, at other occupancies / eager rescale
             DecodeConfig(
                 int4_lazy_rescale=lazy, num_warps=w, programs_per_sm_int2=pps, max_registers=r
             )
-            for w, r in ((2, 128), (1, 0), (2, 0), (1, 168))
+            for w, r, lazy in ((2, 128, False), (1, 0, True), (2, 0, True))
             for pps in (16, 32)
-            for lazy in (True, False)
         ]
         grid += [  # the dequantizing split (the default before session 11)
-            DecodeConfig(int2_fold=False, num_warps=w, prefetch=True, programs_per_sm_int2=pps)
-            for w in (2, 4)
+            DecodeConfig(int2_fold=False, num_warps=2, prefetch=True, programs_per_sm_int2=pps)
             for pps in (16, 32)
         ]
         return grid
@@ -548,7 +555,10 @@ def mixed_grid(best4: DecodeConfig, best2: DecodeConfig) -> list[DecodeConfig]:
             "programs_per_sm_int4",
         )
     }
-    int2_fields = {k: getattr(best2, k) for k in ("prefetch", "programs_per_sm_int2", "int2_fold")}
+    int2_fields = {
+        k: getattr(best2, k)
+        for k in ("prefetch", "programs_per_sm_int2", "int2_fold", "int2_v_words")
+    }
     return [
         DecodeConfig(num_warps=w, max_registers=r, **int4_fields, **int2_fields)
         for w in sorted({best4.warps(has_int4=True), best2.warps(has_int4=False)})

@@ -42,11 +42,13 @@ VARIANTS: dict[str, tuple[str, dict]] = {
             int4_offsets32=False,
         ),
     ),
-    "int4 default maxnreg128": ("int4", dict(max_registers=128, programs_per_sm_int4=32)),
     "int2 default (folded, w2, 128 regs)": ("int2", {}),
     "int2 folded w1 uncapped": ("int2", dict(num_warps=1, max_registers=0)),
     "int2 folded w2 uncapped": ("int2", dict(max_registers=0)),
     "int2 dequantizing": ("int2", dict(int2_fold=False)),
+    "int2 v-words w1 uncapped": ("int2", dict(int2_v_words=True, num_warps=1, max_registers=0)),
+    "int2 v-words w1 168 regs": ("int2", dict(int2_v_words=True, num_warps=1, max_registers=168)),
+    "int4 default 3 stages": ("int4", dict(num_stages=3)),
 }
 
 METRICS = {

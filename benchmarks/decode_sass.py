@@ -115,6 +115,7 @@ def compile_split(group: int, head_dim: int, segments: set[str], **knobs):
         INT4_LEGACY=False,
         STACKED=True,
         INT2_FOLD=False,
+        INT2_V_WORDS=False,
         **dict.fromkeys(KNOBS, False),
     )
     consts.update(knobs)
@@ -212,6 +213,11 @@ def main() -> None:
             (f"int2 folded lazy w{w} maxnreg {r}", dict(warps=w, INT2_FOLD=True, maxnreg=r))
             for w, r in ((1, 128), (1, 168), (2, 128))
         ]
+        for w, r in ((1, None), (2, None), (1, 168), (1, 128), (2, 128)):
+            knobs = dict(warps=w, INT2_FOLD=True, LAZY_RESCALE=True, INT2_V_WORDS=True)
+            if r:
+                knobs["maxnreg"] = r
+            runs.append((f"int2 folded lazy v-words w{w}{f' maxnreg {r}' if r else ''}", knobs))
     else:
         runs = [(f"{args.segments} w2", dict(warps=2)), (f"{args.segments} w4", dict(warps=4))]
     print(f"triton {triton.__version__}, sm_90, G={args.group}, D={args.head_dim}")

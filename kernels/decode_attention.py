@@ -50,6 +50,7 @@ from .packing import (
     dequant_int4_pairs,
     int2_code_quads,
     int2_code_quads_subnormal,
+    int2_word_planes_f16,
     int4_code_bytes_i8,
     int4_code_pairs,
     int4_word_codes_f16,
@@ -137,6 +138,7 @@ class DecodeConfig:
     merge_block_s: int = 32
     prefetch: bool = True
     int2_fold: bool = True
+    int2_v_words: bool = False
     max_registers: int | None = None
 
     def warps(self, has_int4: bool) -> int:
@@ -618,6 +620,15 @@ def _int4_split_stacked(
 
 
 @triton.jit
+def _store_planes(ptrs, x0, x1, x2, x3, z0, z1, z2, z3, inv, m, Q: tl.constexpr):
+    """Store accumulators of planes 0..3 (codes came as ``(n << 2k) 2**-24``) at ptrs + kQ."""
+    tl.store(ptrs, (x0 * 16777216.0 + z0) * inv, mask=m)
+    tl.store(ptrs + Q, (x1 * 4194304.0 + z1) * inv, mask=m)
+    tl.store(ptrs + 2 * Q, (x2 * 1048576.0 + z2) * inv, mask=m)
+    tl.store(ptrs + 3 * Q, (x3 * 262144.0 + z3) * inv, mask=m)
+
+
+@triton.jit
 def _int2_split_folded(
     q_ptr,
     stride_qb,
@@ -649,6 +660,7 @@ def _int2_split_folded(
     IEEE_F32: tl.constexpr,
     USE_ASM: tl.constexpr,
     LAZY_RESCALE: tl.constexpr,
+    V_WORDS: tl.constexpr,
 ):
     """One INT2 split with every scale folded out of the codes (``int2_fold``).
 
@@ -658,9 +670,15 @@ def _int2_split_folded(
     sum_t p_t vz_tk`` with each token's group scale / zero (plane k lies in group kQ / 32).
     The codes enter both dots as the fp16 subnormals ``n * 2**-24`` (one ``and`` per code,
     no magic number, no fma, no per-element scale), the 2**24 applied after the key dot and
-    at the store. The GQA group is unpadded (BLOCK_HQ rows) and operands are fp16."""
+    at the store. The GQA group is unpadded (BLOCK_HQ rows) and operands are fp16.
+
+    V_WORDS: the value codes are read as int32 words and each (byte, bit pair) of a word
+    becomes its own dot operand, codes left in place (``(n << 2k) 2**-24``: one byte
+    permute per byte and one ``and`` per code pair, no shift; 16 dots of N = Q / 4, the
+    2**-2k undone at the store), made straight in the MMA operand layout."""
     NG: tl.constexpr = D // 32
     Q: tl.constexpr = D // 4
+    QW: tl.constexpr = Q // 4
     offs_g = tl.arange(0, BLOCK_HQ)
     gmask = offs_g < G
     qrow = q_ptr + b * stride_qb + (h * G + offs_g)[:, None] * stride_qh
@@ -673,12 +691,31 @@ def _int2_split_folded(
     key_one = qk_scale * 16777216.0
     m_i = tl.full([BLOCK_HQ], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_HQ], tl.float32)
-    a0 = tl.zeros([BLOCK_HQ, Q], tl.float32)
-    a1 = tl.zeros([BLOCK_HQ, Q], tl.float32)
-    a2 = tl.zeros([BLOCK_HQ, Q], tl.float32)
-    a3 = tl.zeros([BLOCK_HQ, Q], tl.float32)
+    if V_WORDS:  # accumulator 4 i + k: channel kQ + 4w + i in column w
+        a0 = tl.zeros([BLOCK_HQ, QW], tl.float32)
+        a1 = tl.zeros([BLOCK_HQ, QW], tl.float32)
+        a2 = tl.zeros([BLOCK_HQ, QW], tl.float32)
+        a3 = tl.zeros([BLOCK_HQ, QW], tl.float32)
+        b0 = tl.zeros([BLOCK_HQ, QW], tl.float32)
+        b1 = tl.zeros([BLOCK_HQ, QW], tl.float32)
+        b2 = tl.zeros([BLOCK_HQ, QW], tl.float32)
+        b3 = tl.zeros([BLOCK_HQ, QW], tl.float32)
+        c0 = tl.zeros([BLOCK_HQ, QW], tl.float32)
+        c1 = tl.zeros([BLOCK_HQ, QW], tl.float32)
+        c2 = tl.zeros([BLOCK_HQ, QW], tl.float32)
+        c3 = tl.zeros([BLOCK_HQ, QW], tl.float32)
+        d0 = tl.zeros([BLOCK_HQ, QW], tl.float32)
+        d1 = tl.zeros([BLOCK_HQ, QW], tl.float32)
+        d2 = tl.zeros([BLOCK_HQ, QW], tl.float32)
+        d3 = tl.zeros([BLOCK_HQ, QW], tl.float32)
+    else:
+        a0 = tl.zeros([BLOCK_HQ, Q], tl.float32)
+        a1 = tl.zeros([BLOCK_HQ, Q], tl.float32)
+        a2 = tl.zeros([BLOCK_HQ, Q], tl.float32)
+        a3 = tl.zeros([BLOCK_HQ, Q], tl.float32)
     zb = tl.zeros([BLOCK_HQ, NG], tl.float32)
     ar = tl.arange(0, 32)
+    cw = tl.arange(0, QW)
     cng = tl.arange(0, NG)
     for start_n in range(start, end, 32):
         slot, live = _live_positions(slot_row, hm_row, start_n + ar, end, dead_id, HAS_HEAD_MASK)
@@ -688,7 +725,14 @@ def _int2_split_folded(
         lm = live[:, None]
         co = row[:, None] * Q + cq[None, :]
         kb = tl.load(k_ptr + co, mask=lm, other=0)
-        vb = tl.load(v_ptr + co, mask=lm, other=0)
+        if V_WORDS:
+            vw = tl.load(
+                v_ptr.to(tl.pointer_type(tl.int32)) + row[:, None] * QW + cw[None, :],
+                mask=lm,
+                other=0,
+            )
+        else:
+            vb = tl.load(v_ptr + co, mask=lm, other=0)
         so = row * NG
         vs0 = tl.load(vs_ptr + so + (0 * Q) // 32, mask=live, other=0.0)
         vs1 = tl.load(vs_ptr + so + (1 * Q) // 32, mask=live, other=0.0)
@@ -735,6 +779,10 @@ def _int2_split_folded(
                 l_i = l_i * alpha
                 zb = zb * al
                 a0, a1, a2, a3 = a0 * al, a1 * al, a2 * al, a3 * al
+                if V_WORDS:
+                    b0, b1, b2, b3 = b0 * al, b1 * al, b2 * al, b3 * al
+                    c0, c1, c2, c3 = c0 * al, c1 * al, c2 * al, c3 * al
+                    d0, d1, d2, d3 = d0 * al, d1 * al, d2 * al, d3 * al
                 m_i = m_new
             p = tl.exp2(qk - m_i[:, None])
             l_i = l_i + tl.sum(p, 1)
@@ -743,13 +791,42 @@ def _int2_split_folded(
             al = alpha[:, None]
             zb = zb * al
             a0, a1, a2, a3 = a0 * al, a1 * al, a2 * al, a3 * al
+            if V_WORDS:
+                b0, b1, b2, b3 = b0 * al, b1 * al, b2 * al, b3 * al
+                c0, c1, c2, c3 = c0 * al, c1 * al, c2 * al, c3 * al
+                d0, d1, d2, d3 = d0 * al, d1 * al, d2 * al, d3 * al
         p16 = p.to(tl.float16)
         zb = _mma_acc(p16, vz, zb, IEEE_F32)
-        v0, v1, v2, v3 = int2_code_quads_subnormal(vb, USE_ASM)
-        a0 = _mma_acc(p16 * vs0[None, :], v0, a0, IEEE_F32)
-        a1 = _mma_acc(p16 * vs1[None, :], v1, a1, IEEE_F32)
-        a2 = _mma_acc(p16 * vs2[None, :], v2, a2, IEEE_F32)
-        a3 = _mma_acc(p16 * vs3[None, :], v3, a3, IEEE_F32)
+        if V_WORDS:  # accumulator letter = byte i, digit = plane k
+            pv0 = p16 * vs0[None, :]
+            pv1 = p16 * vs1[None, :]
+            pv2 = p16 * vs2[None, :]
+            pv3 = p16 * vs3[None, :]
+            w00, w01, w02, w03, w10, w11, w12, w13, w20, w21, w22, w23, w30, w31, w32, w33 = (
+                int2_word_planes_f16(vw, USE_ASM)
+            )
+            a0 = _mma_acc(pv0, w00, a0, IEEE_F32)
+            a1 = _mma_acc(pv1, w01, a1, IEEE_F32)
+            a2 = _mma_acc(pv2, w02, a2, IEEE_F32)
+            a3 = _mma_acc(pv3, w03, a3, IEEE_F32)
+            b0 = _mma_acc(pv0, w10, b0, IEEE_F32)
+            b1 = _mma_acc(pv1, w11, b1, IEEE_F32)
+            b2 = _mma_acc(pv2, w12, b2, IEEE_F32)
+            b3 = _mma_acc(pv3, w13, b3, IEEE_F32)
+            c0 = _mma_acc(pv0, w20, c0, IEEE_F32)
+            c1 = _mma_acc(pv1, w21, c1, IEEE_F32)
+            c2 = _mma_acc(pv2, w22, c2, IEEE_F32)
+            c3 = _mma_acc(pv3, w23, c3, IEEE_F32)
+            d0 = _mma_acc(pv0, w30, d0, IEEE_F32)
+            d1 = _mma_acc(pv1, w31, d1, IEEE_F32)
+            d2 = _mma_acc(pv2, w32, d2, IEEE_F32)
+            d3 = _mma_acc(pv3, w33, d3, IEEE_F32)
+        else:
+            v0, v1, v2, v3 = int2_code_quads_subnormal(vb, USE_ASM)
+            a0 = _mma_acc(p16 * vs0[None, :], v0, a0, IEEE_F32)
+            a1 = _mma_acc(p16 * vs1[None, :], v1, a1, IEEE_F32)
+            a2 = _mma_acc(p16 * vs2[None, :], v2, a2, IEEE_F32)
+            a3 = _mma_acc(p16 * vs3[None, :], v3, a3, IEEE_F32)
     inv = 1.0 / tl.where(l_i > 0.0, l_i, 1.0)
     row_o = (b * (Hkv * G) + h * G + offs_g).to(tl.int64) * S_total + s
     prow = po_ptr + row_o[:, None] * D + cq[None, :]
@@ -758,10 +835,18 @@ def _int2_split_folded(
     zg2 = tl.sum(tl.where(cng[None, :] == (2 * Q) // 32, zb, 0.0), 1)[:, None]
     zg3 = tl.sum(tl.where(cng[None, :] == (3 * Q) // 32, zb, 0.0), 1)[:, None]
     one = 16777216.0
-    tl.store(prow, (a0 * one + zg0) * inv[:, None], mask=hq)
-    tl.store(prow + Q, (a1 * one + zg1) * inv[:, None], mask=hq)
-    tl.store(prow + 2 * Q, (a2 * one + zg2) * inv[:, None], mask=hq)
-    tl.store(prow + 3 * Q, (a3 * one + zg3) * inv[:, None], mask=hq)
+    if V_WORDS:  # plane k's codes came as n << 2k
+        iv = inv[:, None]
+        pw = po_ptr + row_o[:, None] * D + 4 * cw[None, :]
+        _store_planes(pw, a0, a1, a2, a3, zg0, zg1, zg2, zg3, iv, hq, Q)
+        _store_planes(pw + 1, b0, b1, b2, b3, zg0, zg1, zg2, zg3, iv, hq, Q)
+        _store_planes(pw + 2, c0, c1, c2, c3, zg0, zg1, zg2, zg3, iv, hq, Q)
+        _store_planes(pw + 3, d0, d1, d2, d3, zg0, zg1, zg2, zg3, iv, hq, Q)
+    else:
+        tl.store(prow, (a0 * one + zg0) * inv[:, None], mask=hq)
+        tl.store(prow + Q, (a1 * one + zg1) * inv[:, None], mask=hq)
+        tl.store(prow + 2 * Q, (a2 * one + zg2) * inv[:, None], mask=hq)
+        tl.store(prow + 3 * Q, (a3 * one + zg3) * inv[:, None], mask=hq)
     _store_lse(plse_ptr, row_o, m_i, l_i, gmask)
 
 
@@ -834,6 +919,7 @@ def _decode_split_kernel(
     V_DOTS8: tl.constexpr = False,
     OFFS32: tl.constexpr = False,
     INT2_FOLD: tl.constexpr = False,
+    INT2_V_WORDS: tl.constexpr = False,
 ):
     NG: tl.constexpr = D // 32
     Q: tl.constexpr = D // 4
@@ -908,6 +994,7 @@ def _decode_split_kernel(
                 IEEE_F32,
                 USE_ASM,
                 LAZY_RESCALE,
+                INT2_V_WORDS,
             )
     if HAS_INT2 and not INT2_FOLD:  # noqa: SIM102
         if is2:
@@ -1787,6 +1874,7 @@ def decode_attention(
         V_DOTS8=cfg.int4_v_dots8,
         OFFS32=cfg.int4_offsets32 and has4 and p4.k.numel() < 2**31,
         INT2_FOLD=cfg.int2_fold,
+        INT2_V_WORDS=cfg.int2_v_words,
         num_warps=cfg.warps(m4 > 0),
         num_stages=cfg.num_stages,
         **({"maxnreg": regs} if regs else {}),

@@ -457,6 +457,68 @@ def int2_code_quads_subnormal(b, USE_ASM: tl.constexpr):
         )
 
 
+def _int2_word_planes_asm() -> str:
+    # $16, $17: two int32 words of INT2 bytes (the same word of two consecutive tokens);
+    # output 4 i + k ($0..$15): f16x2 (token of $16 in the low half) of bit pair k of byte i,
+    # left in place: the fp16 subnormal (n << 2k) * 2**-24, exact (the 2**-2k is undone by
+    # the caller). One byte permute per byte, one and per plane: no shift.
+    lines = ["{", ".reg .b32 t;"]
+    for i in range(4):
+        sel = i | (i << 4) | ((4 + i) << 8) | ((4 + i) << 12)
+        lines.append(f"prmt.b32 t, $16, $17, {sel:#06x};")
+        for k in range(4):
+            mask = (3 << (2 * k)) * 0x00010001
+            lines.append(f"and.b32 ${4 * i + k}, t, {mask:#010x};")
+    lines.append("}")
+    return "\n".join(lines)
+
+
+INT2_WORD_PLANES = tl.constexpr(_int2_word_planes_asm())
+
+
+@triton.jit
+def _int2_plane_in_place(x, i: tl.constexpr, k: tl.constexpr):
+    """Bit pair k of byte i of int32 words x, left in place, as the fp16 ``(n << 2k) 2**-24``."""
+    return (codes_to_f32((x >> (8 * i)) & (3 << (2 * k))) * 5.9604644775390625e-08).to(tl.float16)
+
+
+@triton.jit
+def int2_word_planes_f16(w, USE_ASM: tl.constexpr):
+    """w: [R, W] int32 words of INT2 bytes (planar layout) -> sixteen [R, W] fp16 tensors,
+    index ``4 i + k``: the code of bit pair k (channel block k) of byte i of each word, as the
+    fp16 subnormal ``(n << 2k) * 2**-24`` (exact; scale the dot's result by ``2**(24 - 2k)``).
+    Word w of a row holds bytes 4w .. 4w + 3, so output 4 i + k is channel ``kQ + 4w + i``
+    (Q = D / 4). Paired over two words of consecutive rows (an MMA operand's K pairs)."""
+    if USE_ASM:
+        return tl.inline_asm_elementwise(
+            INT2_WORD_PLANES,
+            "=r," * 16 + "r,r",
+            [w],
+            dtype=(tl.float16,) * 16,
+            is_pure=True,
+            pack=2,
+        )
+    else:
+        return (
+            _int2_plane_in_place(w, 0, 0),
+            _int2_plane_in_place(w, 0, 1),
+            _int2_plane_in_place(w, 0, 2),
+            _int2_plane_in_place(w, 0, 3),
+            _int2_plane_in_place(w, 1, 0),
+            _int2_plane_in_place(w, 1, 1),
+            _int2_plane_in_place(w, 1, 2),
+            _int2_plane_in_place(w, 1, 3),
+            _int2_plane_in_place(w, 2, 0),
+            _int2_plane_in_place(w, 2, 1),
+            _int2_plane_in_place(w, 2, 2),
+            _int2_plane_in_place(w, 2, 3),
+            _int2_plane_in_place(w, 3, 0),
+            _int2_plane_in_place(w, 3, 1),
+            _int2_plane_in_place(w, 3, 2),
+            _int2_plane_in_place(w, 3, 3),
+        )
+
+
 @triton.jit
 def dequant_int2_quads(b, s0, z0, s1, z1, s2, z2, s3, z3, USE_ASM: tl.constexpr):
     """b: [R, C] uint8 INT2 bytes (planar); s_i, z_i: [R, C] bf16 / fp16 scale / zero for

@@ -405,6 +405,11 @@ INT2_CONFIGS = [
     ("fold", DecodeConfig(int2_fold=True)),  # the default
     ("fold_eager", DecodeConfig(int2_fold=True, int4_lazy_rescale=False)),
     ("fold_w1", DecodeConfig(int2_fold=True, num_warps=1)),
+    ("fold_v_words", DecodeConfig(int2_v_words=True)),
+    (
+        "fold_v_words_eager_w1",
+        DecodeConfig(int2_v_words=True, int4_lazy_rescale=False, num_warps=1),
+    ),
     ("dequantizing", DecodeConfig(int2_fold=False)),  # the default before session 11
     ("dequantizing_no_prefetch", DecodeConfig(int2_fold=False, prefetch=False)),
 ]

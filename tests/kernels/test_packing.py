@@ -15,6 +15,8 @@ from agentkv.kernels.packing import (
     dequant_int2_quads,
     dequant_int4_pairs,
     int2_code_quads,
+    int2_code_quads_subnormal,
+    int2_word_planes_f16,
     int4_code_bytes_i8,
     int4_code_pairs,
     int4_word_codes_f16,
@@ -280,3 +282,58 @@ def test_int4_imma_and_subnormal_code_views_match_torch(device: torch.device) ->
     assert torch.equal(hi, c[:, 1::2].to(torch.int8))
     assert torch.equal(wl.float() * 2.0**24, c[:, 0::2].float())
     assert torch.equal(wh.float() * 2.0**24, c[:, 1::2].float())
+
+
+@triton.jit
+def _int2_subnormal_views_kernel(
+    p_ptr, q_ptr, w_ptr, R: tl.constexpr, D: tl.constexpr, ASM: tl.constexpr
+):
+    Q: tl.constexpr = D // 4
+    r = tl.arange(0, R)
+    ob = r[:, None] * Q + tl.arange(0, Q)[None, :]
+    u0, u1, u2, u3 = int2_code_quads_subnormal(tl.load(p_ptr + ob), ASM)
+    oq = r[:, None] * D + tl.arange(0, Q)[None, :]  # channel block k at kQ
+    tl.store(q_ptr + oq, u0)
+    tl.store(q_ptr + oq + Q, u1)
+    tl.store(q_ptr + oq + 2 * Q, u2)
+    tl.store(q_ptr + oq + 3 * Q, u3)
+    w = tl.load(
+        p_ptr.to(tl.pointer_type(tl.int32)) + r[:, None] * (Q // 4) + tl.arange(0, Q // 4)[None, :]
+    )
+    x = int2_word_planes_f16(w, ASM)
+    ow = r[:, None] * D + 4 * tl.arange(0, Q // 4)[None, :]  # output 4i + k: channel kQ + 4w + i
+    tl.store(w_ptr + ow, x[0])
+    tl.store(w_ptr + ow + Q, x[1])
+    tl.store(w_ptr + ow + 2 * Q, x[2])
+    tl.store(w_ptr + ow + 3 * Q, x[3])
+    tl.store(w_ptr + ow + 1, x[4])
+    tl.store(w_ptr + ow + 1 + Q, x[5])
+    tl.store(w_ptr + ow + 1 + 2 * Q, x[6])
+    tl.store(w_ptr + ow + 1 + 3 * Q, x[7])
+    tl.store(w_ptr + ow + 2, x[8])
+    tl.store(w_ptr + ow + 2 + Q, x[9])
+    tl.store(w_ptr + ow + 2 + 2 * Q, x[10])
+    tl.store(w_ptr + ow + 2 + 3 * Q, x[11])
+    tl.store(w_ptr + ow + 3, x[12])
+    tl.store(w_ptr + ow + 3 + Q, x[13])
+    tl.store(w_ptr + ow + 3 + 2 * Q, x[14])
+    tl.store(w_ptr + ow + 3 + 3 * Q, x[15])
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_int2_subnormal_code_views_match_torch(d: int, device: torch.device) -> None:
+    """The folded INT2 path's unpackings against torch's unpack_int2: bytes -> the four
+    channel blocks as fp16 subnormals ``n 2**-24``, and int32 words -> each (byte, bit pair)
+    left in place, ``(n << 2k) 2**-24`` for block k (the inline PTX on a GPU, the fallback in
+    the interpreter)."""
+    g = torch.Generator().manual_seed(6)
+    rows = 4
+    codes = torch.randint(0, 4, (rows, d), generator=g, dtype=torch.uint8)
+    packed = pack_int2(codes).to(device)
+    quads, planes = (torch.empty(rows, d, dtype=torch.float16, device=device) for _ in range(2))
+    asm = not triton_interpreting()
+    _int2_subnormal_views_kernel[(1,)](packed, quads, planes, R=rows, D=d, ASM=asm)
+    c = codes.to(device).float()
+    assert torch.equal(quads.float() * 2.0**24, c)
+    shift = torch.arange(4, device=device).repeat_interleave(d // 4) * 2  # 2k of channel block k
+    assert torch.equal(planes.float() * 2.0**24, c * torch.exp2(shift.float()))
