@@ -620,6 +620,37 @@ def _int4_split_stacked(
 
 
 @triton.jit
+def _int2_fold_scales(
+    slot, live, int2_base, Hkv, h, ks_ptr, kz_ptr, vs_ptr, vz_ptr, D: tl.constexpr
+):
+    """Row ids and scales of one 32-position block (one INT2 page) for the folded INT2
+    split: row [32]; value scales of each channel block's group vs0..vs3 [32] and zeros of
+    every group vz [32, D // 32]; the page's key scales / zeros per channel block
+    ks0..ks3, kz0..kz3 [1, D // 4] (broadcast over the query rows at use). fp16."""
+    NG: tl.constexpr = D // 32
+    Q: tl.constexpr = D // 4
+    j = tl.where(live, slot - int2_base, -1)
+    ph = (tl.maximum(tl.max(j, 0), 0) // 32) * Hkv + h
+    row = ph * 32 + tl.where(live, j % 32, 0)
+    so = row * NG
+    vs0 = tl.load(vs_ptr + so + (0 * Q) // 32, mask=live, other=0.0)
+    vs1 = tl.load(vs_ptr + so + (1 * Q) // 32, mask=live, other=0.0)
+    vs2 = tl.load(vs_ptr + so + (2 * Q) // 32, mask=live, other=0.0)
+    vs3 = tl.load(vs_ptr + so + (3 * Q) // 32, mask=live, other=0.0)
+    vz = tl.load(vz_ptr + so[:, None] + tl.arange(0, NG)[None, :], mask=live[:, None], other=0.0)
+    kc = ph * D + tl.arange(0, Q)[None, :]
+    ks0 = tl.load(ks_ptr + kc)
+    ks1 = tl.load(ks_ptr + kc + Q)
+    ks2 = tl.load(ks_ptr + kc + 2 * Q)
+    ks3 = tl.load(ks_ptr + kc + 3 * Q)
+    kz0 = tl.load(kz_ptr + kc)
+    kz1 = tl.load(kz_ptr + kc + Q)
+    kz2 = tl.load(kz_ptr + kc + 2 * Q)
+    kz3 = tl.load(kz_ptr + kc + 3 * Q)
+    return row, vs0, vs1, vs2, vs3, vz, ks0, ks1, ks2, ks3, kz0, kz1, kz2, kz3
+
+
+@triton.jit
 def _store_planes(ptrs, x0, x1, x2, x3, z0, z1, z2, z3, inv, m, Q: tl.constexpr):
     """Store accumulators of planes 0..3 (codes came as ``(n << 2k) 2**-24``) at ptrs + kQ."""
     tl.store(ptrs, (x0 * 16777216.0 + z0) * inv, mask=m)
@@ -661,6 +692,7 @@ def _int2_split_folded(
     USE_ASM: tl.constexpr,
     LAZY_RESCALE: tl.constexpr,
     V_WORDS: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     """One INT2 split with every scale folded out of the codes (``int2_fold``).
 
@@ -717,11 +749,31 @@ def _int2_split_folded(
     ar = tl.arange(0, 32)
     cw = tl.arange(0, QW)
     cng = tl.arange(0, NG)
+    if PREFETCH:  # the page's scales one block ahead, slots two (hand double-buffering)
+        slot_c, live = _live_positions(slot_row, hm_row, start + ar, end, dead_id, HAS_HEAD_MASK)
+        row, vs0, vs1, vs2, vs3, vz, ks0, ks1, ks2, ks3, kz0, kz1, kz2, kz3 = _int2_fold_scales(
+            slot_c, live, int2_base, Hkv, h, ks_ptr, kz_ptr, vs_ptr, vz_ptr, D
+        )
+        slot_n, live_n = _live_positions(
+            slot_row, hm_row, start + 32 + ar, end, dead_id, HAS_HEAD_MASK
+        )
     for start_n in range(start, end, 32):
-        slot, live = _live_positions(slot_row, hm_row, start_n + ar, end, dead_id, HAS_HEAD_MASK)
-        j = tl.where(live, slot - int2_base, -1)
-        ph = (tl.maximum(tl.max(j, 0), 0) // 32) * Hkv + h
-        row = ph * 32 + tl.where(live, j % 32, 0)
+        if PREFETCH:
+            slot_nn, live_nn = _live_positions(
+                slot_row, hm_row, start_n + 64 + ar, end, dead_id, HAS_HEAD_MASK
+            )
+            (nrow, nvs0, nvs1, nvs2, nvs3, nvz, nks0, nks1, nks2, nks3, nkz0, nkz1, nkz2, nkz3) = (
+                _int2_fold_scales(
+                    slot_n, live_n, int2_base, Hkv, h, ks_ptr, kz_ptr, vs_ptr, vz_ptr, D
+                )
+            )
+        else:
+            slot_c, live = _live_positions(
+                slot_row, hm_row, start_n + ar, end, dead_id, HAS_HEAD_MASK
+            )
+            row, vs0, vs1, vs2, vs3, vz, ks0, ks1, ks2, ks3, kz0, kz1, kz2, kz3 = _int2_fold_scales(
+                slot_c, live, int2_base, Hkv, h, ks_ptr, kz_ptr, vs_ptr, vz_ptr, D
+            )
         lm = live[:, None]
         co = row[:, None] * Q + cq[None, :]
         kb = tl.load(k_ptr + co, mask=lm, other=0)
@@ -733,42 +785,18 @@ def _int2_split_folded(
             )
         else:
             vb = tl.load(v_ptr + co, mask=lm, other=0)
-        so = row * NG
-        vs0 = tl.load(vs_ptr + so + (0 * Q) // 32, mask=live, other=0.0)
-        vs1 = tl.load(vs_ptr + so + (1 * Q) // 32, mask=live, other=0.0)
-        vs2 = tl.load(vs_ptr + so + (2 * Q) // 32, mask=live, other=0.0)
-        vs3 = tl.load(vs_ptr + so + (3 * Q) // 32, mask=live, other=0.0)
-        vz = tl.load(vz_ptr + so[:, None] + cng[None, :], mask=lm, other=0.0)
-        kc = ph * D + cq[None, :]
         qz = tl.sum(
-            qf0 * tl.load(kz_ptr + kc).to(tl.float32)
-            + qf1 * tl.load(kz_ptr + kc + Q).to(tl.float32)
-            + qf2 * tl.load(kz_ptr + kc + 2 * Q).to(tl.float32)
-            + qf3 * tl.load(kz_ptr + kc + 3 * Q).to(tl.float32),
+            qf0 * kz0.to(tl.float32)
+            + qf1 * kz1.to(tl.float32)
+            + qf2 * kz2.to(tl.float32)
+            + qf3 * kz3.to(tl.float32),
             1,
         )
         u0, u1, u2, u3 = int2_code_quads_subnormal(kb, USE_ASM)
-        sc = _mma(
-            (qf0 * tl.load(ks_ptr + kc).to(tl.float32)).to(tl.float16), tl.trans(u0), IEEE_F32
-        )
-        sc = _mma_acc(
-            (qf1 * tl.load(ks_ptr + kc + Q).to(tl.float32)).to(tl.float16),
-            tl.trans(u1),
-            sc,
-            IEEE_F32,
-        )
-        sc = _mma_acc(
-            (qf2 * tl.load(ks_ptr + kc + 2 * Q).to(tl.float32)).to(tl.float16),
-            tl.trans(u2),
-            sc,
-            IEEE_F32,
-        )
-        sc = _mma_acc(
-            (qf3 * tl.load(ks_ptr + kc + 3 * Q).to(tl.float32)).to(tl.float16),
-            tl.trans(u3),
-            sc,
-            IEEE_F32,
-        )
+        sc = _mma((qf0 * ks0.to(tl.float32)).to(tl.float16), tl.trans(u0), IEEE_F32)
+        sc = _mma_acc((qf1 * ks1.to(tl.float32)).to(tl.float16), tl.trans(u1), sc, IEEE_F32)
+        sc = _mma_acc((qf2 * ks2.to(tl.float32)).to(tl.float16), tl.trans(u2), sc, IEEE_F32)
+        sc = _mma_acc((qf3 * ks3.to(tl.float32)).to(tl.float16), tl.trans(u3), sc, IEEE_F32)
         qk = sc * key_one + (qz * qk_scale)[:, None]
         qk = tl.where(live[None, :], qk, float("-inf"))
         if LAZY_RESCALE:  # as the INT4 stacked path: rescale only when the max moves > 2**4
@@ -827,6 +855,12 @@ def _int2_split_folded(
             a1 = _mma_acc(p16 * vs1[None, :], v1, a1, IEEE_F32)
             a2 = _mma_acc(p16 * vs2[None, :], v2, a2, IEEE_F32)
             a3 = _mma_acc(p16 * vs3[None, :], v3, a3, IEEE_F32)
+        if PREFETCH:
+            row, vz, live = nrow, nvz, live_n
+            vs0, vs1, vs2, vs3 = nvs0, nvs1, nvs2, nvs3
+            ks0, ks1, ks2, ks3 = nks0, nks1, nks2, nks3
+            kz0, kz1, kz2, kz3 = nkz0, nkz1, nkz2, nkz3
+            slot_n, live_n = slot_nn, live_nn
     inv = 1.0 / tl.where(l_i > 0.0, l_i, 1.0)
     row_o = (b * (Hkv * G) + h * G + offs_g).to(tl.int64) * S_total + s
     prow = po_ptr + row_o[:, None] * D + cq[None, :]
@@ -995,6 +1029,7 @@ def _decode_split_kernel(
                 USE_ASM,
                 LAZY_RESCALE,
                 INT2_V_WORDS,
+                PREFETCH,
             )
     if HAS_INT2 and not INT2_FOLD:  # noqa: SIM102
         if is2:
