@@ -22,6 +22,7 @@ import argparse
 import datetime as dt
 import json
 import platform
+import time
 from pathlib import Path
 
 import torch
@@ -44,10 +45,14 @@ except ImportError:  # pragma: no cover - checkout without install
 HKV, D = 8, 128
 
 
-def _bench_us(fn) -> float:
+def _bench_us(fn, rep_ms: int = 100) -> float:
     import triton
 
-    return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")) * 1e3
+    if not torch.cuda.is_available():  # CPU smoke test (TRITON_INTERPRET=1): one timed call
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e6
+    return float(triton.testing.do_bench(fn, warmup=25, rep=rep_ms, return_mode="median")) * 1e3
 
 
 def build(n: int, layout: str, dev: torch.device, seed: int = 0):
@@ -102,48 +107,133 @@ def bytes_moved(impl: str, n: int, live: torch.Tensor, n2: int) -> tuple[int, in
     return read, written
 
 
+# Launch / memory variants swept next to the original kernel (``base``): name -> knobs of
+# dequant_gather (see its docstring); each runs at block_t in --variant-block-t, warps 4.
+VARIANTS: dict[str, dict] = {
+    "hf": dict(heads_fastest=True),
+    "hf_skip": dict(heads_fastest=True, skip_absent=True),
+    "hf_skip_tile": dict(heads_fastest=True, skip_absent=True, int2_tile=True),
+    "hf_skip_tile_cs": dict(
+        heads_fastest=True, skip_absent=True, int2_tile=True, store_cache=".cs"
+    ),
+    "hf_skip_tile_cs_ef": dict(
+        heads_fastest=True,
+        skip_absent=True,
+        int2_tile=True,
+        store_cache=".cs",
+        load_evict="evict_first",
+    ),
+    "hf2_skip_tile_cs": dict(
+        heads_fastest=True, heads_per_program=2, skip_absent=True, int2_tile=True, store_cache=".cs"
+    ),
+    "h8_skip_tile_cs": dict(
+        heads_fastest=True, heads_per_program=8, skip_absent=True, int2_tile=True, store_cache=".cs"
+    ),
+    "pers4_skip_tile_cs": dict(persistent=4, skip_absent=True, int2_tile=True, store_cache=".cs"),
+}
+KNOB_DEFAULTS = dict(
+    int4_words=True,
+    heads_per_program=1,
+    heads_fastest=False,
+    persistent=0,
+    skip_absent=False,
+    store_cache="",
+    load_evict="",
+    int2_tile=False,
+)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path("docs/benchmarks/dequant_gather.json"))
     ap.add_argument("--tokens", default="32768,262144")
-    ap.add_argument("--block-t", default="16,32,64")
-    ap.add_argument("--warps", default="4,8")
+    ap.add_argument("--block-t", default="16,32,64", help="block_t of the base kernel's sweep")
+    ap.add_argument("--warps", default="4,8", help="warps of the base kernel's sweep")
+    ap.add_argument(
+        "--base-words",
+        default="1",
+        help="int4_words of the base sweep for INT4 / mixed ('1,0': both, as before)",
+    )
+    ap.add_argument(
+        "--variants",
+        default=",".join(VARIANTS),
+        help="launch / memory variants to sweep next to the base kernel ('' = none); names: "
+        + ", ".join(VARIANTS),
+    )
+    ap.add_argument("--variant-block-t", default="16,32")
+    ap.add_argument("--variant-warps", default="4")
+    ap.add_argument(
+        "--dead-top",
+        type=int,
+        default=2,
+        help="at 50%% DEAD, only the best N base and best N variant configs of 0%% DEAD",
+    )
+    ap.add_argument("--rep-ms", type=int, default=40, help="do_bench rep (ms) per config")
+    ap.add_argument("--device", default="cuda", help="cpu + TRITON_INTERPRET=1: a smoke test")
+    ap.add_argument(
+        "--budget-s", type=float, default=110.0, help="stop sweeping variants after this long"
+    )
     args = ap.parse_args()
-    dev = torch.device("cuda")
-    rows = []
+    dev = torch.device(args.device)
+    t_start = time.perf_counter()
+    names = [x for x in args.variants.split(",") if x]
+    unknown = set(names) - set(VARIANTS)
+    if unknown:
+        raise SystemExit(f"unknown variants {sorted(unknown)}; known: {list(VARIANTS)}")
+    rows, best_rows = [], []
     for n in (int(x) for x in args.tokens.split(",")):
         out = torch.empty(2, n, HKV, D, dtype=torch.bfloat16, device=dev)
         src = torch.randn_like(out)
-        copy_us = _bench_us(lambda out=out, src=src: out.copy_(src))
+        copy_us = _bench_us(lambda out=out, src=src: out.copy_(src), args.rep_ms)
         copy_tbps = 2 * out.numel() * 2 / copy_us / 1e6
+        fill_us = _bench_us(lambda out=out: out.fill_(1.0), args.rep_ms)
+        write_tbps = out.numel() * 2 / fill_us / 1e6  # write-only anchor (the output's bytes)
+        print(f"N={n}: copy {copy_tbps:.2f} TB/s, write-only fill {write_tbps:.2f} TB/s")
         del out, src
         for layout in ("contiguous", "scattered"):
             pools, slots, n2 = build(n, layout, dev)
             g = torch.Generator(device=dev).manual_seed(1)
             dead = torch.rand(n, HKV, device=dev, generator=g) < 0.5
             for impl, s in slots.items():
+                # exact 0% DEAD configs (us, order, name, block_t, warps, knobs), base / variants
+                base_top: list[tuple] = []
+                top: list[tuple] = []
                 for dead_frac in (0.0, 0.5):
                     sm = torch.where(dead, torch.zeros_like(s), s) if dead_frac else s
                     live = sm != 0
                     rd, wr = bytes_moved(impl, n, live, n2)
                     ref_k, ref_v = dequant_gather(pools, sm.long(), per_head=True, backend="torch")
-                    best = None
-                    knobs = [
-                        (bt, w, words)
-                        for bt in (int(x) for x in args.block_t.split(","))
-                        for w in (int(x) for x in args.warps.split(","))
-                        for words in ((True, False) if impl in ("int4", "mixed") else (True,))
-                    ]
-                    for bt, w, words in knobs:
+                    words = [bool(int(x)) for x in args.base_words.split(",")]
+                    if dead_frac == 0.0:
+                        configs = [
+                            ("base", bt, w, dict(int4_words=wd))
+                            for bt in (int(x) for x in args.block_t.split(","))
+                            for w in (int(x) for x in args.warps.split(","))
+                            for wd in (words if impl in ("int4", "mixed") else (True,))
+                        ]
+                        configs += [
+                            (name, bt, w, VARIANTS[name])
+                            for name in names
+                            for bt in (int(x) for x in args.variant_block_t.split(","))
+                            for w in (int(x) for x in args.variant_warps.split(","))
+                        ]
+                    else:  # the best configs of 0% DEAD only
+                        configs = [
+                            (name, bt, w, knobs)
+                            for _, _, name, bt, w, knobs in sorted(base_top)[: args.dead_top]
+                        ]
+                        configs += [
+                            (name, bt, w, knobs)
+                            for _, _, name, bt, w, knobs in sorted(top)[: args.dead_top]
+                        ]
+                    best = base_best = None
+                    for name, bt, w, knobs in configs:
+                        if name != "base" and time.perf_counter() - t_start > args.budget_s:
+                            continue  # over budget: the base sweep only
 
-                        def fn(sm=sm, bt=bt, w=w, pools=pools, words=words):
+                        def fn(sm=sm, bt=bt, w=w, pools=pools, knobs=knobs):
                             return dequant_gather(
-                                pools,
-                                sm,
-                                per_head=True,
-                                block_t=bt,
-                                num_warps=w,
-                                int4_words=words,
+                                pools, sm, per_head=True, block_t=bt, num_warps=w, **knobs
                             )
 
                         k, v = fn()
@@ -151,46 +241,77 @@ def main() -> None:
                             float((k.float() - ref_k).abs().max()),
                             float((v.float() - ref_v).abs().max()),
                         )
-                        us = _bench_us(fn)
+                        us = _bench_us(fn, args.rep_ms)
                         row = dict(
                             tokens=n,
                             layout=layout,
                             impl=impl,
                             dead=dead_frac,
+                            variant=name,
                             block_t=bt,
                             num_warps=w,
-                            int4_words=words,
+                            **{**KNOB_DEFAULTS, **knobs},
                             us=round(us, 2),
                             read_bytes=rd,
                             written_bytes=wr,
                             effective_tbps=round((rd + wr) / us / 1e6, 3),
                             copy_tbps=round(copy_tbps, 3),
+                            write_tbps=round(write_tbps, 3),
                             max_abs_err_vs_torch=err,
                         )
                         rows.append(row)
-                        if best is None or us < best["us"]:
+                        if dead_frac == 0.0 and err == 0.0:
+                            (base_top if name == "base" else top).append(
+                                (us, len(top) + len(base_top), name, bt, w, knobs)
+                            )
+                        if err == 0.0 and (best is None or us < best["us"]):
                             best = row
+                        exact_base = name == "base" and err == 0.0
+                        if exact_base and (base_best is None or us < base_best["us"]):
+                            base_best = row
+                    if best is None:
+                        print(f"N={n} {layout} {impl} dead={dead_frac}: no exact config!")
+                        continue
+                    summary = dict(
+                        tokens=n,
+                        layout=layout,
+                        impl=impl,
+                        dead=dead_frac,
+                        best=best,
+                        base_us=base_best["us"] if base_best else None,
+                        base_tbps=base_best["effective_tbps"] if base_best else None,
+                        speedup_vs_base=round(base_best["us"] / best["us"], 3)
+                        if base_best
+                        else None,
+                    )
+                    best_rows.append(summary)
+                    knob_txt = " ".join(
+                        f"{k}={best[k]}" for k in KNOB_DEFAULTS if best[k] != KNOB_DEFAULTS[k]
+                    )
                     print(
                         f"N={n:>6} {layout:10} {impl:5} dead={dead_frac:.1f} best "
                         f"{best['us']:8.1f} us  {best['effective_tbps']:.2f} TB/s "
-                        f"(copy {copy_tbps:.2f})  block_t={best['block_t']} "
-                        f"warps={best['num_warps']} words={best['int4_words']}  "
-                        f"err={best['max_abs_err_vs_torch']:.2e}",
+                        f"(base {summary['base_tbps']}, copy {copy_tbps:.2f}, "
+                        f"write {write_tbps:.2f})  {best['variant']} block_t={best['block_t']} "
+                        f"warps={best['num_warps']} {knob_txt}  "
+                        f"[{time.perf_counter() - t_start:.0f} s]",
                         flush=True,
                     )
             del pools, slots
             torch.cuda.empty_cache()
     meta = dict(
-        gpu=torch.cuda.get_device_name(dev),
+        gpu=torch.cuda.get_device_name(dev) if dev.type == "cuda" else str(dev),
         date=dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         torch=torch.__version__,
         machine=platform.platform(),
         command="python benchmarks/dequant_gather.py "
         + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()),
+        wall_s=round(time.perf_counter() - t_start, 1),
+        variants={name: VARIANTS[name] for name in names},
     )
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    print(f"wrote {args.out}")
+    args.out.write_text(json.dumps({"meta": meta, "rows": rows, "best": best_rows}, indent=1))
+    print(f"wrote {args.out} ({meta['wall_s']} s)")
 
 
 if __name__ == "__main__":
