@@ -310,11 +310,15 @@ def _gather_tile(
         do_kv = True
     fo = s[:, None] * stride_fs + h * stride_fh + offs_d[None, :]
     if SKIP:
-        k = tl.zeros([BLOCK_T, D], dtype=tl.float32)
-        v = tl.zeros([BLOCK_T, D], dtype=tl.float32)
+        # the tile is held in the output dtype (each value rounded once, as the reference:
+        # the same bits, half the registers of fp32 for a 16-bit output)
+        k = tl.zeros([BLOCK_T, D], dtype=ok_ptr.dtype.element_ty)
+        v = tl.zeros([BLOCK_T, D], dtype=ok_ptr.dtype.element_ty)
         if do_full:
-            k = tl.load(fk_ptr + fo, mask=is_full[:, None], other=0.0).to(tl.float32)
-            v = tl.load(fv_ptr + fo, mask=is_full[:, None], other=0.0).to(tl.float32)
+            k = tl.load(fk_ptr + fo, mask=is_full[:, None], other=0.0)
+            v = tl.load(fv_ptr + fo, mask=is_full[:, None], other=0.0)
+            k = k.to(tl.float32).to(ok_ptr.dtype.element_ty)
+            v = v.to(tl.float32).to(ok_ptr.dtype.element_ty)
     else:
         k = tl.load(fk_ptr + fo, mask=is_full[:, None], other=0.0).to(tl.float32)
         v = tl.load(fv_ptr + fo, mask=is_full[:, None], other=0.0).to(tl.float32)
@@ -343,7 +347,7 @@ def _gather_tile(
             k4 = tl.reshape(ku * ks[:, :, None] + kz[:, :, None], [BLOCK_T, D])
             if HAS_KCS:
                 k4 = k4 * tl.load(q4c_ptr + h * D + offs_d)[None, :]
-            k = tl.where(m4, k4, k)
+            k = tl.where(m4, k4.to(k.dtype), k)
             if WORDS:
                 vw = tl.load(
                     q4v_ptr.to(tl.pointer_type(tl.int32)) + cw,
@@ -360,7 +364,7 @@ def _gather_tile(
             vs = vs.to(tl.float32)
             vz = vz.to(tl.float32)
             v4 = tl.reshape(vu * vs[:, :, None] + vz[:, :, None], [BLOCK_T, D])
-            v = tl.where(m4, v4, v)
+            v = tl.where(m4, v4.to(v.dtype), v)
     if HAS_INT2 and INT2_TILE:  # noqa: SIM102 (constexpr, then a runtime branch)
         if do2:  # whole [BLOCK_T, D] rows in natural channel order, merged before one store
             j = tl.where(is2, s - int2_base, 0)
@@ -374,7 +378,7 @@ def _gather_tile(
             kso = ph[:, None] * D + offs_d[None, :]
             ks = tl.load(q2ks_ptr + kso, mask=m2, other=0.0).to(tl.float32)
             kz = tl.load(q2kz_ptr + kso, mask=m2, other=0.0).to(tl.float32)
-            k = tl.where(m2, kc * ks + kz, k)
+            k = tl.where(m2, (kc * ks + kz).to(k.dtype), k)
             vb = tl.load(q2v_ptr + cb, mask=m2, other=0, eviction_policy=LOAD_EVICT)
             vc = tl.reshape(codes_to_f32((vb.to(tl.int32) >> sh) & 3), [BLOCK_T, NG, 32])
             vso = row[:, None] * NG + offs_g[None, :]
@@ -383,7 +387,7 @@ def _gather_tile(
             vs = vs.to(tl.float32)
             vz = vz.to(tl.float32)
             v2 = tl.reshape(vc * vs[:, :, None] + vz[:, :, None], [BLOCK_T, D])
-            v = tl.where(m2, v2, v)
+            v = tl.where(m2, v2.to(v.dtype), v)
     oo = t[:, None].to(tl.int64) * stride_ot + h * stride_oh
     if do_kv:
         tl.store(
