@@ -22,6 +22,7 @@ import argparse
 import datetime as dt
 import json
 import platform
+import sys
 import time
 from pathlib import Path
 
@@ -111,7 +112,8 @@ def bytes_moved(impl: str, n: int, live: torch.Tensor, n2: int) -> tuple[int, in
 # dequant_gather (see its docstring); each runs at block_t in --variant-block-t, warps 4.
 VARIANTS: dict[str, dict] = {
     "hf": dict(heads_fastest=True),
-    "hf_skip": dict(heads_fastest=True, skip_absent=True),
+    "skip": dict(skip_absent=True),
+    "skip_tile": dict(skip_absent=True, int2_tile=True),
     "hf_skip_tile": dict(heads_fastest=True, skip_absent=True, int2_tile=True),
     "hf_skip_tile_cs": dict(
         heads_fastest=True, skip_absent=True, int2_tile=True, store_cache=".cs"
@@ -129,8 +131,10 @@ VARIANTS: dict[str, dict] = {
     "h8_skip_tile_cs": dict(
         heads_fastest=True, heads_per_program=8, skip_absent=True, int2_tile=True, store_cache=".cs"
     ),
-    "pers4_skip_tile_cs": dict(persistent=4, skip_absent=True, int2_tile=True, store_cache=".cs"),
+    # not swept by default (215 registers on sm_90: 2 programs per SM): --variants ...,pers2
+    "pers2_skip_tile_cs": dict(persistent=2, skip_absent=True, int2_tile=True, store_cache=".cs"),
 }
+DEFAULT_VARIANTS = [name for name in VARIANTS if not name.startswith("pers")]
 KNOB_DEFAULTS = dict(
     int4_words=True,
     heads_per_program=1,
@@ -141,6 +145,112 @@ KNOB_DEFAULTS = dict(
     load_evict="",
     int2_tile=False,
 )
+
+
+_SASS_PTRS = dict(
+    slots_ptr="*i32",
+    fk_ptr="*bf16",
+    fv_ptr="*bf16",
+    q4k_ptr="*u8",
+    q4v_ptr="*u8",
+    q4c_ptr="*fp32",
+    q2k_ptr="*u8",
+    q2v_ptr="*u8",
+    ok_ptr="*bf16",
+    ov_ptr="*bf16",
+)
+_SASS_DIV16 = {"row_stride", "stride_fs", "stride_fh", "stride_ot", "stride_oh", "H"}
+
+
+def sass_table(block_ts: list[int], warps: list[int], names: list[str]) -> list[dict]:
+    """Compile the kernel for sm_90 (``triton.compile``, GPUTarget("cuda", 90, 32); no GPU
+    needed, only Triton's bundled ptxas / cuobjdump) for the base kernel and each variant:
+    registers and SASS instructions per (token, KV head) in warp-instructions (whole kernel
+    / warps / tokens per program). ``all``: every pool present (what runs when the
+    precisions are not skipped); ``int4`` / ``int2``: compiled with only that quantized pool,
+    what a skip_absent block of one precision executes (plus the skipped full load)."""
+    import os
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from agentkv.kernels import dequant_gather as dg_mod
+
+    fn = sys.modules[dg_mod.__module__]._dequant_gather_kernel
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    knob_const = dict(
+        heads_per_program="HEADS",
+        heads_fastest="HEADS_FASTEST",
+        persistent="PERSISTENT",
+        skip_absent="SKIP",
+        store_cache="STORE_CACHE",
+        load_evict="LOAD_EVICT",
+        int2_tile="INT2_TILE",
+        int4_words="WORDS",
+    )
+    out = []
+    for name in ["base", *names]:
+        knobs = {**KNOB_DEFAULTS, **VARIANTS.get(name, {})}
+        for bt in block_ts:
+            for w in warps:
+                row = dict(variant=name, block_t=bt, num_warps=w)
+                for path, (has4, has2) in dict(
+                    all=(True, True), int4=(True, False), int2=(False, True)
+                ).items():
+                    consts = dict(
+                        D=D, BLOCK_T=bt, HAS_INT4=has4, HAS_INT2=has2, PER_HEAD=True, HAS_KCS=False
+                    )
+                    for k, c in knob_const.items():
+                        v = knobs[k]
+                        consts[c] = bool(v) if k == "persistent" else v
+                    sig = {
+                        a: "constexpr"
+                        if a in consts
+                        else _SASS_PTRS.get(a, "*fp16" if a.endswith("_ptr") else "i32")
+                        for a in fn.arg_names
+                    }
+                    attrs = {
+                        (i,): [["tt.divisibility", 16]]
+                        for i, a in enumerate(fn.arg_names)
+                        if sig[a].startswith("*") or a in _SASS_DIV16
+                    }
+                    src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
+                    kern = triton.compile(
+                        src, target=GPUTarget("cuda", 90, 32), options={"num_warps": w}
+                    )
+                    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+                        f.write(kern.asm["cubin"])
+                        f.flush()
+                        sass = subprocess.run(
+                            [tool, "-sass", f.name], capture_output=True, text=True
+                        ).stdout
+                        res = subprocess.run(
+                            [tool, "-res-usage", f.name], capture_output=True, text=True
+                        ).stdout
+                    n_ins = sum(
+                        bool(re.match(r"\s+/\*[0-9a-f]{4,}\*/\s+\S", line))
+                        for line in sass.splitlines()
+                    )
+                    per = n_ins * w / (bt * knobs["heads_per_program"])
+                    regs = int(m.group(1)) if (m := re.search(r"REG:(\d+)", res)) else -1
+                    row[f"{path}_regs"] = regs
+                    row[f"{path}_warp_instr_per_token_head"] = round(per, 1)
+                    row[f"{path}_bar_sync"] = sass.count("BAR.SYNC")
+                out.append(row)
+                print(
+                    f"{name:20} block_t={bt:3} warps={w}  "
+                    + "  ".join(
+                        f"{p}: {row[p + '_regs']} regs {row[p + '_warp_instr_per_token_head']:6.1f}"
+                        f" instr {row[p + '_bar_sync']:2} bar"
+                        for p in ("all", "int4", "int2")
+                    ),
+                    flush=True,
+                )
+    return out
 
 
 def main() -> None:
@@ -156,7 +266,7 @@ def main() -> None:
     )
     ap.add_argument(
         "--variants",
-        default=",".join(VARIANTS),
+        default=",".join(DEFAULT_VARIANTS),
         help="launch / memory variants to sweep next to the base kernel ('' = none); names: "
         + ", ".join(VARIANTS),
     )
@@ -173,7 +283,22 @@ def main() -> None:
     ap.add_argument(
         "--budget-s", type=float, default=110.0, help="stop sweeping variants after this long"
     )
+    ap.add_argument(
+        "--sass",
+        action="store_true",
+        help="no GPU: compile for sm_90 and print registers / instructions per config",
+    )
     args = ap.parse_args()
+    if args.sass:
+        names = [x for x in args.variants.split(",") if x]
+        table = sass_table(
+            [int(x) for x in args.variant_block_t.split(",")],
+            [int(x) for x in args.variant_warps.split(",")],
+            names,
+        )
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"sass_sm90": table}, indent=1))
+        return
     dev = torch.device(args.device)
     t_start = time.perf_counter()
     names = [x for x in args.variants.split(",") if x]
