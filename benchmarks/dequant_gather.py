@@ -11,9 +11,19 @@ precision (bf16 / INT4 / INT2) or mixed (75% INT2 pages, 25% INT4), with cells l
 Effective bandwidth = (bytes read + bytes written) / time, where bytes read are the live
 cells' codes, scales and zeros (useful bytes, not the sectors touched) and the slot map, and bytes written the dense bf16
 K and V (DEAD rows are written as zeros). The anchor is a plain device-to-device copy of the
-output's size (``copy_tbps``), the best this kernel could do. Not a test; never gates CI::
+output's size (``copy_tbps``), the best this kernel could do, and a write-only fill of it
+(``write_tbps``). Not a test; never gates CI::
 
     python benchmarks/dequant_gather.py --out docs/benchmarks/dequant_gather.json
+
+Next to the original kernel (``variant="base"``, swept over ``--block-t`` x ``--warps``)
+it sweeps the launch / memory variants of ``VARIANTS`` (``--variants``, each at
+``--variant-block-t`` x ``--variant-warps``) at 0% DEAD, and at 50% DEAD the best
+``--dead-top`` base and variant configs of 0% DEAD. Every row carries its knobs; ``best``
+holds, per (tokens, layout, impl, dead), the fastest config whose output equals the torch
+reference exactly, with the base kernel's best time beside it. ``--budget-s`` stops the
+variant sweep when the run gets long (~90 s expected on an H100 with the defaults).
+``--sass`` needs no GPU: registers and SASS instructions of each config compiled for sm_90.
 """
 
 from __future__ import annotations
