@@ -121,39 +121,32 @@ def bytes_moved(impl: str, n: int, live: torch.Tensor, n2: int) -> tuple[int, in
 
 # Launch / memory variants swept next to the original kernel (``base``): name -> knobs of
 # dequant_gather (see its docstring); each runs at --variant-block-t x --variant-warps.
+_O32 = dict(skip_absent=True, int2_tile=True, offsets32=True)  # the common core below
 VARIANTS: dict[str, dict] = {
     "hf": dict(heads_fastest=True),
     "skip": dict(skip_absent=True),
     "skip_tile": dict(skip_absent=True, int2_tile=True),
-    "hf_skip_tile": dict(heads_fastest=True, skip_absent=True, int2_tile=True),
-    "hf_skip_tile_cs": dict(
-        heads_fastest=True, skip_absent=True, int2_tile=True, store_cache=".cs"
+    "skip_tile_o32": dict(_O32),
+    "hf_skip_tile_o32": dict(_O32, heads_fastest=True),
+    "hf_skip_tile_o32_cs": dict(_O32, heads_fastest=True, store_cache=".cs"),
+    "hf_skip_tile_o32_cs_ef": dict(
+        _O32, heads_fastest=True, store_cache=".cs", load_evict="evict_first"
     ),
-    "hf_skip_tile_cs_ef": dict(
-        heads_fastest=True,
-        skip_absent=True,
-        int2_tile=True,
-        store_cache=".cs",
-        load_evict="evict_first",
-    ),
-    "hf2_skip_tile_cs": dict(
-        heads_fastest=True, heads_per_program=2, skip_absent=True, int2_tile=True, store_cache=".cs"
-    ),
-    "h8_skip_tile_cs": dict(
-        heads_fastest=True, heads_per_program=8, skip_absent=True, int2_tile=True, store_cache=".cs"
-    ),
+    "hf2_skip_tile_o32_cs": dict(_O32, heads_fastest=True, heads_per_program=2, store_cache=".cs"),
+    "h8_skip_tile_o32_cs": dict(_O32, heads_fastest=True, heads_per_program=8, store_cache=".cs"),
     # persistent: 215 registers on sm_90 (2 programs of 4 warps per SM)
-    "pers2_skip_tile_cs": dict(persistent=2, skip_absent=True, int2_tile=True, store_cache=".cs"),
+    "pers2_skip_tile_o32_cs": dict(_O32, persistent=2, store_cache=".cs"),
 }
 # swept by default (the others on request, --variants NAME,...): skip_absent alone, then
 # one knob added at a time, and whole output rows per program
 DEFAULT_VARIANTS = [
     "skip",
     "skip_tile",
-    "hf_skip_tile",
-    "hf_skip_tile_cs",
-    "hf_skip_tile_cs_ef",
-    "h8_skip_tile_cs",
+    "skip_tile_o32",
+    "hf_skip_tile_o32",
+    "hf_skip_tile_o32_cs",
+    "hf_skip_tile_o32_cs_ef",
+    "h8_skip_tile_o32_cs",
 ]
 KNOB_DEFAULTS = dict(
     int4_words=True,
@@ -164,6 +157,7 @@ KNOB_DEFAULTS = dict(
     store_cache="",
     load_evict="",
     int2_tile=False,
+    offsets32=False,
 )
 
 
@@ -211,6 +205,7 @@ def sass_table(block_ts: list[int], warps: list[int], names: list[str]) -> list[
         load_evict="LOAD_EVICT",
         int2_tile="INT2_TILE",
         int4_words="WORDS",
+        offsets32="OFF32",
     )
     out = []
     for name in ["base", *names]:
@@ -301,7 +296,7 @@ def main() -> None:
     ap.add_argument("--rep-ms", type=int, default=40, help="do_bench rep (ms) per config")
     ap.add_argument("--device", default="cuda", help="cpu + TRITON_INTERPRET=1: a smoke test")
     ap.add_argument(
-        "--budget-s", type=float, default=105.0, help="stop sweeping variants after this long"
+        "--budget-s", type=float, default=100.0, help="stop sweeping variants after this long"
     )
     ap.add_argument(
         "--sass",

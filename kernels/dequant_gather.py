@@ -116,6 +116,7 @@ def _dequant_gather_kernel(
     STORE_CACHE: tl.constexpr = "",
     LOAD_EVICT: tl.constexpr = "",
     INT2_TILE: tl.constexpr = False,
+    OFF32: tl.constexpr = False,
 ):
     """One (token block, group of HEADS heads) tile per program. Default (all knobs off): a
     2-D grid ``(token blocks, Hkv)``, token blocks fastest. HEADS_FASTEST: a 1-D grid whose
@@ -169,6 +170,7 @@ def _dequant_gather_kernel(
                         STORE_CACHE,
                         LOAD_EVICT,
                         INT2_TILE,
+                        OFF32,
                     )
             return
         pid = tl.program_id(0)
@@ -220,6 +222,7 @@ def _dequant_gather_kernel(
             STORE_CACHE,
             LOAD_EVICT,
             INT2_TILE,
+            OFF32,
         )
 
 
@@ -271,6 +274,7 @@ def _gather_tile(
     STORE_CACHE: tl.constexpr,
     LOAD_EVICT: tl.constexpr,
     INT2_TILE: tl.constexpr,
+    OFF32: tl.constexpr,
 ):
     """Rows ``[blk * BLOCK_T, (blk + 1) * BLOCK_T)`` of head ``h``. SKIP: a precision's
     section runs only when a row of the block needs it (one block-wide OR of flags; the
@@ -280,9 +284,11 @@ def _gather_tile(
     tm = t < T
     if PER_HEAD:  # slots [Hkv, row_stride], head-major: head h reads its own row
         row_start = tl.multiple_of(h * row_stride, BLOCK_T)
-        s = tl.load(slots_ptr + row_start + t, mask=tm, other=dead_id).to(tl.int64)
+        s = tl.load(slots_ptr + row_start + t, mask=tm, other=dead_id)
     else:
-        s = tl.load(slots_ptr + t, mask=tm, other=dead_id).to(tl.int64)
+        s = tl.load(slots_ptr + t, mask=tm, other=dead_id)
+    if not OFF32:  # int64 element offsets (OFF32: every tensor has < 2**31 elements)
+        s = s.to(tl.int64)
     offs_d = tl.arange(0, D)
     offs_g = tl.arange(0, NG)
     is_full = tm & (s != dead_id) & (s < int4_base)
@@ -388,7 +394,10 @@ def _gather_tile(
             vz = vz.to(tl.float32)
             v2 = tl.reshape(vc * vs[:, :, None] + vz[:, :, None], [BLOCK_T, D])
             v = tl.where(m2, v2.to(v.dtype), v)
-    oo = t[:, None].to(tl.int64) * stride_ot + h * stride_oh
+    if OFF32:
+        oo = t[:, None] * stride_ot + h * stride_oh
+    else:
+        oo = t[:, None].to(tl.int64) * stride_ot + h * stride_oh
     if do_kv:
         tl.store(
             ok_ptr + oo + offs_d[None, :],
@@ -521,6 +530,11 @@ def _int2_store_block(
     tl.store(ov_ptr + oo + c, v, mask=m2, cache_modifier=STORE_CACHE)
 
 
+def _span(x: torch.Tensor) -> int:
+    """Elements from a tensor's first to one past its last (its largest offset + 1)."""
+    return 1 + sum((n - 1) * st for n, st in zip(x.shape, x.stride(), strict=True) if n > 0)
+
+
 def dequant_gather(
     pools: KVPools,
     slots: torch.Tensor,
@@ -538,6 +552,7 @@ def dequant_gather(
     store_cache: str = "",
     load_evict: str = "",
     int2_tile: bool = False,
+    offsets32: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Gather and dequantize the K and V rows of ``slots``.
 
@@ -564,7 +579,9 @@ def dequant_gather(
     quantized code / scale loads. ``int2_tile`` dequantizes INT2 rows as whole ``[block_t,
     D]`` tiles in channel order (each planar code byte read once per channel block, key
     scales as contiguous rows) merged with the full / INT4 rows before a single store,
-    instead of four channel-block stores with per-element scale loads.
+    instead of four channel-block stores with per-element scale loads. ``offsets32``
+    computes element offsets in int32 where every tensor has fewer than 2**31 elements
+    (int64 otherwise).
     """
     dt = out_dtype or pools.dtype
     if resolve_backend(backend, slots.device) == "torch":
@@ -653,6 +670,7 @@ def dequant_gather(
             STORE_CACHE=store_cache,
             LOAD_EVICT=load_evict,
             INT2_TILE=int2_tile,
+            OFF32=offsets32 and all(_span(x) < 2**31 for x in (f.k, f.v, k, *q4, *q2)),
             num_warps=num_warps,
         )
     shape = (*lead, h, d)

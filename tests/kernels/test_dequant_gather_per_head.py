@@ -121,6 +121,9 @@ VARIANTS = [
     dict(int2_tile=True, int4_words=False),
     dict(int2_tile=True, skip_absent=True, heads_fastest=True, heads_per_program=2),
     dict(int2_tile=True, skip_absent=True, persistent=1, store_cache=".cs"),
+    dict(offsets32=True),
+    dict(offsets32=True, skip_absent=True, int2_tile=True, heads_fastest=True),
+    dict(offsets32=True, skip_absent=True, int2_tile=True, heads_per_program=2, block_t=64),
 ]
 
 
