@@ -18,13 +18,14 @@ output's size (``copy_tbps``), the best this kernel could do, and a write-only f
 
 Next to the original kernel (``variant="base"``, swept over ``--block-t`` x ``--warps``)
 it sweeps the launch / memory variants of ``VARIANTS`` (``--variants``, each at
-``--variant-block-t`` x ``--variant-warps``) at 0% DEAD, and at 50% DEAD the best
+``--variant-configs`` block_t:warps pairs) at 0% DEAD, and at 50% DEAD the best
 ``--dead-top`` base and variant configs of 0% DEAD. Every row carries its knobs; ``best``
 holds, per (tokens, layout, impl, dead), the fastest config whose output equals the torch
 reference exactly, with the base kernel's best time beside it. Past ``--budget-s`` only the
 variant configs that were among the best of an earlier shape still run (~100 s expected on
 an H100 with the defaults).
-``--sass`` needs no GPU: registers and SASS instructions of each config compiled for sm_90.
+``--sass`` needs no GPU: registers and SASS instructions of each config compiled for sm_90
+(written next to ``--out`` as ``*_sass.json``).
 """
 
 from __future__ import annotations
@@ -120,7 +121,7 @@ def bytes_moved(impl: str, n: int, live: torch.Tensor, n2: int) -> tuple[int, in
 
 
 # Launch / memory variants swept next to the original kernel (``base``): name -> knobs of
-# dequant_gather (see its docstring); each runs at --variant-block-t x --variant-warps.
+# dequant_gather (see its docstring); each runs at the --variant-configs (block_t, warps).
 _O32 = dict(skip_absent=True, int2_tile=True, offsets32=True)  # the common core below
 VARIANTS: dict[str, dict] = {
     "hf": dict(heads_fastest=True),
@@ -176,7 +177,9 @@ _SASS_PTRS = dict(
 _SASS_DIV16 = {"row_stride", "stride_fs", "stride_fh", "stride_ot", "stride_oh", "H"}
 
 
-def sass_table(block_ts: list[int], warps: list[int], names: list[str]) -> list[dict]:
+def sass_table(
+    base_pairs: list[tuple[int, int]], variant_pairs: list[tuple[int, int]], names: list[str]
+) -> list[dict]:
     """Compile the kernel for sm_90 (``triton.compile``, GPUTarget("cuda", 90, 32); no GPU
     needed, only Triton's bundled ptxas / cuobjdump) for the base kernel and each variant:
     registers and SASS instructions per (token, KV head) in warp-instructions (whole kernel
@@ -210,61 +213,60 @@ def sass_table(block_ts: list[int], warps: list[int], names: list[str]) -> list[
     out = []
     for name in ["base", *names]:
         knobs = {**KNOB_DEFAULTS, **VARIANTS.get(name, {})}
-        for bt in block_ts:
-            for w in warps:
-                row = dict(variant=name, block_t=bt, num_warps=w)
-                for path, (has4, has2) in dict(
-                    all=(True, True), int4=(True, False), int2=(False, True)
-                ).items():
-                    consts = dict(
-                        D=D, BLOCK_T=bt, HAS_INT4=has4, HAS_INT2=has2, PER_HEAD=True, HAS_KCS=False
-                    )
-                    for k, c in knob_const.items():
-                        v = knobs[k]
-                        consts[c] = bool(v) if k == "persistent" else v
-                    sig = {
-                        a: "constexpr"
-                        if a in consts
-                        else _SASS_PTRS.get(a, "*fp16" if a.endswith("_ptr") else "i32")
-                        for a in fn.arg_names
-                    }
-                    attrs = {
-                        (i,): [["tt.divisibility", 16]]
-                        for i, a in enumerate(fn.arg_names)
-                        if sig[a].startswith("*") or a in _SASS_DIV16
-                    }
-                    src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
-                    kern = triton.compile(
-                        src, target=GPUTarget("cuda", 90, 32), options={"num_warps": w}
-                    )
-                    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-                        f.write(kern.asm["cubin"])
-                        f.flush()
-                        sass = subprocess.run(
-                            [tool, "-sass", f.name], capture_output=True, text=True
-                        ).stdout
-                        res = subprocess.run(
-                            [tool, "-res-usage", f.name], capture_output=True, text=True
-                        ).stdout
-                    n_ins = sum(
-                        bool(re.match(r"\s+/\*[0-9a-f]{4,}\*/\s+\S", line))
-                        for line in sass.splitlines()
-                    )
-                    per = n_ins * w / (bt * knobs["heads_per_program"])
-                    regs = int(m.group(1)) if (m := re.search(r"REG:(\d+)", res)) else -1
-                    row[f"{path}_regs"] = regs
-                    row[f"{path}_warp_instr_per_token_head"] = round(per, 1)
-                    row[f"{path}_bar_sync"] = sass.count("BAR.SYNC")
-                out.append(row)
-                print(
-                    f"{name:20} block_t={bt:3} warps={w}  "
-                    + "  ".join(
-                        f"{p}: {row[p + '_regs']} regs {row[p + '_warp_instr_per_token_head']:6.1f}"
-                        f" instr {row[p + '_bar_sync']:2} bar"
-                        for p in ("all", "int4", "int2")
-                    ),
-                    flush=True,
+        for bt, w in base_pairs if name == "base" else variant_pairs:
+            row = dict(variant=name, block_t=bt, num_warps=w)
+            for path, (has4, has2) in dict(
+                all=(True, True), int4=(True, False), int2=(False, True)
+            ).items():
+                consts = dict(
+                    D=D, BLOCK_T=bt, HAS_INT4=has4, HAS_INT2=has2, PER_HEAD=True, HAS_KCS=False
                 )
+                for k, c in knob_const.items():
+                    v = knobs[k]
+                    consts[c] = bool(v) if k == "persistent" else v
+                sig = {
+                    a: "constexpr"
+                    if a in consts
+                    else _SASS_PTRS.get(a, "*fp16" if a.endswith("_ptr") else "i32")
+                    for a in fn.arg_names
+                }
+                attrs = {
+                    (i,): [["tt.divisibility", 16]]
+                    for i, a in enumerate(fn.arg_names)
+                    if sig[a].startswith("*") or a in _SASS_DIV16
+                }
+                src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
+                kern = triton.compile(
+                    src, target=GPUTarget("cuda", 90, 32), options={"num_warps": w}
+                )
+                with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+                    f.write(kern.asm["cubin"])
+                    f.flush()
+                    sass = subprocess.run(
+                        [tool, "-sass", f.name], capture_output=True, text=True
+                    ).stdout
+                    res = subprocess.run(
+                        [tool, "-res-usage", f.name], capture_output=True, text=True
+                    ).stdout
+                n_ins = sum(
+                    bool(re.match(r"\s+/\*[0-9a-f]{4,}\*/\s+\S", line))
+                    for line in sass.splitlines()
+                )
+                per = n_ins * w / (bt * knobs["heads_per_program"])
+                regs = int(m.group(1)) if (m := re.search(r"REG:(\d+)", res)) else -1
+                row[f"{path}_regs"] = regs
+                row[f"{path}_warp_instr_per_token_head"] = round(per, 1)
+                row[f"{path}_bar_sync"] = sass.count("BAR.SYNC")
+            out.append(row)
+            print(
+                f"{name:20} block_t={bt:3} warps={w}  "
+                + "  ".join(
+                    f"{p}: {row[p + '_regs']} regs {row[p + '_warp_instr_per_token_head']:6.1f}"
+                    f" instr {row[p + '_bar_sync']:2} bar"
+                    for p in ("all", "int4", "int2")
+                ),
+                flush=True,
+            )
     return out
 
 
@@ -285,8 +287,11 @@ def main() -> None:
         help="launch / memory variants to sweep next to the base kernel ('' = none); names: "
         + ", ".join(VARIANTS),
     )
-    ap.add_argument("--variant-block-t", default="16,32")
-    ap.add_argument("--variant-warps", default="4,8")
+    ap.add_argument(
+        "--variant-configs",
+        default="16:4,32:4,32:8",
+        help="block_t:warps pairs each variant runs at",
+    )
     ap.add_argument(
         "--dead-top",
         type=int,
@@ -304,15 +309,17 @@ def main() -> None:
         help="no GPU: compile for sm_90 and print registers / instructions per config",
     )
     args = ap.parse_args()
+    base_pairs = [
+        (int(bt), int(w)) for bt in args.block_t.split(",") for w in args.warps.split(",")
+    ]
+    variant_pairs = [tuple(int(x) for x in c.split(":")) for c in args.variant_configs.split(",")]
     if args.sass:
         names = [x for x in args.variants.split(",") if x]
-        table = sass_table(
-            [int(x) for x in args.variant_block_t.split(",")],
-            [int(x) for x in args.variant_warps.split(",")],
-            names,
-        )
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"sass_sm90": table}, indent=1))
+        table = sass_table(base_pairs, variant_pairs, names)
+        sass_out = args.out.with_name(args.out.stem + "_sass.json")  # never the timings file
+        sass_out.parent.mkdir(parents=True, exist_ok=True)
+        sass_out.write_text(json.dumps({"sass_sm90": table}, indent=1))
+        print(f"wrote {sass_out}")
         return
     dev = torch.device(args.device)
     t_start = time.perf_counter()
@@ -355,8 +362,7 @@ def main() -> None:
                         configs += [
                             (name, bt, w, VARIANTS[name])
                             for name in names
-                            for bt in (int(x) for x in args.variant_block_t.split(","))
-                            for w in (int(x) for x in args.variant_warps.split(","))
+                            for bt, w in variant_pairs
                         ]
                     else:  # the best configs of 0% DEAD only
                         configs = [
