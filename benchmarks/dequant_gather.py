@@ -135,6 +135,10 @@ VARIANTS: dict[str, dict] = {
     ),
     "hf2_skip_tile_o32_cs": dict(_O32, heads_fastest=True, heads_per_program=2, store_cache=".cs"),
     "h8_skip_tile_o32_cs": dict(_O32, heads_fastest=True, heads_per_program=8, store_cache=".cs"),
+    "hf_skip_tile_o32_cs_rows": dict(_O32, heads_fastest=True, store_cache=".cs", slot_rows=True),
+    "h8_skip_tile_o32_cs_rows": dict(
+        _O32, heads_fastest=True, heads_per_program=8, store_cache=".cs", slot_rows=True
+    ),
     # persistent: 215 registers on sm_90 (2 programs of 4 warps per SM)
     "pers2_skip_tile_o32_cs": dict(_O32, persistent=2, store_cache=".cs"),
 }
@@ -142,12 +146,12 @@ VARIANTS: dict[str, dict] = {
 # one knob added at a time, and whole output rows per program
 DEFAULT_VARIANTS = [
     "skip",
-    "skip_tile",
     "skip_tile_o32",
     "hf_skip_tile_o32",
     "hf_skip_tile_o32_cs",
-    "hf_skip_tile_o32_cs_ef",
+    "hf_skip_tile_o32_cs_rows",
     "h8_skip_tile_o32_cs",
+    "h8_skip_tile_o32_cs_rows",
 ]
 KNOB_DEFAULTS = dict(
     int4_words=True,
@@ -159,6 +163,7 @@ KNOB_DEFAULTS = dict(
     load_evict="",
     int2_tile=False,
     offsets32=False,
+    slot_rows=False,
 )
 
 
@@ -209,6 +214,7 @@ def sass_table(
         int2_tile="INT2_TILE",
         int4_words="WORDS",
         offsets32="OFF32",
+        slot_rows="SLOT_ROWS",
     )
     out = []
     for name in ["base", *names]:

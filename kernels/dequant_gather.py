@@ -117,6 +117,7 @@ def _dequant_gather_kernel(
     LOAD_EVICT: tl.constexpr = "",
     INT2_TILE: tl.constexpr = False,
     OFF32: tl.constexpr = False,
+    SLOT_ROWS: tl.constexpr = False,
 ):
     """One (token block, group of HEADS heads) tile per program. Default (all knobs off): a
     2-D grid ``(token blocks, Hkv)``, token blocks fastest. HEADS_FASTEST: a 1-D grid whose
@@ -171,6 +172,7 @@ def _dequant_gather_kernel(
                         LOAD_EVICT,
                         INT2_TILE,
                         OFF32,
+                        SLOT_ROWS,
                     )
             return
         pid = tl.program_id(0)
@@ -223,6 +225,7 @@ def _dequant_gather_kernel(
             LOAD_EVICT,
             INT2_TILE,
             OFF32,
+            SLOT_ROWS,
         )
 
 
@@ -275,6 +278,7 @@ def _gather_tile(
     LOAD_EVICT: tl.constexpr,
     INT2_TILE: tl.constexpr,
     OFF32: tl.constexpr,
+    SLOT_ROWS: tl.constexpr,
 ):
     """Rows ``[blk * BLOCK_T, (blk + 1) * BLOCK_T)`` of head ``h``. SKIP: a precision's
     section runs only when a row of the block needs it (one block-wide OR of flags; the
@@ -282,7 +286,9 @@ def _gather_tile(
     NG: tl.constexpr = D // 32
     t = blk * BLOCK_T + tl.arange(0, BLOCK_T)
     tm = t < T
-    if PER_HEAD:  # slots [Hkv, row_stride], head-major: head h reads its own row
+    if PER_HEAD and SLOT_ROWS:  # slots as given, [T, Hkv] row-major (stride Hkv)
+        s = tl.load(slots_ptr + t * H + h, mask=tm, other=dead_id)
+    elif PER_HEAD:  # slots [Hkv, row_stride], head-major: head h reads its own row
         row_start = tl.multiple_of(h * row_stride, BLOCK_T)
         s = tl.load(slots_ptr + row_start + t, mask=tm, other=dead_id)
     else:
@@ -553,6 +559,7 @@ def dequant_gather(
     load_evict: str = "",
     int2_tile: bool = False,
     offsets32: bool = False,
+    slot_rows: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Gather and dequantize the K and V rows of ``slots``.
 
@@ -581,13 +588,22 @@ def dequant_gather(
     scales as contiguous rows) merged with the full / INT4 rows before a single store,
     instead of four channel-block stores with per-element scale loads. ``offsets32``
     computes element offsets in int32 where every tensor has fewer than 2**31 elements
-    (int64 otherwise).
+    (int64 otherwise). ``slot_rows`` (per_head only) reads the ``[n, Hkv]`` slot map as
+    given (int32 ids: no copy) instead of a head-major padded copy made on the host (two
+    small kernels before the gather; strided 4-byte slot loads instead, contiguous with
+    ``heads_per_program=Hkv``).
     """
     dt = out_dtype or pools.dtype
     if resolve_backend(backend, slots.device) == "torch":
         return dequant_gather_ref(pools, slots, dead_id, dt, per_head)
     h, d = pools.num_kv_heads, pools.head_dim
-    if per_head:
+    if per_head and slot_rows:
+        if slots.shape[-1] != h:
+            raise ValueError(f"per-head slots must be [..., Hkv={h}], got {tuple(slots.shape)}")
+        flat = slots.reshape(-1, h).to(torch.int32).contiguous()  # no copy when int32
+        n = flat.shape[0]
+        lead = slots.shape[:-1]
+    elif per_head:
         if slots.shape[-1] != h:
             raise ValueError(f"per-head slots must be [..., Hkv={h}], got {tuple(slots.shape)}")
         # head-major rows padded to whole blocks: coalesced, aligned slot loads
@@ -670,6 +686,7 @@ def dequant_gather(
             STORE_CACHE=store_cache,
             LOAD_EVICT=load_evict,
             INT2_TILE=int2_tile,
+            SLOT_ROWS=per_head and slot_rows,
             OFF32=offsets32 and all(_span(x) < 2**31 for x in (f.k, f.v, k, *q4, *q2)),
             num_warps=num_warps,
         )

@@ -124,6 +124,9 @@ VARIANTS = [
     dict(offsets32=True),
     dict(offsets32=True, skip_absent=True, int2_tile=True, heads_fastest=True),
     dict(offsets32=True, skip_absent=True, int2_tile=True, heads_per_program=2, block_t=64),
+    dict(slot_rows=True),
+    dict(slot_rows=True, heads_fastest=True, heads_per_program=2, skip_absent=True),
+    dict(slot_rows=True, offsets32=True, skip_absent=True, int2_tile=True, store_cache=".cs"),
 ]
 
 
