@@ -12,7 +12,13 @@ import triton
 import triton.language as tl
 
 from .backend import Backend, resolve_backend
-from .packing import unpack_int2, unpack_int2_f32, unpack_int4_f32, unpack_int4_words_f32
+from .packing import (
+    codes_to_f32,
+    unpack_int2,
+    unpack_int2_f32,
+    unpack_int4_f32,
+    unpack_int4_words_f32,
+)
 from .pools import DEAD, INT2_PAGE, KVPools
 from .quant_int4 import dequantize_int4_ref
 from .quant_token_groups import dequantize_token_groups_ref
@@ -95,6 +101,7 @@ def _dequant_gather_kernel(
     ov_ptr,
     stride_ot,
     stride_oh,
+    n_tiles,
     D: tl.constexpr,
     BLOCK_T: tl.constexpr,
     HAS_INT4: tl.constexpr,
@@ -102,136 +109,398 @@ def _dequant_gather_kernel(
     PER_HEAD: tl.constexpr,
     HAS_KCS: tl.constexpr,
     WORDS: tl.constexpr,
+    HEADS: tl.constexpr = 1,
+    HEADS_FASTEST: tl.constexpr = False,
+    PERSISTENT: tl.constexpr = False,
+    SKIP: tl.constexpr = False,
+    STORE_CACHE: tl.constexpr = "",
+    LOAD_EVICT: tl.constexpr = "",
+    INT2_TILE: tl.constexpr = False,
+    OFF32: tl.constexpr = False,
+    SLOT_ROWS: tl.constexpr = False,
 ):
-    NG: tl.constexpr = D // 32
-    pid = tl.program_id(0)
-    h = tl.program_id(1)
-    t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
-    tm = t < T
-    if PER_HEAD:  # slots [Hkv, row_stride], head-major: head h reads its own row
-        row_start = tl.multiple_of(h * row_stride, BLOCK_T)
-        s = tl.load(slots_ptr + row_start + t, mask=tm, other=dead_id).to(tl.int64)
+    """One (token block, group of HEADS heads) tile per program. Default (all knobs off): a
+    2-D grid ``(token blocks, Hkv)``, token blocks fastest. HEADS_FASTEST: a 1-D grid whose
+    consecutive programs take the head groups of one token block (the programs resident at a
+    time write one contiguous stretch of the output); PERSISTENT: that 1-D index space
+    walked by ``num_programs(0)`` programs (``n_tiles`` tiles in all)."""
+    if HEADS_FASTEST or PERSISTENT:
+        n_hg = H // HEADS
+        if PERSISTENT:
+            for tile in range(tl.program_id(0), n_tiles, tl.num_programs(0)):
+                for i in tl.static_range(HEADS):
+                    _gather_tile(
+                        tile // n_hg,
+                        (tile % n_hg) * HEADS + i,
+                        slots_ptr,
+                        row_stride,
+                        T,
+                        dead_id,
+                        int4_base,
+                        int2_base,
+                        H,
+                        fk_ptr,
+                        fv_ptr,
+                        stride_fs,
+                        stride_fh,
+                        q4k_ptr,
+                        q4v_ptr,
+                        q4ks_ptr,
+                        q4kz_ptr,
+                        q4vs_ptr,
+                        q4vz_ptr,
+                        q4c_ptr,
+                        q2k_ptr,
+                        q2v_ptr,
+                        q2ks_ptr,
+                        q2kz_ptr,
+                        q2vs_ptr,
+                        q2vz_ptr,
+                        ok_ptr,
+                        ov_ptr,
+                        stride_ot,
+                        stride_oh,
+                        D,
+                        BLOCK_T,
+                        HAS_INT4,
+                        HAS_INT2,
+                        PER_HEAD,
+                        HAS_KCS,
+                        WORDS,
+                        SKIP,
+                        STORE_CACHE,
+                        LOAD_EVICT,
+                        INT2_TILE,
+                        OFF32,
+                        SLOT_ROWS,
+                    )
+            return
+        pid = tl.program_id(0)
+        blk = pid // n_hg
+        h0 = (pid % n_hg) * HEADS
     else:
-        s = tl.load(slots_ptr + t, mask=tm, other=dead_id).to(tl.int64)
+        blk = tl.program_id(0)
+        h0 = tl.program_id(1) * HEADS
+    for i in tl.static_range(HEADS):
+        _gather_tile(
+            blk,
+            h0 + i,
+            slots_ptr,
+            row_stride,
+            T,
+            dead_id,
+            int4_base,
+            int2_base,
+            H,
+            fk_ptr,
+            fv_ptr,
+            stride_fs,
+            stride_fh,
+            q4k_ptr,
+            q4v_ptr,
+            q4ks_ptr,
+            q4kz_ptr,
+            q4vs_ptr,
+            q4vz_ptr,
+            q4c_ptr,
+            q2k_ptr,
+            q2v_ptr,
+            q2ks_ptr,
+            q2kz_ptr,
+            q2vs_ptr,
+            q2vz_ptr,
+            ok_ptr,
+            ov_ptr,
+            stride_ot,
+            stride_oh,
+            D,
+            BLOCK_T,
+            HAS_INT4,
+            HAS_INT2,
+            PER_HEAD,
+            HAS_KCS,
+            WORDS,
+            SKIP,
+            STORE_CACHE,
+            LOAD_EVICT,
+            INT2_TILE,
+            OFF32,
+            SLOT_ROWS,
+        )
+
+
+@triton.jit
+def _or(a, b):
+    return a | b
+
+
+@triton.jit
+def _gather_tile(
+    blk,
+    h,
+    slots_ptr,
+    row_stride,
+    T,
+    dead_id,
+    int4_base,
+    int2_base,
+    H,
+    fk_ptr,
+    fv_ptr,
+    stride_fs,
+    stride_fh,
+    q4k_ptr,
+    q4v_ptr,
+    q4ks_ptr,
+    q4kz_ptr,
+    q4vs_ptr,
+    q4vz_ptr,
+    q4c_ptr,
+    q2k_ptr,
+    q2v_ptr,
+    q2ks_ptr,
+    q2kz_ptr,
+    q2vs_ptr,
+    q2vz_ptr,
+    ok_ptr,
+    ov_ptr,
+    stride_ot,
+    stride_oh,
+    D: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    HAS_INT4: tl.constexpr,
+    HAS_INT2: tl.constexpr,
+    PER_HEAD: tl.constexpr,
+    HAS_KCS: tl.constexpr,
+    WORDS: tl.constexpr,
+    SKIP: tl.constexpr,
+    STORE_CACHE: tl.constexpr,
+    LOAD_EVICT: tl.constexpr,
+    INT2_TILE: tl.constexpr,
+    OFF32: tl.constexpr,
+    SLOT_ROWS: tl.constexpr,
+):
+    """Rows ``[blk * BLOCK_T, (blk + 1) * BLOCK_T)`` of head ``h``. SKIP: a precision's
+    section runs only when a row of the block needs it (one block-wide OR of flags; the
+    masked loads and ALU work of absent precisions are branched over)."""
+    NG: tl.constexpr = D // 32
+    t = blk * BLOCK_T + tl.arange(0, BLOCK_T)
+    tm = t < T
+    if PER_HEAD and SLOT_ROWS:  # slots as given, [T, Hkv] row-major (stride Hkv)
+        s = tl.load(slots_ptr + t * H + h, mask=tm, other=dead_id)
+    elif PER_HEAD:  # slots [Hkv, row_stride], head-major: head h reads its own row
+        row_start = tl.multiple_of(h * row_stride, BLOCK_T)
+        s = tl.load(slots_ptr + row_start + t, mask=tm, other=dead_id)
+    else:
+        s = tl.load(slots_ptr + t, mask=tm, other=dead_id)
+    if not OFF32:  # int64 element offsets (OFF32: every tensor has < 2**31 elements)
+        s = s.to(tl.int64)
     offs_d = tl.arange(0, D)
     offs_g = tl.arange(0, NG)
     is_full = tm & (s != dead_id) & (s < int4_base)
-    fo = s[:, None] * stride_fs + h * stride_fh + offs_d[None, :]
-    k = tl.load(fk_ptr + fo, mask=is_full[:, None], other=0.0).to(tl.float32)
-    v = tl.load(fv_ptr + fo, mask=is_full[:, None], other=0.0).to(tl.float32)
-    if HAS_INT4:
-        is4 = tm & (s >= int4_base) & (s < int2_base)
-        row = tl.where(is4, s - int4_base, 0) * H + h
-        m4 = is4[:, None]
-        so = row[:, None] * NG + offs_g[None, :]
-        if WORDS:  # int32 words: nibble i of word w is channel 8w + i (no interleave)
-            cw = row[:, None] * (D // 8) + tl.arange(0, D // 8)[None, :]
-            kw = tl.load(q4k_ptr.to(tl.pointer_type(tl.int32)) + cw, mask=m4, other=0)
-            ku = tl.reshape(unpack_int4_words_f32(kw, BLOCK_T, D // 8), [BLOCK_T, NG, 32])
-        else:
-            co = row[:, None] * (D // 2) + tl.arange(0, D // 2)[None, :]
-            ku = tl.load(q4k_ptr + co, mask=m4, other=0)
-            ku = tl.reshape(unpack_int4_f32(ku), [BLOCK_T, NG, 32])
-        ks = tl.load(q4ks_ptr + so, mask=m4, other=0.0).to(tl.float32)
-        kz = tl.load(q4kz_ptr + so, mask=m4, other=0.0).to(tl.float32)
-        k4 = tl.reshape(ku * ks[:, :, None] + kz[:, :, None], [BLOCK_T, D])
-        if HAS_KCS:
-            k4 = k4 * tl.load(q4c_ptr + h * D + offs_d)[None, :]
-        k = tl.where(m4, k4, k)
-        if WORDS:
-            vw = tl.load(q4v_ptr.to(tl.pointer_type(tl.int32)) + cw, mask=m4, other=0)
-            vu = tl.reshape(unpack_int4_words_f32(vw, BLOCK_T, D // 8), [BLOCK_T, NG, 32])
-        else:
-            vu = tl.load(q4v_ptr + co, mask=m4, other=0)
-            vu = tl.reshape(unpack_int4_f32(vu), [BLOCK_T, NG, 32])
-        vs = tl.load(q4vs_ptr + so, mask=m4, other=0.0).to(tl.float32)
-        vz = tl.load(q4vz_ptr + so, mask=m4, other=0.0).to(tl.float32)
-        v4 = tl.reshape(vu * vs[:, :, None] + vz[:, :, None], [BLOCK_T, D])
-        v = tl.where(m4, v4, v)
-    oo = t[:, None].to(tl.int64) * stride_ot + h * stride_oh
-    keep = tm
-    if HAS_INT2:
+    is4 = tm & (s >= int4_base) & (s < int2_base)
+    is2 = tm & (s >= int2_base)
+    keep = tm  # rows written by the k / v store below (INT2 blocks store their own)
+    if HAS_INT2 and not INT2_TILE:
         keep = tm & (s < int2_base)
-    tl.store(ok_ptr + oo + offs_d[None, :], k.to(ok_ptr.dtype.element_ty), mask=keep[:, None])
-    tl.store(ov_ptr + oo + offs_d[None, :], v.to(ov_ptr.dtype.element_ty), mask=keep[:, None])
-    if HAS_INT2:
-        is2 = tm & (s >= int2_base)
-        j = tl.where(is2, s - int2_base, 0)
-        ph = (j // 32) * H + h
-        row = ph * 32 + j % 32
-        m2 = is2[:, None]
-        cq = tl.arange(0, D // 4)[None, :]
-        co = row[:, None] * (D // 4) + cq
-        k0, k1, k2, k3 = unpack_int2_f32(tl.load(q2k_ptr + co, mask=m2, other=0))
-        v0, v1, v2, v3 = unpack_int2_f32(tl.load(q2v_ptr + co, mask=m2, other=0))
-        _int2_store_block(
-            0,
-            k0,
-            v0,
-            ph,
-            row,
-            m2,
-            cq,
-            oo,
-            q2ks_ptr,
-            q2kz_ptr,
-            q2vs_ptr,
-            q2vz_ptr,
-            ok_ptr,
-            ov_ptr,
-            D,
+    if SKIP:  # bit 0: a full row, 1: an INT4 row, 2: an INT2 row, 3: a row stored as k / v
+        fl = (
+            is_full.to(tl.int32)
+            | (is4.to(tl.int32) << 1)
+            | (is2.to(tl.int32) << 2)
+            | (keep.to(tl.int32) << 3)
         )
-        _int2_store_block(
-            1,
-            k1,
-            v1,
-            ph,
-            row,
-            m2,
-            cq,
-            oo,
-            q2ks_ptr,
-            q2kz_ptr,
-            q2vs_ptr,
-            q2vz_ptr,
-            ok_ptr,
-            ov_ptr,
-            D,
+        flags = tl.reduce(fl, 0, _or)
+        do_full = (flags & 1) != 0
+        do4 = (flags & 2) != 0
+        do2 = (flags & 4) != 0
+        do_kv = (flags & 8) != 0
+    else:
+        do_full = True
+        do4 = True
+        do2 = True
+        do_kv = True
+    fo = s[:, None] * stride_fs + h * stride_fh + offs_d[None, :]
+    if SKIP:
+        # the tile is held in the output dtype (each value rounded once, as the reference:
+        # the same bits, half the registers of fp32 for a 16-bit output)
+        k = tl.zeros([BLOCK_T, D], dtype=ok_ptr.dtype.element_ty)
+        v = tl.zeros([BLOCK_T, D], dtype=ok_ptr.dtype.element_ty)
+        if do_full:
+            k = tl.load(fk_ptr + fo, mask=is_full[:, None], other=0.0)
+            v = tl.load(fv_ptr + fo, mask=is_full[:, None], other=0.0)
+            k = k.to(tl.float32).to(ok_ptr.dtype.element_ty)
+            v = v.to(tl.float32).to(ok_ptr.dtype.element_ty)
+    else:
+        k = tl.load(fk_ptr + fo, mask=is_full[:, None], other=0.0).to(tl.float32)
+        v = tl.load(fv_ptr + fo, mask=is_full[:, None], other=0.0).to(tl.float32)
+    if HAS_INT4:  # noqa: SIM102 (constexpr, then a runtime branch)
+        if do4:
+            row = tl.where(is4, s - int4_base, 0) * H + h
+            m4 = is4[:, None]
+            so = row[:, None] * NG + offs_g[None, :]
+            if WORDS:  # int32 words: nibble i of word w is channel 8w + i (no interleave)
+                cw = row[:, None] * (D // 8) + tl.arange(0, D // 8)[None, :]
+                kw = tl.load(
+                    q4k_ptr.to(tl.pointer_type(tl.int32)) + cw,
+                    mask=m4,
+                    other=0,
+                    eviction_policy=LOAD_EVICT,
+                )
+                ku = tl.reshape(unpack_int4_words_f32(kw, BLOCK_T, D // 8), [BLOCK_T, NG, 32])
+            else:
+                co = row[:, None] * (D // 2) + tl.arange(0, D // 2)[None, :]
+                ku = tl.load(q4k_ptr + co, mask=m4, other=0, eviction_policy=LOAD_EVICT)
+                ku = tl.reshape(unpack_int4_f32(ku), [BLOCK_T, NG, 32])
+            ks = tl.load(q4ks_ptr + so, mask=m4, other=0.0, eviction_policy=LOAD_EVICT)
+            kz = tl.load(q4kz_ptr + so, mask=m4, other=0.0, eviction_policy=LOAD_EVICT)
+            ks = ks.to(tl.float32)
+            kz = kz.to(tl.float32)
+            k4 = tl.reshape(ku * ks[:, :, None] + kz[:, :, None], [BLOCK_T, D])
+            if HAS_KCS:
+                k4 = k4 * tl.load(q4c_ptr + h * D + offs_d)[None, :]
+            k = tl.where(m4, k4.to(k.dtype), k)
+            if WORDS:
+                vw = tl.load(
+                    q4v_ptr.to(tl.pointer_type(tl.int32)) + cw,
+                    mask=m4,
+                    other=0,
+                    eviction_policy=LOAD_EVICT,
+                )
+                vu = tl.reshape(unpack_int4_words_f32(vw, BLOCK_T, D // 8), [BLOCK_T, NG, 32])
+            else:
+                vu = tl.load(q4v_ptr + co, mask=m4, other=0, eviction_policy=LOAD_EVICT)
+                vu = tl.reshape(unpack_int4_f32(vu), [BLOCK_T, NG, 32])
+            vs = tl.load(q4vs_ptr + so, mask=m4, other=0.0, eviction_policy=LOAD_EVICT)
+            vz = tl.load(q4vz_ptr + so, mask=m4, other=0.0, eviction_policy=LOAD_EVICT)
+            vs = vs.to(tl.float32)
+            vz = vz.to(tl.float32)
+            v4 = tl.reshape(vu * vs[:, :, None] + vz[:, :, None], [BLOCK_T, D])
+            v = tl.where(m4, v4.to(v.dtype), v)
+    if HAS_INT2 and INT2_TILE:  # noqa: SIM102 (constexpr, then a runtime branch)
+        if do2:  # whole [BLOCK_T, D] rows in natural channel order, merged before one store
+            j = tl.where(is2, s - int2_base, 0)
+            ph = (j // 32) * H + h
+            row = ph * 32 + j % 32
+            m2 = is2[:, None]
+            cb = row[:, None] * (D // 4) + (offs_d % (D // 4))[None, :]  # planar byte
+            sh = (2 * (offs_d // (D // 4)))[None, :]  # its bit pair
+            kb = tl.load(q2k_ptr + cb, mask=m2, other=0, eviction_policy=LOAD_EVICT)
+            kc = codes_to_f32((kb.to(tl.int32) >> sh) & 3)
+            kso = ph[:, None] * D + offs_d[None, :]
+            ks = tl.load(q2ks_ptr + kso, mask=m2, other=0.0).to(tl.float32)
+            kz = tl.load(q2kz_ptr + kso, mask=m2, other=0.0).to(tl.float32)
+            k = tl.where(m2, (kc * ks + kz).to(k.dtype), k)
+            vb = tl.load(q2v_ptr + cb, mask=m2, other=0, eviction_policy=LOAD_EVICT)
+            vc = tl.reshape(codes_to_f32((vb.to(tl.int32) >> sh) & 3), [BLOCK_T, NG, 32])
+            vso = row[:, None] * NG + offs_g[None, :]
+            vs = tl.load(q2vs_ptr + vso, mask=m2, other=0.0, eviction_policy=LOAD_EVICT)
+            vz = tl.load(q2vz_ptr + vso, mask=m2, other=0.0, eviction_policy=LOAD_EVICT)
+            vs = vs.to(tl.float32)
+            vz = vz.to(tl.float32)
+            v2 = tl.reshape(vc * vs[:, :, None] + vz[:, :, None], [BLOCK_T, D])
+            v = tl.where(m2, v2.to(v.dtype), v)
+    if OFF32:
+        oo = t[:, None] * stride_ot + h * stride_oh
+    else:
+        oo = t[:, None].to(tl.int64) * stride_ot + h * stride_oh
+    if do_kv:
+        tl.store(
+            ok_ptr + oo + offs_d[None, :],
+            k.to(ok_ptr.dtype.element_ty),
+            mask=keep[:, None],
+            cache_modifier=STORE_CACHE,
         )
-        _int2_store_block(
-            2,
-            k2,
-            v2,
-            ph,
-            row,
-            m2,
-            cq,
-            oo,
-            q2ks_ptr,
-            q2kz_ptr,
-            q2vs_ptr,
-            q2vz_ptr,
-            ok_ptr,
-            ov_ptr,
-            D,
+        tl.store(
+            ov_ptr + oo + offs_d[None, :],
+            v.to(ov_ptr.dtype.element_ty),
+            mask=keep[:, None],
+            cache_modifier=STORE_CACHE,
         )
-        _int2_store_block(
-            3,
-            k3,
-            v3,
-            ph,
-            row,
-            m2,
-            cq,
-            oo,
-            q2ks_ptr,
-            q2kz_ptr,
-            q2vs_ptr,
-            q2vz_ptr,
-            ok_ptr,
-            ov_ptr,
-            D,
-        )
+    if HAS_INT2 and not INT2_TILE:  # noqa: SIM102 (constexpr, then a runtime branch)
+        if do2:
+            j = tl.where(is2, s - int2_base, 0)
+            ph = (j // 32) * H + h
+            row = ph * 32 + j % 32
+            m2 = is2[:, None]
+            cq = tl.arange(0, D // 4)[None, :]
+            co = row[:, None] * (D // 4) + cq
+            kb = tl.load(q2k_ptr + co, mask=m2, other=0, eviction_policy=LOAD_EVICT)
+            vb = tl.load(q2v_ptr + co, mask=m2, other=0, eviction_policy=LOAD_EVICT)
+            k0, k1, k2, k3 = unpack_int2_f32(kb)
+            v0, v1, v2, v3 = unpack_int2_f32(vb)
+            _int2_store_block(
+                0,
+                k0,
+                v0,
+                ph,
+                row,
+                m2,
+                cq,
+                oo,
+                q2ks_ptr,
+                q2kz_ptr,
+                q2vs_ptr,
+                q2vz_ptr,
+                ok_ptr,
+                ov_ptr,
+                D,
+                STORE_CACHE,
+            )
+            _int2_store_block(
+                1,
+                k1,
+                v1,
+                ph,
+                row,
+                m2,
+                cq,
+                oo,
+                q2ks_ptr,
+                q2kz_ptr,
+                q2vs_ptr,
+                q2vz_ptr,
+                ok_ptr,
+                ov_ptr,
+                D,
+                STORE_CACHE,
+            )
+            _int2_store_block(
+                2,
+                k2,
+                v2,
+                ph,
+                row,
+                m2,
+                cq,
+                oo,
+                q2ks_ptr,
+                q2kz_ptr,
+                q2vs_ptr,
+                q2vz_ptr,
+                ok_ptr,
+                ov_ptr,
+                D,
+                STORE_CACHE,
+            )
+            _int2_store_block(
+                3,
+                k3,
+                v3,
+                ph,
+                row,
+                m2,
+                cq,
+                oo,
+                q2ks_ptr,
+                q2kz_ptr,
+                q2vs_ptr,
+                q2vz_ptr,
+                ok_ptr,
+                ov_ptr,
+                D,
+                STORE_CACHE,
+            )
 
 
 @triton.jit
@@ -251,6 +520,7 @@ def _int2_store_block(
     ok_ptr,
     ov_ptr,
     D: tl.constexpr,
+    STORE_CACHE: tl.constexpr = "",
 ):
     """Dequantize and store channel block i (``[i * D/4, (i+1) * D/4)``) of INT2 rows."""
     NG: tl.constexpr = D // 32
@@ -260,8 +530,15 @@ def _int2_store_block(
     g = (i * (D // 4)) // 32 + cq // 32  # the group of each channel of the block
     vs = tl.load(vs_ptr + row[:, None] * NG + g, mask=m2, other=0.0).to(tl.float32)
     vz = tl.load(vz_ptr + row[:, None] * NG + g, mask=m2, other=0.0).to(tl.float32)
-    tl.store(ok_ptr + oo + c, (kc * ks + kz).to(ok_ptr.dtype.element_ty), mask=m2)
-    tl.store(ov_ptr + oo + c, (vc * vs + vz).to(ov_ptr.dtype.element_ty), mask=m2)
+    k = (kc * ks + kz).to(ok_ptr.dtype.element_ty)
+    v = (vc * vs + vz).to(ov_ptr.dtype.element_ty)
+    tl.store(ok_ptr + oo + c, k, mask=m2, cache_modifier=STORE_CACHE)
+    tl.store(ov_ptr + oo + c, v, mask=m2, cache_modifier=STORE_CACHE)
+
+
+def _span(x: torch.Tensor) -> int:
+    """Elements from a tensor's first to one past its last (its largest offset + 1)."""
+    return 1 + sum((n - 1) * st for n, st in zip(x.shape, x.stride(), strict=True) if n > 0)
 
 
 def dequant_gather(
@@ -274,6 +551,15 @@ def dequant_gather(
     per_head: bool = False,
     num_warps: int = 4,
     int4_words: bool = True,
+    heads_per_program: int = 1,
+    heads_fastest: bool = False,
+    persistent: int = 0,
+    skip_absent: bool = False,
+    store_cache: str = "",
+    load_evict: str = "",
+    int2_tile: bool = False,
+    offsets32: bool = False,
+    slot_rows: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Gather and dequantize the K and V rows of ``slots``.
 
@@ -285,12 +571,39 @@ def dequant_gather(
     and ``num_warps`` are tuning knobs (``benchmarks/dequant_gather.py``), as is
     ``int4_words`` (INT4 rows read as int32 words whose nibbles are channels in order,
     instead of bytes unpacked and interleaved).
+
+    Launch / memory-access knobs (defaults = the original kernel; the benchmark sweeps them):
+    ``heads_per_program`` (a divisor of Hkv) heads per program, one after the other, so a
+    program writes ``block_t`` whole ``[heads_per_program * D]`` output stretches;
+    ``heads_fastest`` orders the 1-D grid head group fastest, so the programs resident at a
+    time cover consecutive tokens of every head (one contiguous stretch of the output
+    instead of a 1/Hkv slice of a stretch Hkv times longer); ``persistent`` > 0 launches
+    that many programs per SM which walk the (token block, head group) tiles in the same
+    order; ``skip_absent`` branches over the full / INT4 / INT2 sections a block has no
+    row of (one block-wide OR per tile instead of masked work for every precision);
+    ``store_cache`` (``""``, ``".cs"`` streaming, ``".cg"``, ...) and ``load_evict``
+    (``""``, ``"evict_first"``) are the cache hints of the output stores and of the
+    quantized code / scale loads. ``int2_tile`` dequantizes INT2 rows as whole ``[block_t,
+    D]`` tiles in channel order (each planar code byte read once per channel block, key
+    scales as contiguous rows) merged with the full / INT4 rows before a single store,
+    instead of four channel-block stores with per-element scale loads. ``offsets32``
+    computes element offsets in int32 where every tensor has fewer than 2**31 elements
+    (int64 otherwise). ``slot_rows`` (per_head only) reads the ``[n, Hkv]`` slot map as
+    given (int32 ids: no copy) instead of a head-major padded copy made on the host (two
+    small kernels before the gather; strided 4-byte slot loads instead, contiguous with
+    ``heads_per_program=Hkv``).
     """
     dt = out_dtype or pools.dtype
     if resolve_backend(backend, slots.device) == "torch":
         return dequant_gather_ref(pools, slots, dead_id, dt, per_head)
     h, d = pools.num_kv_heads, pools.head_dim
-    if per_head:
+    if per_head and slot_rows:
+        if slots.shape[-1] != h:
+            raise ValueError(f"per-head slots must be [..., Hkv={h}], got {tuple(slots.shape)}")
+        flat = slots.reshape(-1, h).to(torch.int32).contiguous()  # no copy when int32
+        n = flat.shape[0]
+        lead = slots.shape[:-1]
+    elif per_head:
         if slots.shape[-1] != h:
             raise ValueError(f"per-head slots must be [..., Hkv={h}], got {tuple(slots.shape)}")
         # head-major rows padded to whole blocks: coalesced, aligned slot loads
@@ -324,7 +637,21 @@ def dequant_gather(
         for t in q4 + q2:
             if not t.is_contiguous():
                 raise ValueError("quantized pools must be contiguous")
-        grid = (triton.cdiv(n, block_t), h)
+        if h % heads_per_program:
+            raise ValueError(f"heads_per_program={heads_per_program} must divide Hkv={h}")
+        n_blocks = triton.cdiv(n, block_t)
+        n_tiles = n_blocks * (h // heads_per_program)
+        if persistent > 0:
+            sms = (
+                torch.cuda.get_device_properties(slots.device).multi_processor_count
+                if slots.device.type == "cuda"
+                else 2
+            )
+            grid = (min(n_tiles, persistent * sms),)
+        elif heads_fastest:
+            grid = (n_tiles,)
+        else:
+            grid = (n_blocks, h // heads_per_program)
         _dequant_gather_kernel[grid](
             flat,
             flat.shape[-1],
@@ -344,6 +671,7 @@ def dequant_gather(
             v,
             k.stride(0),
             k.stride(1),
+            n_tiles,
             D=d,
             BLOCK_T=block_t,
             HAS_INT4=p4 is not None,
@@ -351,6 +679,15 @@ def dequant_gather(
             PER_HEAD=per_head,
             HAS_KCS=kcs is not None,
             WORDS=int4_words,
+            HEADS=heads_per_program,
+            HEADS_FASTEST=heads_fastest,
+            PERSISTENT=persistent > 0,
+            SKIP=skip_absent,
+            STORE_CACHE=store_cache,
+            LOAD_EVICT=load_evict,
+            INT2_TILE=int2_tile,
+            SLOT_ROWS=per_head and slot_rows,
+            OFF32=offsets32 and all(_span(x) < 2**31 for x in (f.k, f.v, k, *q4, *q2)),
             num_warps=num_warps,
         )
     shape = (*lead, h, d)

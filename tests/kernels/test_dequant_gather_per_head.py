@@ -105,3 +105,77 @@ def test_int4_word_and_byte_unpacking_agree(mixed_batch) -> None:
     r = dequant_gather(mb.pools, slots, per_head=True, backend="torch")
     for x, y, z in zip(a, b, r, strict=True):
         assert torch.equal(x, y) and torch.equal(x, z)
+
+
+# launch / memory knobs of dequant_gather (benchmarks/dequant_gather.py sweeps them on the GPU);
+# each must give the default kernel's output bit for bit
+VARIANTS = [
+    dict(heads_fastest=True),
+    dict(heads_fastest=True, heads_per_program=2),
+    dict(heads_per_program=2),
+    dict(persistent=1),
+    dict(persistent=2, heads_per_program=2, block_t=16),
+    dict(skip_absent=True),
+    dict(store_cache=".cs", load_evict="evict_first"),
+    dict(int2_tile=True),
+    dict(int2_tile=True, int4_words=False),
+    dict(int2_tile=True, skip_absent=True, heads_fastest=True, heads_per_program=2),
+    dict(int2_tile=True, skip_absent=True, persistent=1, store_cache=".cs"),
+    dict(offsets32=True),
+    dict(offsets32=True, skip_absent=True, int2_tile=True, heads_fastest=True),
+    dict(offsets32=True, skip_absent=True, int2_tile=True, heads_per_program=2, block_t=64),
+    dict(slot_rows=True),
+    dict(slot_rows=True, heads_fastest=True, heads_per_program=2, skip_absent=True),
+    dict(slot_rows=True, offsets32=True, skip_absent=True, int2_tile=True, store_cache=".cs"),
+]
+
+
+def _name(cfg: dict) -> str:
+    return ",".join(f"{k}={v}" for k, v in cfg.items())
+
+
+@pytest.mark.parametrize("cfg", VARIANTS, ids=_name)
+@pytest.mark.parametrize("sort", [False, True], ids=["mixed", "runs"])
+@pytest.mark.parametrize(("hkv", "d"), [(2, 64), (4, 32)])
+def test_variants_match_default_and_reference(mixed_batch, cfg, sort, hkv, d) -> None:
+    """Random per-head mixes (every block holds every precision) and sorted columns (runs of
+    DEAD, full, INT4, INT2: blocks with absent precisions, which ``skip_absent`` branches
+    over), in fp32 (equal to the reference) and in the pool dtype (equal to the default)."""
+    mb = mixed_batch([(2, 30, 9), (1, 12, 5)], hq=hkv, hkv=hkv, d=d, dtype=torch.bfloat16)
+    slots = per_head_slots(mb, 77, seed=7 + hkv, dead=0.2)
+    if sort:
+        slots = slots.sort(dim=0).values
+    kr, vr = dequant_gather_ref(mb.pools, slots, out_dtype=torch.float32, per_head=True)
+    k, v = dequant_gather(
+        mb.pools, slots, out_dtype=torch.float32, backend="triton", per_head=True, **cfg
+    )
+    assert torch.equal(k, kr) and torch.equal(v, vr)
+    k0, v0 = dequant_gather(mb.pools, slots, backend="triton", per_head=True)
+    k1, v1 = dequant_gather(mb.pools, slots, backend="triton", per_head=True, **cfg)
+    assert torch.equal(k1, k0) and torch.equal(v1, v0)
+    # the shared map (one id for every head) through the same knobs
+    ks, vs = dequant_gather(mb.pools, slots[:, 0], out_dtype=torch.float32, backend="triton", **cfg)
+    ksr, vsr = dequant_gather_ref(mb.pools, slots[:, 0], out_dtype=torch.float32)
+    assert torch.equal(ks, ksr) and torch.equal(vs, vsr)
+
+
+def test_variants_with_key_channel_scale(mixed_batch) -> None:
+    mb = mixed_batch([(1, 40, 8)], hq=2, hkv=2, d=64, dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(3)
+    mb.pools.int4.k_channel = (2.0 ** torch.randint(-2, 3, (2, 64), generator=g)).to(
+        mb.pools.full.k.device
+    )
+    slots = per_head_slots(mb, 50, seed=9, dead=0.1)
+    kr, vr = dequant_gather_ref(mb.pools, slots, out_dtype=torch.float32, per_head=True)
+    for cfg in VARIANTS:
+        k, v = dequant_gather(
+            mb.pools, slots, out_dtype=torch.float32, backend="triton", per_head=True, **cfg
+        )
+        assert torch.equal(k, kr) and torch.equal(v, vr), cfg
+
+
+def test_heads_per_program_must_divide_hkv(mixed_batch) -> None:
+    mb = mixed_batch([(1, 8, 8)], hq=3, hkv=3, d=32)
+    slots = per_head_slots(mb, 10, seed=1, dead=0.0)
+    with pytest.raises(ValueError, match="heads_per_program"):
+        dequant_gather(mb.pools, slots, backend="triton", per_head=True, heads_per_program=2)
