@@ -512,26 +512,18 @@ def tune_grid(impl: str) -> list[DecodeConfig]:
         ]
         return grid
     if impl == "int2":
-        grid = [DecodeConfig()]
-        grid += [  # value codes as in-place words (int2_v_words), at several occupancies
-            DecodeConfig(int2_v_words=True, num_warps=w, programs_per_sm_int2=pps, max_registers=r)
-            for w, r in ((1, 0), (1, 168), (1, 128), (2, 128), (2, 160))
-            for pps in (16, 32)
+        grid = [DecodeConfig(), DecodeConfig(programs_per_sm_int2=32)]
+        grid += [  # folded splits without the hand double-buffering, and at other occupancies
+            DecodeConfig(prefetch=pf, num_warps=w, max_registers=r)
+            for pf, w, r in ((False, 2, 128), (True, 1, 0), (True, 2, 0))
         ]
-        grid += [
-            DecodeConfig(int2_v_words=True, num_warps=w, max_registers=r, num_stages=3)
-            for w, r in ((1, 0), (1, 168), (2, 128))
-        ]
-        grid += [  # folded, byte codes, at other occupancies / eager rescale
-            DecodeConfig(
-                int4_lazy_rescale=lazy, num_warps=w, programs_per_sm_int2=pps, max_registers=r
-            )
-            for w, r, lazy in ((2, 128, False), (1, 0, True), (2, 0, True))
+        grid += [  # value codes as in-place words (int2_v_words)
+            DecodeConfig(int2_v_words=True, num_warps=w, max_registers=r, programs_per_sm_int2=pps)
+            for w, r in ((1, 0), (1, 168), (2, 0))
             for pps in (16, 32)
         ]
         grid += [  # the dequantizing split (the default before session 11)
-            DecodeConfig(int2_fold=False, num_warps=2, prefetch=True, programs_per_sm_int2=pps)
-            for pps in (16, 32)
+            DecodeConfig(int2_fold=False, num_warps=2, programs_per_sm_int2=pps) for pps in (16, 32)
         ]
         return grid
     return [DecodeConfig()]
@@ -557,7 +549,7 @@ def mixed_grid(best4: DecodeConfig, best2: DecodeConfig) -> list[DecodeConfig]:
     }
     int2_fields = {
         k: getattr(best2, k)
-        for k in ("prefetch", "programs_per_sm_int2", "int2_fold", "int2_v_words")
+        for k in ("prefetch", "programs_per_sm_int2", "int2_fold", "int2_v_words", "num_stages")
     }
     return [
         DecodeConfig(num_warps=w, max_registers=r, **int4_fields, **int2_fields)

@@ -42,8 +42,9 @@ VARIANTS: dict[str, tuple[str, dict]] = {
             int4_offsets32=False,
         ),
     ),
-    "int2 default (folded, w2, 128 regs)": ("int2", {}),
+    "int2 default: folded w2 128 regs": ("int2", {}),
     "int2 folded w1 uncapped": ("int2", dict(num_warps=1, max_registers=0)),
+    "int2 folded w2 128 regs no prefetch": ("int2", dict(prefetch=False)),
     "int2 folded w2 uncapped": ("int2", dict(max_registers=0)),
     "int2 dequantizing": ("int2", dict(int2_fold=False)),
     "int2 v-words w1 uncapped": ("int2", dict(int2_v_words=True, num_warps=1, max_registers=0)),
@@ -158,10 +159,10 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("ncu_out"))
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=32768)
-    ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated names")
+    ap.add_argument("--variants", default=";".join(VARIANTS), help="names, ';'-separated")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    names = [v for v in args.variants.split(",") if v]
+    names = [v for v in args.variants.split(";") if v]
     unknown = [v for v in names if v not in VARIANTS]
     if unknown:
         raise SystemExit(f"unknown variants {unknown}; known: {list(VARIANTS)}")
@@ -194,7 +195,7 @@ def main() -> None:
         "--tokens",
         str(args.tokens),
         "--variants",
-        ",".join(names),
+        ";".join(names),
     ]
     res = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy())
     (args.out / "ncu.log").write_text(res.stderr)
