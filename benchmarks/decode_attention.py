@@ -513,14 +513,12 @@ def tune_grid(impl: str) -> list[DecodeConfig]:
         return grid
     if impl == "int2":
         grid = [DecodeConfig(), DecodeConfig(programs_per_sm_int2=32)]
-        grid += [  # folded splits without the hand double-buffering, and at other occupancies
-            DecodeConfig(prefetch=pf, num_warps=w, max_registers=r)
-            for pf, w, r in ((False, 2, 128), (True, 1, 0), (True, 2, 0))
-        ]
-        grid += [  # value codes as in-place words (int2_v_words)
-            DecodeConfig(int2_v_words=True, num_warps=w, max_registers=r, programs_per_sm_int2=pps)
-            for w, r in ((1, 0), (1, 168), (2, 0))
-            for pps in (16, 32)
+        grid += [  # the folded split without one of its pieces, or at 2 warps
+            DecodeConfig(int2_v_words=False),
+            DecodeConfig(prefetch=False),
+            DecodeConfig(num_warps=2),
+            DecodeConfig(int4_lazy_rescale=False),
+            DecodeConfig(max_registers=168),
         ]
         grid += [  # the dequantizing split (the default before session 11)
             DecodeConfig(int2_fold=False, num_warps=2, programs_per_sm_int2=pps) for pps in (16, 32)
@@ -552,9 +550,8 @@ def mixed_grid(best4: DecodeConfig, best2: DecodeConfig) -> list[DecodeConfig]:
         for k in ("prefetch", "programs_per_sm_int2", "int2_fold", "int2_v_words", "num_stages")
     }
     return [
-        DecodeConfig(num_warps=w, max_registers=r, **int4_fields, **int2_fields)
-        for w in sorted({best4.warps(has_int4=True), best2.warps(has_int4=False)})
-        for r in sorted({best4.max_registers, best2.max_registers}, key=lambda r: r or 0)
+        DecodeConfig(num_warps=w, **int4_fields, **int2_fields)
+        for w in sorted({best4.warps(has_int4=True), best2.warps(has_int4=False, has_int2=True)})
     ]
 
 

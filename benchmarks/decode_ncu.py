@@ -42,13 +42,11 @@ VARIANTS: dict[str, tuple[str, dict]] = {
             int4_offsets32=False,
         ),
     ),
-    "int2 default: folded w2 128 regs": ("int2", {}),
-    "int2 folded w1 uncapped": ("int2", dict(num_warps=1, max_registers=0)),
-    "int2 folded w2 128 regs no prefetch": ("int2", dict(prefetch=False)),
-    "int2 folded w2 uncapped": ("int2", dict(max_registers=0)),
+    "int2 default: folded v-words w1": ("int2", {}),
+    "int2 folded byte codes w1": ("int2", dict(int2_v_words=False)),
+    "int2 folded v-words no prefetch": ("int2", dict(prefetch=False)),
+    "int2 folded v-words w2": ("int2", dict(num_warps=2)),
     "int2 dequantizing": ("int2", dict(int2_fold=False)),
-    "int2 v-words w1 uncapped": ("int2", dict(int2_v_words=True, num_warps=1, max_registers=0)),
-    "int2 v-words w1 168 regs": ("int2", dict(int2_v_words=True, num_warps=1, max_registers=168)),
     "int4 default 3 stages": ("int4", dict(num_stages=3)),
 }
 

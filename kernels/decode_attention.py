@@ -114,9 +114,14 @@ class DecodeConfig:
     (key page scales into the query, value token scales into ``p``, codes as fp16
     subnormals: no per-element dequantization; ``int4_lazy_rescale`` applies to it too).
     max_registers: a cap on registers per thread (ptxas ``.maxnreg``): more programs per SM
-    at the price of spills; 0: no cap; None: 128 for launches with folded INT2 segments and
-    no INT4 ones (the H100 sweep of session 11: 2 warps capped at 128 registers, 227 vs 247
-    µs at B=8 N=32k for 1 warp uncapped), no cap otherwise (INT4 spills badly under a cap)."""
+    at the price of spills; None or 0: the compiler's choice (the H100 sweeps found every
+    cap slower: the spills cost more than the occupancy buys).
+    int2_v_words (folded INT2): value codes read as int32 words, each (byte, bit pair) its
+    own dot operand with the code left in place (``(n << 2k) 2**-24``: a byte permute per
+    byte and an ``and`` per code pair, no shift), made straight in the MMA operand layout.
+    INT2 defaults (the H100 sweep of session 11): folded, value words, the page scales
+    double-buffered by hand (``prefetch``), 1 warp: 154.5 µs at B=8 N=32k against 288.6 µs
+    for the dequantizing split (2.33x vs 1.25x SDPA's kernel time)."""
 
     block_n_full: int = 64
     block_n_int4: int = 32
@@ -138,20 +143,14 @@ class DecodeConfig:
     merge_block_s: int = 32
     prefetch: bool = True
     int2_fold: bool = True
-    int2_v_words: bool = False
+    int2_v_words: bool = True
     max_registers: int | None = None
 
-    def warps(self, has_int4: bool) -> int:
-        """``num_warps`` of a launch (None: 1 with INT4 segments, else 2)."""
+    def warps(self, has_int4: bool, has_int2: bool = False) -> int:
+        """``num_warps`` of a launch (None: 1 with INT4 or folded INT2 segments, else 2)."""
         if self.num_warps is not None:
             return self.num_warps
-        return 1 if has_int4 else 2
-
-    def registers(self, has_int4: bool, has_int2: bool) -> int | None:
-        """The register cap of a launch (None: no cap); see ``max_registers``."""
-        if self.max_registers is not None:
-            return self.max_registers or None
-        return 128 if has_int2 and self.int2_fold and not has_int4 else None
+        return 1 if has_int4 or (has_int2 and self.int2_fold) else 2
 
 
 @triton.jit
@@ -1850,7 +1849,7 @@ def decode_attention(
         stacked = block_hq * (d // 32) <= 16
         v_fold = v_fold and stacked
     imma = stacked if cfg.int4_imma is None else cfg.int4_imma  # int8 key dots where stacked
-    regs = None if interpreting else cfg.registers(m4 > 0, m2 > 0)
+    regs = None if interpreting else cfg.max_registers
     _decode_split_kernel[(s_total, hkv, b)](
         q,
         q.stride(0),
@@ -1910,7 +1909,7 @@ def decode_attention(
         OFFS32=cfg.int4_offsets32 and has4 and p4.k.numel() < 2**31,
         INT2_FOLD=cfg.int2_fold,
         INT2_V_WORDS=cfg.int2_v_words,
-        num_warps=cfg.warps(m4 > 0),
+        num_warps=cfg.warps(m4 > 0, m2 > 0),
         num_stages=cfg.num_stages,
         **({"maxnreg": regs} if regs else {}),
     )

@@ -462,14 +462,12 @@ def test_int2_folded_within_1e3_of_reference(q_scale) -> None:
         assert float((out - old.float()).norm() / old.float().norm()) < 1e-3
 
 
-def test_register_cap_only_where_it_pays() -> None:
-    """The default register cap applies to folded INT2 launches without INT4 segments
-    (where the H100 sweep found it faster); INT4 launches stay uncapped; 0 disables it."""
+def test_launch_warps_follow_the_segments() -> None:
+    """num_warps None: 1 where the launch has INT4 or folded INT2 segments (the H100 sweeps'
+    winners), 2 for full-precision-only or dequantizing-INT2 launches."""
     cfg = DecodeConfig()
-    assert cfg.registers(has_int4=False, has_int2=True) == 128
-    assert cfg.registers(has_int4=True, has_int2=True) is None
-    assert cfg.registers(has_int4=True, has_int2=False) is None
-    assert cfg.registers(has_int4=False, has_int2=False) is None
-    assert DecodeConfig(int2_fold=False).registers(has_int4=False, has_int2=True) is None
-    assert DecodeConfig(max_registers=0).registers(has_int4=False, has_int2=True) is None
-    assert DecodeConfig(max_registers=168).registers(has_int4=True, has_int2=False) == 168
+    assert cfg.warps(has_int4=True) == 1
+    assert cfg.warps(has_int4=False, has_int2=True) == 1
+    assert cfg.warps(has_int4=False, has_int2=False) == 2
+    assert DecodeConfig(int2_fold=False).warps(has_int4=False, has_int2=True) == 2
+    assert DecodeConfig(num_warps=4).warps(has_int4=True, has_int2=True) == 4
