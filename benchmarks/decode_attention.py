@@ -513,6 +513,9 @@ def tune_grid(impl: str) -> list[DecodeConfig]:
         return grid
     if impl == "int2":
         grid = [DecodeConfig(), DecodeConfig(programs_per_sm_int2=32)]
+        grid += [  # the codes double-buffered too
+            DecodeConfig(int2_prefetch_codes=True, programs_per_sm_int2=pps) for pps in (16, 32)
+        ]
         grid += [  # the folded split without one of its pieces, or at 2 warps
             DecodeConfig(int2_v_words=False),
             DecodeConfig(prefetch=False),
@@ -547,7 +550,14 @@ def mixed_grid(best4: DecodeConfig, best2: DecodeConfig) -> list[DecodeConfig]:
     }
     int2_fields = {
         k: getattr(best2, k)
-        for k in ("prefetch", "programs_per_sm_int2", "int2_fold", "int2_v_words", "num_stages")
+        for k in (
+            "prefetch",
+            "programs_per_sm_int2",
+            "int2_fold",
+            "int2_v_words",
+            "int2_prefetch_codes",
+            "num_stages",
+        )
     }
     return [
         DecodeConfig(num_warps=w, **int4_fields, **int2_fields)

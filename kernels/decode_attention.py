@@ -121,7 +121,9 @@ class DecodeConfig:
     byte and an ``and`` per code pair, no shift), made straight in the MMA operand layout.
     INT2 defaults (the H100 sweep of session 11): folded, value words, the page scales
     double-buffered by hand (``prefetch``), 1 warp: 154.5 µs at B=8 N=32k against 288.6 µs
-    for the dequantizing split (2.33x vs 1.25x SDPA's kernel time)."""
+    for the dequantizing split (2.33x vs 1.25x SDPA's kernel time). int2_prefetch_codes
+    (with prefetch): the code bytes / words double-buffered by hand too (else loaded at the
+    top of their iteration)."""
 
     block_n_full: int = 64
     block_n_int4: int = 32
@@ -144,6 +146,7 @@ class DecodeConfig:
     prefetch: bool = True
     int2_fold: bool = True
     int2_v_words: bool = True
+    int2_prefetch_codes: bool = False
     max_registers: int | None = None
 
     def warps(self, has_int4: bool, has_int2: bool = False) -> int:
@@ -650,6 +653,25 @@ def _int2_fold_scales(
 
 
 @triton.jit
+def _int2_fold_codes(row, live, k_ptr, v_ptr, D: tl.constexpr, V_WORDS: tl.constexpr):
+    """Key code bytes [32, D // 4] and value codes (int32 words [32, D // 16] with V_WORDS,
+    else bytes [32, D // 4]) of one block's rows; dead rows are not read."""
+    Q: tl.constexpr = D // 4
+    lm = live[:, None]
+    kb = tl.load(k_ptr + row[:, None] * Q + tl.arange(0, Q)[None, :], mask=lm, other=0)
+    if V_WORDS:
+        cw = tl.arange(0, Q // 4)
+        vv = tl.load(
+            v_ptr.to(tl.pointer_type(tl.int32)) + row[:, None] * (Q // 4) + cw[None, :],
+            mask=lm,
+            other=0,
+        )
+    else:
+        vv = tl.load(v_ptr + row[:, None] * Q + tl.arange(0, Q)[None, :], mask=lm, other=0)
+    return kb, vv
+
+
+@triton.jit
 def _store_planes(ptrs, x0, x1, x2, x3, z0, z1, z2, z3, inv, m, Q: tl.constexpr):
     """Store accumulators of planes 0..3 (codes came as ``(n << 2k) 2**-24``) at ptrs + kQ."""
     tl.store(ptrs, (x0 * 16777216.0 + z0) * inv, mask=m)
@@ -692,6 +714,7 @@ def _int2_split_folded(
     LAZY_RESCALE: tl.constexpr,
     V_WORDS: tl.constexpr,
     PREFETCH: tl.constexpr,
+    PREFETCH_CODES: tl.constexpr = False,
 ):
     """One INT2 split with every scale folded out of the codes (``int2_fold``).
 
@@ -748,11 +771,13 @@ def _int2_split_folded(
     ar = tl.arange(0, 32)
     cw = tl.arange(0, QW)
     cng = tl.arange(0, NG)
-    if PREFETCH:  # the page's scales one block ahead, slots two (hand double-buffering)
+    if PREFETCH:  # the page's codes and scales one block ahead, slots two (by hand)
         slot_c, live = _live_positions(slot_row, hm_row, start + ar, end, dead_id, HAS_HEAD_MASK)
         row, vs0, vs1, vs2, vs3, vz, ks0, ks1, ks2, ks3, kz0, kz1, kz2, kz3 = _int2_fold_scales(
             slot_c, live, int2_base, Hkv, h, ks_ptr, kz_ptr, vs_ptr, vz_ptr, D
         )
+        if PREFETCH_CODES:
+            kb, vv = _int2_fold_codes(row, live, k_ptr, v_ptr, D, V_WORDS)
         slot_n, live_n = _live_positions(
             slot_row, hm_row, start + 32 + ar, end, dead_id, HAS_HEAD_MASK
         )
@@ -766,6 +791,10 @@ def _int2_split_folded(
                     slot_n, live_n, int2_base, Hkv, h, ks_ptr, kz_ptr, vs_ptr, vz_ptr, D
                 )
             )
+            if PREFETCH_CODES:
+                nkb, nvv = _int2_fold_codes(nrow, live_n, k_ptr, v_ptr, D, V_WORDS)
+            else:
+                kb, vv = _int2_fold_codes(row, live, k_ptr, v_ptr, D, V_WORDS)
         else:
             slot_c, live = _live_positions(
                 slot_row, hm_row, start_n + ar, end, dead_id, HAS_HEAD_MASK
@@ -773,17 +802,7 @@ def _int2_split_folded(
             row, vs0, vs1, vs2, vs3, vz, ks0, ks1, ks2, ks3, kz0, kz1, kz2, kz3 = _int2_fold_scales(
                 slot_c, live, int2_base, Hkv, h, ks_ptr, kz_ptr, vs_ptr, vz_ptr, D
             )
-        lm = live[:, None]
-        co = row[:, None] * Q + cq[None, :]
-        kb = tl.load(k_ptr + co, mask=lm, other=0)
-        if V_WORDS:
-            vw = tl.load(
-                v_ptr.to(tl.pointer_type(tl.int32)) + row[:, None] * QW + cw[None, :],
-                mask=lm,
-                other=0,
-            )
-        else:
-            vb = tl.load(v_ptr + co, mask=lm, other=0)
+            kb, vv = _int2_fold_codes(row, live, k_ptr, v_ptr, D, V_WORDS)
         qz = tl.sum(
             qf0 * kz0.to(tl.float32)
             + qf1 * kz1.to(tl.float32)
@@ -830,7 +849,7 @@ def _int2_split_folded(
             pv2 = p16 * vs2[None, :]
             pv3 = p16 * vs3[None, :]
             w00, w01, w02, w03, w10, w11, w12, w13, w20, w21, w22, w23, w30, w31, w32, w33 = (
-                int2_word_planes_f16(vw, USE_ASM)
+                int2_word_planes_f16(vv, USE_ASM)
             )
             a0 = _mma_acc(pv0, w00, a0, IEEE_F32)
             a1 = _mma_acc(pv1, w01, a1, IEEE_F32)
@@ -849,12 +868,14 @@ def _int2_split_folded(
             d2 = _mma_acc(pv2, w32, d2, IEEE_F32)
             d3 = _mma_acc(pv3, w33, d3, IEEE_F32)
         else:
-            v0, v1, v2, v3 = int2_code_quads_subnormal(vb, USE_ASM)
+            v0, v1, v2, v3 = int2_code_quads_subnormal(vv, USE_ASM)
             a0 = _mma_acc(p16 * vs0[None, :], v0, a0, IEEE_F32)
             a1 = _mma_acc(p16 * vs1[None, :], v1, a1, IEEE_F32)
             a2 = _mma_acc(p16 * vs2[None, :], v2, a2, IEEE_F32)
             a3 = _mma_acc(p16 * vs3[None, :], v3, a3, IEEE_F32)
         if PREFETCH:
+            if PREFETCH_CODES:
+                kb, vv = nkb, nvv
             row, vz, live = nrow, nvz, live_n
             vs0, vs1, vs2, vs3 = nvs0, nvs1, nvs2, nvs3
             ks0, ks1, ks2, ks3 = nks0, nks1, nks2, nks3
@@ -953,6 +974,7 @@ def _decode_split_kernel(
     OFFS32: tl.constexpr = False,
     INT2_FOLD: tl.constexpr = False,
     INT2_V_WORDS: tl.constexpr = False,
+    INT2_PREFETCH_CODES: tl.constexpr = False,
 ):
     NG: tl.constexpr = D // 32
     Q: tl.constexpr = D // 4
@@ -1029,6 +1051,7 @@ def _decode_split_kernel(
                 LAZY_RESCALE,
                 INT2_V_WORDS,
                 PREFETCH,
+                INT2_PREFETCH_CODES,
             )
     if HAS_INT2 and not INT2_FOLD:  # noqa: SIM102
         if is2:
@@ -1909,6 +1932,7 @@ def decode_attention(
         OFFS32=cfg.int4_offsets32 and has4 and p4.k.numel() < 2**31,
         INT2_FOLD=cfg.int2_fold,
         INT2_V_WORDS=cfg.int2_v_words,
+        INT2_PREFETCH_CODES=cfg.int2_prefetch_codes,
         num_warps=cfg.warps(m4 > 0, m2 > 0),
         num_stages=cfg.num_stages,
         **({"maxnreg": regs} if regs else {}),

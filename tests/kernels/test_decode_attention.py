@@ -406,6 +406,9 @@ INT2_CONFIGS = [
     ("fold_eager", DecodeConfig(int2_fold=True, int4_lazy_rescale=False)),
     ("fold_w1", DecodeConfig(int2_fold=True, num_warps=1)),
     ("fold_v_words", DecodeConfig(int2_v_words=True)),
+    ("fold_prefetch_codes", DecodeConfig(int2_prefetch_codes=True)),
+    ("fold_bytes_prefetch_codes", DecodeConfig(int2_prefetch_codes=True, int2_v_words=False)),
+    ("fold_no_prefetch", DecodeConfig(prefetch=False)),
     (
         "fold_v_words_eager_w1",
         DecodeConfig(int2_v_words=True, int4_lazy_rescale=False, num_warps=1),
