@@ -16,9 +16,9 @@ output's size (``copy_tbps``), the best this kernel could do, and a write-only f
 
     python benchmarks/dequant_gather.py --out docs/benchmarks/dequant_gather.json
 
-Next to the original kernel (``variant="base"``, swept over ``--block-t`` x ``--warps``)
-it sweeps the launch / memory variants of ``VARIANTS`` (``--variants``, each at
-``--variant-configs`` block_t:warps pairs) at 0% DEAD, and at 50% DEAD the best
+Next to the original kernel (``variant="base"``, ``GATHER_BASE`` swept over ``--block-t`` x
+``--warps``) it sweeps the launch / memory variants of ``VARIANTS`` (``GatherConfig`` objects;
+``--variants``, each at ``--variant-configs`` block_t:warps pairs) at 0% DEAD, and at 50% DEAD the best
 ``--dead-top`` base and variant configs of 0% DEAD. Every row carries its knobs; ``best``
 holds, per (tokens, layout, impl, dead), the fastest config whose output equals the torch
 reference exactly, with the base kernel's best time beside it. Past ``--budget-s`` only the
@@ -31,6 +31,7 @@ an H100 with the defaults).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as dt
 import json
 import platform
@@ -41,7 +42,14 @@ from pathlib import Path
 import torch
 
 try:  # installed package, or a checkout (kernels/ is mapped to agentkv.kernels)
-    from agentkv.kernels import KVPools, dequant_gather, write_int2_pages, write_int4
+    from agentkv.kernels import (
+        GATHER_BASE,
+        GatherConfig,
+        KVPools,
+        dequant_gather,
+        write_int2_pages,
+        write_int4,
+    )
 except ImportError:  # pragma: no cover - checkout without install
     import importlib.util
     import sys
@@ -53,7 +61,14 @@ except ImportError:  # pragma: no cover - checkout without install
     _mod = importlib.util.module_from_spec(_spec)
     sys.modules["agentkv.kernels"] = _mod
     _spec.loader.exec_module(_mod)
-    from agentkv.kernels import KVPools, dequant_gather, write_int2_pages, write_int4
+    from agentkv.kernels import (
+        GATHER_BASE,
+        GatherConfig,
+        KVPools,
+        dequant_gather,
+        write_int2_pages,
+        write_int4,
+    )
 
 HKV, D = 8, 128
 
@@ -120,27 +135,31 @@ def bytes_moved(impl: str, n: int, live: torch.Tensor, n2: int) -> tuple[int, in
     return read, written
 
 
-# Launch / memory variants swept next to the original kernel (``base``): name -> knobs of
-# dequant_gather (see its docstring); each runs at the --variant-configs (block_t, warps).
-_O32 = dict(skip_absent=True, int2_tile=True, offsets32=True)  # the common core below
-VARIANTS: dict[str, dict] = {
-    "hf": dict(heads_fastest=True),
-    "skip": dict(skip_absent=True),
-    "skip_tile": dict(skip_absent=True, int2_tile=True),
-    "skip_tile_o32": dict(_O32),
-    "hf_skip_tile_o32": dict(_O32, heads_fastest=True),
-    "hf_skip_tile_o32_cs": dict(_O32, heads_fastest=True, store_cache=".cs"),
-    "hf_skip_tile_o32_cs_ef": dict(
+# Launch / memory variants swept next to the original kernel (``base`` = GATHER_BASE): name ->
+# GatherConfig (see its docstring); each runs at the --variant-configs (block_t, warps), which
+# replace the config's own. The default GatherConfig() is h8_skip_tile_o32_cs_rows at 32:8
+# (heads_per_program None = Hkv = 8), also sweepable as "default".
+_O32 = dataclasses.replace(GATHER_BASE, skip_absent=True, int2_tile=True, offsets32=True)
+_V = dataclasses.replace
+VARIANTS: dict[str, GatherConfig] = {
+    "hf": _V(GATHER_BASE, heads_fastest=True),
+    "skip": _V(GATHER_BASE, skip_absent=True),
+    "skip_tile": _V(GATHER_BASE, skip_absent=True, int2_tile=True),
+    "skip_tile_o32": _O32,
+    "hf_skip_tile_o32": _V(_O32, heads_fastest=True),
+    "hf_skip_tile_o32_cs": _V(_O32, heads_fastest=True, store_cache=".cs"),
+    "hf_skip_tile_o32_cs_ef": _V(
         _O32, heads_fastest=True, store_cache=".cs", load_evict="evict_first"
     ),
-    "hf2_skip_tile_o32_cs": dict(_O32, heads_fastest=True, heads_per_program=2, store_cache=".cs"),
-    "h8_skip_tile_o32_cs": dict(_O32, heads_fastest=True, heads_per_program=8, store_cache=".cs"),
-    "hf_skip_tile_o32_cs_rows": dict(_O32, heads_fastest=True, store_cache=".cs", slot_rows=True),
-    "h8_skip_tile_o32_cs_rows": dict(
+    "hf2_skip_tile_o32_cs": _V(_O32, heads_fastest=True, heads_per_program=2, store_cache=".cs"),
+    "h8_skip_tile_o32_cs": _V(_O32, heads_fastest=True, heads_per_program=8, store_cache=".cs"),
+    "hf_skip_tile_o32_cs_rows": _V(_O32, heads_fastest=True, store_cache=".cs", slot_rows=True),
+    "h8_skip_tile_o32_cs_rows": _V(
         _O32, heads_fastest=True, heads_per_program=8, store_cache=".cs", slot_rows=True
     ),
     # persistent: 215 registers on sm_90 (2 programs of 4 warps per SM)
-    "pers2_skip_tile_o32_cs": dict(_O32, persistent=2, store_cache=".cs"),
+    "pers2_skip_tile_o32_cs": _V(_O32, persistent=2, store_cache=".cs"),
+    "default": GatherConfig(),
 }
 # swept by default (the others on request, --variants NAME,...): skip_absent alone, then
 # one knob added at a time, and whole output rows per program
@@ -153,18 +172,18 @@ DEFAULT_VARIANTS = [
     "h8_skip_tile_o32_cs",
     "h8_skip_tile_o32_cs_rows",
 ]
-KNOB_DEFAULTS = dict(
-    int4_words=True,
-    heads_per_program=1,
-    heads_fastest=False,
-    persistent=0,
-    skip_absent=False,
-    store_cache="",
-    load_evict="",
-    int2_tile=False,
-    offsets32=False,
-    slot_rows=False,
-)
+
+
+def knobs(cfg: GatherConfig) -> dict:
+    """The launch / memory knobs of ``cfg`` as a JSON row's fields (all but block_t and
+    num_warps, in GatherConfig's order; heads_per_program resolved for Hkv=8)."""
+    d = dataclasses.asdict(cfg)
+    del d["block_t"], d["num_warps"]
+    d["heads_per_program"] = cfg.heads(HKV)
+    return d
+
+
+KNOB_DEFAULTS = knobs(GATHER_BASE)  # the original kernel's knobs
 
 
 _SASS_PTRS = dict(
@@ -218,7 +237,7 @@ def sass_table(
     )
     out = []
     for name in ["base", *names]:
-        knobs = {**KNOB_DEFAULTS, **VARIANTS.get(name, {})}
+        kn = knobs(VARIANTS.get(name, GATHER_BASE))
         for bt, w in base_pairs if name == "base" else variant_pairs:
             row = dict(variant=name, block_t=bt, num_warps=w)
             for path, (has4, has2) in dict(
@@ -228,7 +247,7 @@ def sass_table(
                     D=D, BLOCK_T=bt, HAS_INT4=has4, HAS_INT2=has2, PER_HEAD=True, HAS_KCS=False
                 )
                 for k, c in knob_const.items():
-                    v = knobs[k]
+                    v = kn[k]
                     consts[c] = bool(v) if k == "persistent" else v
                 sig = {
                     a: "constexpr"
@@ -258,7 +277,7 @@ def sass_table(
                     bool(re.match(r"\s+/\*[0-9a-f]{4,}\*/\s+\S", line))
                     for line in sass.splitlines()
                 )
-                per = n_ins * w / (bt * knobs["heads_per_program"])
+                per = n_ins * w / (bt * kn["heads_per_program"])
                 regs = int(m.group(1)) if (m := re.search(r"REG:(\d+)", res)) else -1
                 row[f"{path}_regs"] = regs
                 row[f"{path}_warp_instr_per_token_head"] = round(per, 1)
@@ -349,7 +368,7 @@ def main() -> None:
             g = torch.Generator(device=dev).manual_seed(1)
             dead = torch.rand(n, HKV, device=dev, generator=g) < 0.5
             for impl, s in slots.items():
-                # 0% DEAD configs (inexact, us, order, name, block_t, warps, knobs): base / variants
+                # 0% DEAD configs (inexact, us, order, name, block_t, warps, config): base / variants
                 base_top: list[tuple] = []
                 top: list[tuple] = []
                 for dead_frac in (0.0, 0.5):
@@ -360,7 +379,7 @@ def main() -> None:
                     words = [bool(int(x)) for x in args.base_words.split(",")]
                     if dead_frac == 0.0:
                         configs = [
-                            ("base", bt, w, dict(int4_words=wd))
+                            ("base", bt, w, dataclasses.replace(GATHER_BASE, int4_words=wd))
                             for bt in (int(x) for x in args.block_t.split(","))
                             for w in (int(x) for x in args.warps.split(","))
                             for wd in (words if impl in ("int4", "mixed") else (True,))
@@ -372,23 +391,22 @@ def main() -> None:
                         ]
                     else:  # the best configs of 0% DEAD only
                         configs = [
-                            (name, bt, w, knobs)
-                            for *_, name, bt, w, knobs in sorted(base_top)[: args.dead_top]
+                            (name, bt, w, cfg)
+                            for *_, name, bt, w, cfg in sorted(base_top)[: args.dead_top]
                         ]
                         configs += [
-                            (name, bt, w, knobs)
-                            for *_, name, bt, w, knobs in sorted(top)[: args.dead_top]
+                            (name, bt, w, cfg)
+                            for *_, name, bt, w, cfg in sorted(top)[: args.dead_top]
                         ]
                     best = base_best = best_any = None
-                    for name, bt, w, knobs in configs:
+                    for name, bt, w, cfg in configs:
+                        cfg = dataclasses.replace(cfg, block_t=bt, num_warps=w)
                         over = time.perf_counter() - t_start > args.budget_s
                         if name != "base" and over and winners and (name, bt, w) not in winners:
                             continue  # over budget: the variant configs that won so far only
 
-                        def fn(sm=sm, bt=bt, w=w, pools=pools, knobs=knobs):
-                            return dequant_gather(
-                                pools, sm, per_head=True, block_t=bt, num_warps=w, **knobs
-                            )
+                        def fn(sm=sm, pools=pools, cfg=cfg):
+                            return dequant_gather(pools, sm, per_head=True, config=cfg)
 
                         k, v = fn()
                         err = max(
@@ -404,7 +422,7 @@ def main() -> None:
                             variant=name,
                             block_t=bt,
                             num_warps=w,
-                            **{**KNOB_DEFAULTS, **knobs},
+                            **knobs(cfg),
                             us=round(us, 2),
                             read_bytes=rd,
                             written_bytes=wr,
@@ -416,7 +434,7 @@ def main() -> None:
                         rows.append(row)
                         if dead_frac == 0.0:  # exact ones first
                             (base_top if name == "base" else top).append(
-                                (err != 0.0, us, len(top) + len(base_top), name, bt, w, knobs)
+                                (err != 0.0, us, len(top) + len(base_top), name, bt, w, cfg)
                             )
                         if err == 0.0 and (best is None or us < best["us"]):
                             best = row
@@ -468,7 +486,10 @@ def main() -> None:
         command="python benchmarks/dequant_gather.py "
         + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()),
         wall_s=round(time.perf_counter() - t_start, 1),
-        variants={name: VARIANTS[name] for name in names},
+        variants={  # each variant's knobs that differ from the base kernel's
+            name: {k: v for k, v in knobs(VARIANTS[name]).items() if v != KNOB_DEFAULTS[k]}
+            for name in names
+        },
     )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"meta": meta, "rows": rows, "best": best_rows}, indent=1))

@@ -9,7 +9,8 @@ Engine-facing API (one layer at a time):
   INT4 slots.
 * :func:`write_int2_pages` - quantize whole 32-token pages (K per channel over the page,
   V per token) into INT2 pages.
-* :func:`dequant_gather` - gather + dequantize any mix of slots into dense K/V (prefill).
+* :func:`dequant_gather` - gather + dequantize any mix of slots into dense K/V (prefill);
+  tuning knobs in :class:`GatherConfig` (``GATHER_BASE``: the original kernel).
 * :func:`decode_attention` - fused flash-decoding over INT2 | INT4 | full segments with
   DEAD masking by id, GQA, variable lengths and optional per-KV-head masks.
 
@@ -27,7 +28,7 @@ from .decode_attention import (
     validate_decode_inputs,
 )
 from .decode_attention_reference import decode_attention_ref
-from .dequant_gather import dequant_gather, dequant_gather_ref
+from .dequant_gather import GATHER_BASE, GatherConfig, dequant_gather, dequant_gather_ref
 from .pools import DEAD, GROUP_SIZE, INT2_PAGE, FullPool, Int2Pool, Int4Pool, KVPools
 from .quant_int2 import (
     dequantize_int2_keys_ref,
@@ -41,11 +42,13 @@ from .quant_int4 import dequantize_int4_ref, quantize_int4_ref, write_int4, writ
 
 __all__ = [
     "DEAD",
+    "GATHER_BASE",
     "GROUP_SIZE",
     "INT2_PAGE",
     "Backend",
     "DecodeConfig",
     "FullPool",
+    "GatherConfig",
     "Int2Pool",
     "Int4Pool",
     "KVPools",

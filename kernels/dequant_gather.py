@@ -2,10 +2,13 @@
 cached prefix: the result feeds a standard prefill attention).
 
 Each unified slot id picks its pool by comparison against ``KVPools.int4_base`` /
-``int2_base``; DEAD slots (and nothing else) come out as zero rows.
+``int2_base``; DEAD slots (and nothing else) come out as zero rows. The kernel's tuning
+knobs are a :class:`GatherConfig`; :data:`GATHER_BASE` is the original kernel.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -22,6 +25,130 @@ from .packing import (
 from .pools import DEAD, INT2_PAGE, KVPools
 from .quant_int4 import dequantize_int4_ref
 from .quant_token_groups import dequantize_token_groups_ref
+
+_STORE_CACHE = ("", ".wb", ".cg", ".cs", ".wt")  # Triton's store cache modifiers
+_LOAD_EVICT = ("", "evict_first", "evict_last")  # Triton's load eviction policies
+
+
+@dataclass(frozen=True)
+class GatherConfig:
+    """Tuning knobs of :func:`dequant_gather` (``benchmarks/dequant_gather.py`` sweeps them on
+    the GPU). Every combination gives the same bits (``tests/kernels/``); they change only
+    speed. The defaults are the H100 winner of 2026-11-24 (every quantized cell of the sweep
+    >= 2.06 TB/s effective, mean 2.26, vs 1.5-1.95 for :data:`GATHER_BASE`, the original
+    kernel). Fields are checked on construction (``ValueError``).
+
+    Attributes:
+        block_t: positions (token rows) per program; a power of two >= 16.
+        num_warps: warps per program, one of 1, 2, 4, 8.
+        int4_words: INT4 rows read as int32 words whose nibbles are channels in order
+            (nibble ``i`` of word ``w`` is channel ``8w + i``), instead of bytes unpacked and
+            interleaved.
+        heads_per_program: KV heads per program, one after the other, so a program writes
+            ``block_t`` whole ``[heads_per_program * D]`` output stretches. None: all Hkv
+            heads of the pool (resolved at call time); an int must divide Hkv.
+        heads_fastest: a 1-D grid ordered head group fastest, so the programs resident at a
+            time cover consecutive tokens of every head (one contiguous stretch of the output
+            instead of a 1/Hkv slice of a stretch Hkv times longer); else a 2-D grid
+            ``(token blocks, head groups)``, token blocks fastest.
+        persistent: > 0: launch that many programs per SM, which walk the (token block, head
+            group) tiles in the ``heads_fastest`` order; 0: one program per tile.
+        skip_absent: branch over the full / INT4 / INT2 sections a block has no row of (one
+            block-wide OR of flags per tile instead of masked work for every precision; the
+            tile is held in the output dtype).
+        store_cache: cache modifier of the output stores: ``""`` (none), ``".cs"``
+            (streaming), ``".cg"``, ``".wb"`` or ``".wt"``. Ignored by the interpreter.
+        load_evict: eviction policy of the quantized code / scale loads: ``""``,
+            ``"evict_first"`` or ``"evict_last"``. Ignored by the interpreter.
+        int2_tile: INT2 rows dequantized as whole ``[block_t, D]`` tiles in channel order
+            (each planar code byte read once per channel block, key scales as contiguous
+            rows) merged with the full / INT4 rows before a single store, instead of four
+            channel-block stores with per-element scale loads.
+        offsets32: element offsets in int32 where every tensor has fewer than 2**31
+            elements (int64 otherwise, whatever this says).
+        slot_rows: (``per_head`` only) read the ``[n, Hkv]`` slot map as given (int32 ids: no
+            copy), strided 4-byte slot loads (contiguous with all heads in one program),
+            instead of a head-major copy padded to whole blocks made on the host (two small
+            kernels before the gather).
+    """
+
+    block_t: int = 32
+    num_warps: int = 8
+    int4_words: bool = True
+    heads_per_program: int | None = None
+    heads_fastest: bool = True
+    persistent: int = 0
+    skip_absent: bool = True
+    store_cache: str = ".cs"
+    load_evict: str = ""
+    int2_tile: bool = True
+    offsets32: bool = True
+    slot_rows: bool = True
+
+    def __post_init__(self) -> None:
+        def is_int(x: object) -> bool:
+            return isinstance(x, int) and not isinstance(x, bool)
+
+        bt = self.block_t
+        if not is_int(bt) or bt < 16 or bt & (bt - 1):
+            raise ValueError(f"GatherConfig.block_t must be a power of two >= 16, got {bt!r}")
+        if not is_int(self.num_warps) or self.num_warps not in (1, 2, 4, 8):
+            raise ValueError(f"GatherConfig.num_warps must be 1, 2, 4 or 8, got {self.num_warps!r}")
+        hp = self.heads_per_program
+        if hp is not None and (not is_int(hp) or hp < 1):
+            raise ValueError(
+                f"GatherConfig.heads_per_program must be None (all KV heads) or an int >= 1, "
+                f"got {hp!r}"
+            )
+        if not is_int(self.persistent) or self.persistent < 0:
+            raise ValueError(
+                f"GatherConfig.persistent must be an int >= 0 (programs per SM), "
+                f"got {self.persistent!r}"
+            )
+        if self.store_cache not in _STORE_CACHE:
+            raise ValueError(
+                f"GatherConfig.store_cache must be one of {_STORE_CACHE}, got {self.store_cache!r}"
+            )
+        if self.load_evict not in _LOAD_EVICT:
+            raise ValueError(
+                f"GatherConfig.load_evict must be one of {_LOAD_EVICT}, got {self.load_evict!r}"
+            )
+        for name in (
+            "int4_words",
+            "heads_fastest",
+            "skip_absent",
+            "int2_tile",
+            "offsets32",
+            "slot_rows",
+        ):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"GatherConfig.{name} must be a bool, got {getattr(self, name)!r}")
+
+    def heads(self, num_kv_heads: int) -> int:
+        """KV heads per program for a pool of ``num_kv_heads`` heads (``heads_per_program``,
+        None: all of them); ``ValueError`` if it does not divide ``num_kv_heads``."""
+        hp = num_kv_heads if self.heads_per_program is None else self.heads_per_program
+        if num_kv_heads % hp:
+            raise ValueError(
+                f"GatherConfig.heads_per_program={hp} must divide the pool's Hkv={num_kv_heads}"
+            )
+        return hp
+
+
+GATHER_BASE = GatherConfig(
+    block_t=32,
+    num_warps=4,
+    heads_per_program=1,
+    heads_fastest=False,
+    skip_absent=False,
+    store_cache="",
+    int2_tile=False,
+    offsets32=False,
+    slot_rows=False,
+)
+"""The original kernel (before the launch / memory knobs): a 2-D grid of (32-token block,
+one KV head) programs of 4 warps, every precision's section run with masks, int64
+offsets, a head-major padded slot copy for per-head maps; INT4 read as words."""
 
 
 def dequant_gather_ref(
@@ -119,8 +246,9 @@ def _dequant_gather_kernel(
     OFF32: tl.constexpr = False,
     SLOT_ROWS: tl.constexpr = False,
 ):
-    """One (token block, group of HEADS heads) tile per program. Default (all knobs off): a
-    2-D grid ``(token blocks, Hkv)``, token blocks fastest. HEADS_FASTEST: a 1-D grid whose
+    """One (token block, group of HEADS heads) tile per program (knobs: :class:`GatherConfig`).
+    All knobs off (:data:`GATHER_BASE`): a 2-D grid ``(token blocks, Hkv)``, token blocks
+    fastest. HEADS_FASTEST: a 1-D grid whose
     consecutive programs take the head groups of one token block (the programs resident at a
     time write one contiguous stretch of the output); PERSISTENT: that 1-D index space
     walked by ``num_programs(0)`` programs (``n_tiles`` tiles in all)."""
@@ -547,19 +675,8 @@ def dequant_gather(
     dead_id: int = DEAD,
     out_dtype: torch.dtype | None = None,
     backend: Backend = "auto",
-    block_t: int = 32,
     per_head: bool = False,
-    num_warps: int = 4,
-    int4_words: bool = True,
-    heads_per_program: int = 1,
-    heads_fastest: bool = False,
-    persistent: int = 0,
-    skip_absent: bool = False,
-    store_cache: str = "",
-    load_evict: str = "",
-    int2_tile: bool = False,
-    offsets32: bool = False,
-    slot_rows: bool = False,
+    config: GatherConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Gather and dequantize the K and V rows of ``slots``.
 
@@ -567,37 +684,20 @@ def dequant_gather(
     mix of precisions, the same id for every KV head; or, with ``per_head=True``,
     [..., Hkv]: head ``h`` of row ``i`` reads cell ``(slots[..., i, h], h)`` (per-(layer, head)
     slot maps). Returns (k, v), each [..., Hkv, D] of ``out_dtype`` (default the full pool's
-    dtype); rows whose slot is ``dead_id`` are zero. ``block_t`` (positions per program)
-    and ``num_warps`` are tuning knobs (``benchmarks/dequant_gather.py``), as is
-    ``int4_words`` (INT4 rows read as int32 words whose nibbles are channels in order,
-    instead of bytes unpacked and interleaved).
-
-    Launch / memory-access knobs (defaults = the original kernel; the benchmark sweeps them):
-    ``heads_per_program`` (a divisor of Hkv) heads per program, one after the other, so a
-    program writes ``block_t`` whole ``[heads_per_program * D]`` output stretches;
-    ``heads_fastest`` orders the 1-D grid head group fastest, so the programs resident at a
-    time cover consecutive tokens of every head (one contiguous stretch of the output
-    instead of a 1/Hkv slice of a stretch Hkv times longer); ``persistent`` > 0 launches
-    that many programs per SM which walk the (token block, head group) tiles in the same
-    order; ``skip_absent`` branches over the full / INT4 / INT2 sections a block has no
-    row of (one block-wide OR per tile instead of masked work for every precision);
-    ``store_cache`` (``""``, ``".cs"`` streaming, ``".cg"``, ...) and ``load_evict``
-    (``""``, ``"evict_first"``) are the cache hints of the output stores and of the
-    quantized code / scale loads. ``int2_tile`` dequantizes INT2 rows as whole ``[block_t,
-    D]`` tiles in channel order (each planar code byte read once per channel block, key
-    scales as contiguous rows) merged with the full / INT4 rows before a single store,
-    instead of four channel-block stores with per-element scale loads. ``offsets32``
-    computes element offsets in int32 where every tensor has fewer than 2**31 elements
-    (int64 otherwise). ``slot_rows`` (per_head only) reads the ``[n, Hkv]`` slot map as
-    given (int32 ids: no copy) instead of a head-major padded copy made on the host (two
-    small kernels before the gather; strided 4-byte slot loads instead, contiguous with
-    ``heads_per_program=Hkv``).
+    dtype); rows whose slot is ``dead_id`` are zero. ``config``: the Triton kernel's tuning
+    knobs (:class:`GatherConfig`; None: its defaults, the H100 winner; :data:`GATHER_BASE`:
+    the original kernel); the torch backend ignores them, but ``heads_per_program`` must
+    divide Hkv either way (``ValueError``).
     """
+    cfg = GatherConfig() if config is None else config
+    if not isinstance(cfg, GatherConfig):
+        raise TypeError(f"config must be a GatherConfig or None, got {type(cfg).__name__}")
+    heads = cfg.heads(pools.num_kv_heads)
     dt = out_dtype or pools.dtype
     if resolve_backend(backend, slots.device) == "torch":
         return dequant_gather_ref(pools, slots, dead_id, dt, per_head)
     h, d = pools.num_kv_heads, pools.head_dim
-    if per_head and slot_rows:
+    if per_head and cfg.slot_rows:
         if slots.shape[-1] != h:
             raise ValueError(f"per-head slots must be [..., Hkv={h}], got {tuple(slots.shape)}")
         flat = slots.reshape(-1, h).to(torch.int32).contiguous()  # no copy when int32
@@ -608,7 +708,7 @@ def dequant_gather(
             raise ValueError(f"per-head slots must be [..., Hkv={h}], got {tuple(slots.shape)}")
         # head-major rows padded to whole blocks: coalesced, aligned slot loads
         rows = slots.reshape(-1, h).t().to(torch.int32)  # int32 ids (int64 trips Triton 3.6)
-        flat = rows.new_full((h, triton.cdiv(rows.shape[1], block_t) * block_t), dead_id)
+        flat = rows.new_full((h, triton.cdiv(rows.shape[1], cfg.block_t) * cfg.block_t), dead_id)
         flat[:, : rows.shape[1]] = rows
         n = rows.shape[1]
         lead = slots.shape[:-1]
@@ -637,21 +737,19 @@ def dequant_gather(
         for t in q4 + q2:
             if not t.is_contiguous():
                 raise ValueError("quantized pools must be contiguous")
-        if h % heads_per_program:
-            raise ValueError(f"heads_per_program={heads_per_program} must divide Hkv={h}")
-        n_blocks = triton.cdiv(n, block_t)
-        n_tiles = n_blocks * (h // heads_per_program)
-        if persistent > 0:
+        n_blocks = triton.cdiv(n, cfg.block_t)
+        n_tiles = n_blocks * (h // heads)
+        if cfg.persistent > 0:
             sms = (
                 torch.cuda.get_device_properties(slots.device).multi_processor_count
                 if slots.device.type == "cuda"
                 else 2
             )
-            grid = (min(n_tiles, persistent * sms),)
-        elif heads_fastest:
+            grid = (min(n_tiles, cfg.persistent * sms),)
+        elif cfg.heads_fastest:
             grid = (n_tiles,)
         else:
-            grid = (n_blocks, h // heads_per_program)
+            grid = (n_blocks, h // heads)
         _dequant_gather_kernel[grid](
             flat,
             flat.shape[-1],
@@ -673,22 +771,22 @@ def dequant_gather(
             k.stride(1),
             n_tiles,
             D=d,
-            BLOCK_T=block_t,
+            BLOCK_T=cfg.block_t,
             HAS_INT4=p4 is not None,
             HAS_INT2=p2 is not None,
             PER_HEAD=per_head,
             HAS_KCS=kcs is not None,
-            WORDS=int4_words,
-            HEADS=heads_per_program,
-            HEADS_FASTEST=heads_fastest,
-            PERSISTENT=persistent > 0,
-            SKIP=skip_absent,
-            STORE_CACHE=store_cache,
-            LOAD_EVICT=load_evict,
-            INT2_TILE=int2_tile,
-            SLOT_ROWS=per_head and slot_rows,
-            OFF32=offsets32 and all(_span(x) < 2**31 for x in (f.k, f.v, k, *q4, *q2)),
-            num_warps=num_warps,
+            WORDS=cfg.int4_words,
+            HEADS=heads,
+            HEADS_FASTEST=cfg.heads_fastest,
+            PERSISTENT=cfg.persistent > 0,
+            SKIP=cfg.skip_absent,
+            STORE_CACHE=cfg.store_cache,
+            LOAD_EVICT=cfg.load_evict,
+            INT2_TILE=cfg.int2_tile,
+            SLOT_ROWS=per_head and cfg.slot_rows,
+            OFF32=cfg.offsets32 and all(_span(x) < 2**31 for x in (f.k, f.v, k, *q4, *q2)),
+            num_warps=cfg.num_warps,
         )
     shape = (*lead, h, d)
     return k.reshape(shape), v.reshape(shape)

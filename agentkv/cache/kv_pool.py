@@ -128,7 +128,9 @@ class KVPool:
     def gather(self, layer: int, cells: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantized K and V of ``cells`` (int64 ``[Hkv, n]``, any precision, DEAD = zero
         rows): two ``[n, Hkv, D]`` tensors in the pool dtype."""
-        slots = cells.to(self.device).t()  # [n, Hkv] view; the kernel reads it head-major
+        slots = cells.to(self.device).t()  # [n, Hkv] view
+        # the default GatherConfig (the H100 winner): int32 [n, Hkv] rows read as given
+        # (slot_rows), all KV heads of a token block in one program
         return dequant_gather(
             self.layers[layer], slots, out_dtype=self.dtype, backend=self.backend, per_head=True
         )

@@ -1,3 +1,5 @@
+import os
+
 import pytest
 import torch
 
@@ -132,3 +134,38 @@ def test_pool_on_cuda():
     p.write(0, torch.tensor([[3]]), torch.ones(1, 1, 32), torch.ones(1, 1, 32))
     k, _ = p.gather(0, torch.tensor([[3]]))
     assert k.device.type == "cuda" and float(k.sum()) == 32.0
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+    reason="the Triton gather needs CUDA or TRITON_INTERPRET=1",
+)
+def test_triton_gather_matches_torch_on_mixed_per_head_cells():
+    """The store's gather path (``[Hkv, n]`` int64 cells -> ``dequant_gather(per_head=True)``
+    with the default GatherConfig): full, INT4, INT2 and DEAD cells mixed per head, the same
+    bits as the torch backend."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    p = KVPool(L, H, D, LAYOUT, dtype=torch.float32, device=dev, backend="triton")
+    g = torch.Generator().manual_seed(0)
+    n = INT2_PAGE
+    src = torch.stack([torch.arange(1, n + 1), torch.arange(3, n + 3)])  # [H, 32]
+    k, v = torch.randn(n, H, D, generator=g), torch.randn(n, H, D, generator=g)
+    p.write(0, src, k, v)
+    rows = LAYOUT.int2_base + torch.arange(INT2_PAGE)  # page 0 of head 0
+    p.demote(0, torch.tensor([0]), src[:1], rows[None, :], Precision.INT2)
+    dst = LAYOUT.int4_base + torch.arange(4)  # INT4 rows 0-3 of head 1
+    p.demote(0, torch.ones(4, dtype=torch.int64), src[1, :4], dst, Precision.INT4)
+    p.write(0, torch.tensor([[35], [36]]), torch.randn(1, H, D, generator=g), -k[:1])
+    cells = torch.tensor(
+        [
+            [*rows[:4].tolist(), DEAD, 35, *rows[4:6].tolist(), DEAD],  # INT2, full, DEAD
+            [*dst[:3].tolist(), DEAD, int(src[1, 5]), 36, int(dst[3]), int(src[1, 9]), DEAD],
+        ]
+    )
+    kt, vt = p.gather(0, cells)
+    p.backend = "torch"
+    kr, vr = p.gather(0, cells)
+    assert kt.shape == (9, H, D) and kt.device.type == torch.device(dev).type
+    assert torch.equal(kt, kr) and torch.equal(vt, vr)
+    dead = (cells.t() == DEAD).to(kt.device)  # [n, Hkv]
+    assert bool((kt[dead] == 0).all()) and bool((kt[~dead].abs().sum(-1) > 0).all())

@@ -1,5 +1,6 @@
 """Gather + dequantize for prefill (kernels/dequant_gather.py): Triton against the torch
-reference, and the reference against each pool's own dequantizer."""
+reference, and the reference against each pool's own dequantizer, for the default
+:class:`GatherConfig` and the original kernel (``GATHER_BASE``)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import pytest
 import torch
 
 from agentkv.kernels import (
+    GATHER_BASE,
+    GatherConfig,
     dequant_gather,
     dequant_gather_ref,
     dequantize_int2_keys_ref,
@@ -20,14 +23,24 @@ CASES = [
     ([(2, 5, 20), (0, 9, 3)], 2, 64, 0.3),
     ([(1, 40, 0), (1, 0, 33)], 3, 128, 0.5),
 ]
+CONFIGS = [None, GATHER_BASE]  # None: the default GatherConfig
 
 
+def _cfg_id(c: GatherConfig | None) -> str:
+    return "default" if c is None else "base"
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=_cfg_id)
 @pytest.mark.parametrize("out_dtype", [None, torch.float32])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize(("lens", "hkv", "d", "dead"), CASES)
-def test_triton_matches_reference(mixed_batch, lens, hkv, d, dead, dtype, out_dtype) -> None:
+def test_triton_matches_reference(
+    mixed_batch, lens, hkv, d, dead, dtype, out_dtype, config
+) -> None:
     mb = mixed_batch(lens, hq=hkv, hkv=hkv, d=d, dtype=dtype, dead_fraction=dead, pad=5)
-    k, v = dequant_gather(mb.pools, mb.slot_map, out_dtype=out_dtype, backend="triton")
+    k, v = dequant_gather(
+        mb.pools, mb.slot_map, out_dtype=out_dtype, backend="triton", config=config
+    )
     kr, vr = dequant_gather_ref(mb.pools, mb.slot_map, out_dtype=out_dtype)
     assert k.shape == (*mb.slot_map.shape, hkv, d) and k.dtype == (out_dtype or dtype)
     # fp32 math in both; only the final rounding to a 16-bit dtype may differ (1 ulp)
@@ -66,18 +79,64 @@ def test_reference_agrees_with_each_pool(mixed_batch) -> None:
         assert torch.equal(k[i], kp.to(k.device)) and torch.equal(v[i], vp.to(v.device)), i
 
 
-def test_dead_slot_is_never_read(mixed_batch) -> None:
+@pytest.mark.parametrize("config", CONFIGS, ids=_cfg_id)
+def test_dead_slot_is_never_read(mixed_batch, config) -> None:
     mb = mixed_batch([(1, 8, 8)], hq=1, hkv=1, d=32, dead_fraction=0.5)
     mb.pools.full.k[0] = float("nan")
     mb.pools.full.v[0] = float("nan")
-    k, v = dequant_gather(mb.pools, mb.slot_map, backend="triton")
+    k, v = dequant_gather(mb.pools, mb.slot_map, backend="triton", config=config)
     assert bool(torch.isfinite(k).all()) and bool(torch.isfinite(v).all())
 
 
-def test_custom_dead_id(mixed_batch) -> None:
+@pytest.mark.parametrize("config", CONFIGS, ids=_cfg_id)
+def test_custom_dead_id(mixed_batch, config) -> None:
     mb = mixed_batch([(0, 4, 6)], hq=1, hkv=1, d=32)
     dead = int(mb.slot_map[0, -1])  # a full-pool slot used as the dead id
-    k, _ = dequant_gather(mb.pools, mb.slot_map, dead_id=dead, backend="triton")
+    k, _ = dequant_gather(mb.pools, mb.slot_map, dead_id=dead, backend="triton", config=config)
     kr, _ = dequant_gather_ref(mb.pools, mb.slot_map, dead_id=dead)
     assert bool((k[0, -1] == 0).all()) and bool((k[0, 0] != 0).any())
     torch.testing.assert_close(k.float(), kr.float(), atol=1e-2, rtol=1e-2)
+
+
+def test_default_config_is_the_h100_winner() -> None:
+    c = GatherConfig()
+    assert (c.block_t, c.num_warps, c.heads_per_program, c.persistent) == (32, 8, None, 0)
+    assert c.int4_words and c.heads_fastest and c.skip_absent and c.int2_tile
+    assert c.offsets32 and c.slot_rows and (c.store_cache, c.load_evict) == (".cs", "")
+    assert c.heads(8) == 8 and c.heads(3) == 3  # None: all KV heads in one program
+    b = GATHER_BASE
+    assert (b.block_t, b.num_warps, b.heads(8), b.store_cache) == (32, 4, 1, "")
+    assert b.int4_words and not (b.heads_fastest or b.skip_absent or b.int2_tile)
+    assert not (b.offsets32 or b.slot_rows or b.persistent)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("block_t", 8),
+        ("block_t", 24),
+        ("block_t", 32.0),
+        ("num_warps", 3),
+        ("num_warps", 16),
+        ("heads_per_program", 0),
+        ("persistent", -1),
+        ("store_cache", ".ca"),
+        ("load_evict", "evict_normal"),
+        ("skip_absent", 1),
+    ],
+)
+def test_config_rejects_bad_knobs(field, value) -> None:
+    with pytest.raises(ValueError, match=f"GatherConfig.{field}"):
+        GatherConfig(**{field: value})
+
+
+def test_config_errors_at_call_time(mixed_batch) -> None:
+    mb = mixed_batch([(1, 8, 8)], hq=3, hkv=3, d=32)
+    cfg = GatherConfig(heads_per_program=2)
+    for backend in ("triton", "torch"):
+        with pytest.raises(ValueError, match="heads_per_program=2 must divide"):
+            dequant_gather(mb.pools, mb.slot_map, backend=backend, config=cfg)
+    with pytest.raises(TypeError, match="GatherConfig"):
+        dequant_gather(mb.pools, mb.slot_map, backend="triton", config={"block_t": 32})
+    with pytest.raises(TypeError):  # the knobs are no longer keyword arguments
+        dequant_gather(mb.pools, mb.slot_map, backend="triton", block_t=32)

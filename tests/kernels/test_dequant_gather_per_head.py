@@ -1,13 +1,16 @@
 """dequant_gather with per-(layer, head) slot maps (``per_head=True``, slots ``[..., Hkv]``):
 Triton (interpreter on CPU) against the torch reference, and both against the shared-map
-gather of each head's own column."""
+gather of each head's own column, for the default :class:`GatherConfig`, the original kernel
+(``GATHER_BASE``) and the launch / memory variants between them."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 import torch
 
-from agentkv.kernels import DEAD, dequant_gather, dequant_gather_ref
+from agentkv.kernels import DEAD, GATHER_BASE, GatherConfig, dequant_gather, dequant_gather_ref
 
 
 def per_head_slots(mb, n: int, seed: int, dead: float) -> torch.Tensor:
@@ -32,20 +35,28 @@ CASES = [
     ([(2, 5, 20), (0, 9, 3)], 2, 64, 45, 0.3),
     ([(1, 40, 8)], 3, 32, 70, 0.5),
 ]
+CONFIGS = [None, GATHER_BASE]  # None: the default GatherConfig
 
 
+def _cfg_id(c: GatherConfig | None) -> str:
+    return "default" if c is None else "base"
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=_cfg_id)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize(("lens", "hkv", "d", "rows", "dead"), CASES)
-def test_per_head_triton_matches_reference(mixed_batch, lens, hkv, d, rows, dead, dtype):
+def test_per_head_triton_matches_reference(mixed_batch, lens, hkv, d, rows, dead, dtype, config):
     mb = mixed_batch(lens, hq=hkv, hkv=hkv, d=d, dtype=dtype)
     slots = per_head_slots(mb, rows, seed=rows, dead=dead)
-    k, v = dequant_gather(mb.pools, slots, out_dtype=torch.float32, backend="triton", per_head=True)
+    k, v = dequant_gather(
+        mb.pools, slots, out_dtype=torch.float32, backend="triton", per_head=True, config=config
+    )
     kr, vr = dequant_gather_ref(mb.pools, slots, out_dtype=torch.float32, per_head=True)
     assert k.shape == (rows, hkv, d) and k.dtype == torch.float32
     assert torch.equal(k, kr) and torch.equal(v, vr)  # fp32 math in both, no final rounding
     # in the pool dtype only the final rounding may differ (the CPU interpreter truncates
     # fp32 -> bf16): 1 ulp
-    k16, _ = dequant_gather(mb.pools, slots, backend="triton", per_head=True)
+    k16, _ = dequant_gather(mb.pools, slots, backend="triton", per_head=True, config=config)
     ulp = 2**-7 if dtype == torch.bfloat16 else 2**-10
     assert k16.dtype == dtype
     assert bool(((k16.float() - kr).abs() <= ulp * kr.abs() + 1e-6).all())
@@ -100,16 +111,20 @@ def test_per_head_dead_slot_is_never_read(mixed_batch):
 def test_int4_word_and_byte_unpacking_agree(mixed_batch) -> None:
     mb = mixed_batch([(1, 40, 9)], hq=4, hkv=2, d=128, dead_fraction=0.3, seed=17)
     slots = mb.slot_map[0, : int(mb.seq_lens[0])][:, None].expand(-1, 2).contiguous()
-    a = dequant_gather(mb.pools, slots, per_head=True, backend="triton", int4_words=True)
-    b = dequant_gather(mb.pools, slots, per_head=True, backend="triton", int4_words=False)
     r = dequant_gather(mb.pools, slots, per_head=True, backend="torch")
-    for x, y, z in zip(a, b, r, strict=True):
-        assert torch.equal(x, y) and torch.equal(x, z)
+    for cfg in (GatherConfig(), GATHER_BASE):
+        a = dequant_gather(mb.pools, slots, per_head=True, backend="triton", config=cfg)
+        no_words = replace(cfg, int4_words=False)
+        b = dequant_gather(mb.pools, slots, per_head=True, backend="triton", config=no_words)
+        for x, y, z in zip(a, b, r, strict=True):
+            assert torch.equal(x, y) and torch.equal(x, z)
 
 
-# launch / memory knobs of dequant_gather (benchmarks/dequant_gather.py sweeps them on the GPU);
+# launch / memory knobs of dequant_gather (GatherConfig; benchmarks/dequant_gather.py sweeps
+# them on the GPU): the original kernel with knobs added, the default with knobs removed;
 # each must give the default kernel's output bit for bit
-VARIANTS = [
+_BASE_VARIANTS = [
+    dict(),
     dict(heads_fastest=True),
     dict(heads_fastest=True, heads_per_program=2),
     dict(heads_per_program=2),
@@ -128,13 +143,22 @@ VARIANTS = [
     dict(slot_rows=True, heads_fastest=True, heads_per_program=2, skip_absent=True),
     dict(slot_rows=True, offsets32=True, skip_absent=True, int2_tile=True, store_cache=".cs"),
 ]
+_DEFAULT_VARIANTS = [
+    dict(),
+    dict(heads_per_program=1),
+    dict(slot_rows=False),
+    dict(heads_fastest=False, block_t=64, num_warps=4),
+    dict(persistent=1, load_evict="evict_last", store_cache=""),
+]
+VARIANTS = [replace(GATHER_BASE, **d) for d in _BASE_VARIANTS] + [
+    replace(GatherConfig(), **d) for d in _DEFAULT_VARIANTS
+]
+_NAMES = [("base" + "".join(f",{k}={v}" for k, v in d.items())) for d in _BASE_VARIANTS] + [
+    ("default" + "".join(f",{k}={v}" for k, v in d.items())) for d in _DEFAULT_VARIANTS
+]
 
 
-def _name(cfg: dict) -> str:
-    return ",".join(f"{k}={v}" for k, v in cfg.items())
-
-
-@pytest.mark.parametrize("cfg", VARIANTS, ids=_name)
+@pytest.mark.parametrize("cfg", VARIANTS, ids=_NAMES)
 @pytest.mark.parametrize("sort", [False, True], ids=["mixed", "runs"])
 @pytest.mark.parametrize(("hkv", "d"), [(2, 64), (4, 32)])
 def test_variants_match_default_and_reference(mixed_batch, cfg, sort, hkv, d) -> None:
@@ -147,14 +171,16 @@ def test_variants_match_default_and_reference(mixed_batch, cfg, sort, hkv, d) ->
         slots = slots.sort(dim=0).values
     kr, vr = dequant_gather_ref(mb.pools, slots, out_dtype=torch.float32, per_head=True)
     k, v = dequant_gather(
-        mb.pools, slots, out_dtype=torch.float32, backend="triton", per_head=True, **cfg
+        mb.pools, slots, out_dtype=torch.float32, backend="triton", per_head=True, config=cfg
     )
     assert torch.equal(k, kr) and torch.equal(v, vr)
     k0, v0 = dequant_gather(mb.pools, slots, backend="triton", per_head=True)
-    k1, v1 = dequant_gather(mb.pools, slots, backend="triton", per_head=True, **cfg)
+    k1, v1 = dequant_gather(mb.pools, slots, backend="triton", per_head=True, config=cfg)
     assert torch.equal(k1, k0) and torch.equal(v1, v0)
     # the shared map (one id for every head) through the same knobs
-    ks, vs = dequant_gather(mb.pools, slots[:, 0], out_dtype=torch.float32, backend="triton", **cfg)
+    ks, vs = dequant_gather(
+        mb.pools, slots[:, 0], out_dtype=torch.float32, backend="triton", config=cfg
+    )
     ksr, vsr = dequant_gather_ref(mb.pools, slots[:, 0], out_dtype=torch.float32)
     assert torch.equal(ks, ksr) and torch.equal(vs, vsr)
 
@@ -169,7 +195,7 @@ def test_variants_with_key_channel_scale(mixed_batch) -> None:
     kr, vr = dequant_gather_ref(mb.pools, slots, out_dtype=torch.float32, per_head=True)
     for cfg in VARIANTS:
         k, v = dequant_gather(
-            mb.pools, slots, out_dtype=torch.float32, backend="triton", per_head=True, **cfg
+            mb.pools, slots, out_dtype=torch.float32, backend="triton", per_head=True, config=cfg
         )
         assert torch.equal(k, kr) and torch.equal(v, vr), cfg
 
@@ -177,5 +203,17 @@ def test_variants_with_key_channel_scale(mixed_batch) -> None:
 def test_heads_per_program_must_divide_hkv(mixed_batch) -> None:
     mb = mixed_batch([(1, 8, 8)], hq=3, hkv=3, d=32)
     slots = per_head_slots(mb, 10, seed=1, dead=0.0)
-    with pytest.raises(ValueError, match="heads_per_program"):
-        dequant_gather(mb.pools, slots, backend="triton", per_head=True, heads_per_program=2)
+    with pytest.raises(ValueError, match="heads_per_program=2 must divide"):
+        dequant_gather(
+            mb.pools,
+            slots,
+            backend="triton",
+            per_head=True,
+            config=GatherConfig(heads_per_program=2),
+        )
+    # the default (None: all heads) and 3 / 1 heads per program are fine
+    kr, vr = dequant_gather_ref(mb.pools, slots, per_head=True)
+    for hp in (None, 3, 1):
+        cfg = GatherConfig(heads_per_program=hp)
+        k, v = dequant_gather(mb.pools, slots, backend="triton", per_head=True, config=cfg)
+        assert torch.equal(k, kr) and torch.equal(v, vr), hp

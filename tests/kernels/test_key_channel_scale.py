@@ -7,7 +7,14 @@ from __future__ import annotations
 
 import torch
 
-from agentkv.kernels import KVPools, decode_attention, dequant_gather, write_int4
+from agentkv.kernels import (
+    GATHER_BASE,
+    GatherConfig,
+    KVPools,
+    decode_attention,
+    dequant_gather,
+    write_int4,
+)
 
 
 def _pools(with_scale: bool, seed: int = 0):
@@ -27,9 +34,10 @@ def _pools(with_scale: bool, seed: int = 0):
 def test_gather_and_decode_match_reference_with_channel_scales():
     pools, _ = _pools(True)
     ids = (pools.int4_base + torch.arange(64)).to(torch.int32)
-    kt, vt = dequant_gather(pools, ids, out_dtype=torch.float32, backend="triton")
     kr, vr = dequant_gather(pools, ids, out_dtype=torch.float32, backend="torch")
-    assert torch.equal(kt, kr) and torch.equal(vt, vr)
+    for cfg in (GatherConfig(), GATHER_BASE):
+        kt, vt = dequant_gather(pools, ids, out_dtype=torch.float32, backend="triton", config=cfg)
+        assert torch.equal(kt, kr) and torch.equal(vt, vr), cfg
     sm = pools.int4_base + torch.randperm(64, generator=torch.Generator().manual_seed(1))[:40]
     sm = sm.to(torch.int32)[None].repeat(2, 1)
     q = torch.randn(2, 4, 64, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
