@@ -467,6 +467,9 @@ def tune_grid(impl: str) -> list[DecodeConfig]:
             for bn, w in ((32, 1), (64, 2))
             for pps in (16, 8)
         ]
+        grid += [  # slots two blocks ahead and scales one by hand, as the folded INT2 split
+            DecodeConfig(int4_prefetch=True, programs_per_sm_int4=pps) for pps in (16, 24)
+        ]
         grid += [  # deeper software pipelining (more loads in flight per program)
             DecodeConfig(num_stages=st, programs_per_sm_int4=pps)
             for st in (3, 4)
@@ -513,9 +516,6 @@ def tune_grid(impl: str) -> list[DecodeConfig]:
         return grid
     if impl == "int2":
         grid = [DecodeConfig(), DecodeConfig(programs_per_sm_int2=32)]
-        grid += [  # the codes double-buffered too
-            DecodeConfig(int2_prefetch_codes=True, programs_per_sm_int2=pps) for pps in (16, 32)
-        ]
         grid += [  # the folded split without one of its pieces, or at 2 warps
             DecodeConfig(int2_v_words=False),
             DecodeConfig(prefetch=False),
@@ -545,6 +545,7 @@ def mixed_grid(best4: DecodeConfig, best2: DecodeConfig) -> list[DecodeConfig]:
             "int4_v_subnormal",
             "int4_v_dots8",
             "int4_offsets32",
+            "int4_prefetch",
             "programs_per_sm_int4",
         )
     }
@@ -555,7 +556,6 @@ def mixed_grid(best4: DecodeConfig, best2: DecodeConfig) -> list[DecodeConfig]:
             "programs_per_sm_int2",
             "int2_fold",
             "int2_v_words",
-            "int2_prefetch_codes",
             "num_stages",
         )
     }

@@ -44,11 +44,10 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     ),
     "int2 default: folded v-words w1": ("int2", {}),
     "int2 folded byte codes w1": ("int2", dict(int2_v_words=False)),
-    "int2 folded v-words codes prefetched": ("int2", dict(int2_prefetch_codes=True)),
     "int2 folded v-words no prefetch": ("int2", dict(prefetch=False)),
     "int2 folded v-words w2": ("int2", dict(num_warps=2)),
     "int2 dequantizing": ("int2", dict(int2_fold=False)),
-    "int4 default 3 stages": ("int4", dict(num_stages=3)),
+    "int4 prefetch by hand": ("int4", dict(int4_prefetch=True)),
 }
 
 METRICS = {

@@ -327,6 +327,7 @@ INT4_CONFIGS = [
         "imma_all",
         int4_config(**KNOBS_ON),
     ),
+    ("imma_all_prefetch", int4_config(**KNOBS_ON, int4_prefetch=True)),
 ]
 
 
@@ -395,6 +396,7 @@ def test_int4_imma_and_lazy_rescale_within_1e3_of_reference(q_scale) -> None:
         int4_config(int4_stacked=True, int4_lazy_rescale=True),
         int4_config(int4_imma=True, int4_lazy_rescale=True, int4_v_subnormal=True),
         int4_config(**KNOBS_ON),
+        int4_config(**KNOBS_ON, int4_prefetch=True),
     ):
         out, ref = _run(mb, torch.float16, split_len=256, config=cfg)
         rel = float((out.float() - ref.float()).norm() / ref.float().norm())
@@ -406,8 +408,7 @@ INT2_CONFIGS = [
     ("fold_eager", DecodeConfig(int2_fold=True, int4_lazy_rescale=False)),
     ("fold_w1", DecodeConfig(int2_fold=True, num_warps=1)),
     ("fold_v_words", DecodeConfig(int2_v_words=True)),
-    ("fold_prefetch_codes", DecodeConfig(int2_prefetch_codes=True)),
-    ("fold_bytes_prefetch_codes", DecodeConfig(int2_prefetch_codes=True, int2_v_words=False)),
+    ("fold_bytes", DecodeConfig(int2_v_words=False)),
     ("fold_no_prefetch", DecodeConfig(prefetch=False)),
     (
         "fold_v_words_eager_w1",
