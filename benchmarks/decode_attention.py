@@ -467,8 +467,9 @@ def tune_grid(impl: str) -> list[DecodeConfig]:
             for bn, w in ((32, 1), (64, 2))
             for pps in (16, 8)
         ]
-        grid += [  # slots two blocks ahead and scales one by hand, as the folded INT2 split
-            DecodeConfig(int4_prefetch=True, programs_per_sm_int4=pps) for pps in (16, 24)
+        grid += [  # the slot map only addresses: pipelined two blocks ahead with 3+ stages
+            DecodeConfig(int4_live_from_scales=True, num_stages=st, programs_per_sm_int4=pps)
+            for st, pps in ((3, 16), (4, 16), (3, 12), (2, 16))
         ]
         grid += [  # deeper software pipelining (more loads in flight per program)
             DecodeConfig(num_stages=st, programs_per_sm_int4=pps)
@@ -545,7 +546,6 @@ def mixed_grid(best4: DecodeConfig, best2: DecodeConfig) -> list[DecodeConfig]:
             "int4_v_subnormal",
             "int4_v_dots8",
             "int4_offsets32",
-            "int4_prefetch",
             "programs_per_sm_int4",
         )
     }

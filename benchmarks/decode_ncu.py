@@ -47,7 +47,8 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "int2 folded v-words no prefetch": ("int2", dict(prefetch=False)),
     "int2 folded v-words w2": ("int2", dict(num_warps=2)),
     "int2 dequantizing": ("int2", dict(int2_fold=False)),
-    "int4 prefetch by hand": ("int4", dict(int4_prefetch=True)),
+    "int4 default 3 stages": ("int4", dict(num_stages=3)),
+    "int4 live from scales 3 stages": ("int4", dict(int4_live_from_scales=True, num_stages=3)),
 }
 
 METRICS = {

@@ -121,10 +121,12 @@ class DecodeConfig:
     byte and an ``and`` per code pair, no shift), made straight in the MMA operand layout.
     INT2 defaults (the H100 sweep of session 11): folded, value words, the page scales
     double-buffered by hand (``prefetch``), 1 warp: 154.5 µs at B=8 N=32k against 288.6 µs
-    for the dequantizing split (2.33x vs 1.25x SDPA's kernel time). int4_prefetch (stacked
-    INT4 path): the slot map two blocks ahead and the scales one block ahead by hand, the
-    codes loaded at the top of their iteration (as the folded INT2 split; else the
-    compiler's pipelining: codes by cp.async one block ahead, the slot map one)."""
+    for the dequantizing split (2.33x vs 1.25x SDPA's kernel time). int4_live_from_scales
+    (stacked INT4 path): a DEAD / out-of-range row's key zero loads as NaN and its score is
+    masked from that, so the slot map is read only to form addresses: with ``num_stages``
+    3 the compiler then pipelines it two blocks ahead (an asynchronous copy) instead of
+    waiting for it in every iteration. A live row whose stored zero is NaN (a NaN key) is
+    masked too, where it would otherwise make the output NaN."""
 
     block_n_full: int = 64
     block_n_int4: int = 32
@@ -147,7 +149,7 @@ class DecodeConfig:
     prefetch: bool = True
     int2_fold: bool = True
     int2_v_words: bool = True
-    int4_prefetch: bool = False
+    int4_live_from_scales: bool = False
     max_registers: int | None = None
 
     def warps(self, has_int4: bool, has_int2: bool = False) -> int:
@@ -403,28 +405,6 @@ def _store_own(ptrs, acc, own, z, inv, v_one, gmask, BLOCK_HQ: tl.constexpr, NG:
 
 
 @triton.jit
-def _int4_stacked_scales(
-    slot, live, int4_base, Hkv, h, ks_ptr, kz_ptr, vs_ptr, vz_ptr, rg,
-    D: tl.constexpr, OFFS32: tl.constexpr,
-):  # fmt: skip
-    """Rows [BN] of one block of INT4 positions and their scales for the stacked split:
-    each stacked row's group scale / zero of the keys and scale of the values [R, BN] and
-    the value zeros [BN, D / 32] (fp16; dead rows are not read)."""
-    NG: tl.constexpr = D // 32
-    row = tl.where(live, slot - int4_base, 0) * Hkv + h
-    if OFFS32:  # the pool's byte offsets fit int32 (checked on the host)
-        row = row.to(tl.int32)
-    so = row * NG
-    ssel = so[None, :] + rg[:, None]  # [R, BN]: token's scale of the row's group
-    lsel = live[None, :] & (rg >= 0)[:, None]
-    ks = tl.load(ks_ptr + ssel, mask=lsel, other=0.0)
-    kz = tl.load(kz_ptr + ssel, mask=lsel, other=0.0)
-    vs = tl.load(vs_ptr + ssel, mask=lsel, other=0.0)
-    vz = tl.load(vz_ptr + so[:, None] + tl.arange(0, NG)[None, :], mask=live[:, None], other=0.0)
-    return row, ks, kz, vs, vz
-
-
-@triton.jit
 def _int4_split_stacked(
     q_ptr,
     stride_qb,
@@ -463,7 +443,7 @@ def _int4_split_stacked(
     V_SUBNORMAL: tl.constexpr,
     V_DOTS8: tl.constexpr,
     OFFS32: tl.constexpr,
-    PREFETCH: tl.constexpr = False,
+    LIVE_FROM_SCALES: tl.constexpr = False,
 ):
     """One INT4 split with (query head, channel group) pairs stacked as the rows of one dot.
 
@@ -476,6 +456,7 @@ def _int4_split_stacked(
     NG: tl.constexpr = D // 32
     R: tl.constexpr = BLOCK_HQ * NG
     H2: tl.constexpr = D // 2
+    DEAD_KZ: tl.constexpr = float("nan") if LIVE_FROM_SCALES else 0.0
     dt = q_ptr.dtype.element_ty
     rr = tl.arange(0, R)
     rh = rr // NG
@@ -525,39 +506,28 @@ def _int4_split_stacked(
         acc_o = tl.zeros([R, H2], tl.float32)
     zb = tl.zeros([BLOCK_HQ, NG], tl.float32)
     arn = tl.arange(0, BN)
+    cng = tl.arange(0, NG)
     jw = tl.arange(0, W)
-    if PREFETCH:  # scales one block ahead, slots two (by hand); codes at the iteration's top
-        slot_c, live = _live_positions(slot_row, hm_row, start + arn, end, dead_id, HAS_HEAD_MASK)
-        row, ks, kz, vs, vz = _int4_stacked_scales(
-            slot_c, live, int4_base, Hkv, h, ks_ptr, kz_ptr, vs_ptr, vz_ptr, rg, D, OFFS32
-        )
-        slot_n, live_n = _live_positions(
-            slot_row, hm_row, start + BN + arn, end, dead_id, HAS_HEAD_MASK
-        )
     for start_n in range(start, end, BN):
-        if PREFETCH:
-            slot_nn, live_nn = _live_positions(
-                slot_row, hm_row, start_n + 2 * BN + arn, end, dead_id, HAS_HEAD_MASK
-            )
-            nrow, nks, nkz, nvs, nvz = _int4_stacked_scales(
-                slot_n, live_n, int4_base, Hkv, h, ks_ptr, kz_ptr, vs_ptr, vz_ptr, rg, D, OFFS32
-            )
-        else:
-            slot_c, live = _live_positions(
-                slot_row, hm_row, start_n + arn, end, dead_id, HAS_HEAD_MASK
-            )
-            row, ks, kz, vs, vz = _int4_stacked_scales(
-                slot_c, live, int4_base, Hkv, h, ks_ptr, kz_ptr, vs_ptr, vz_ptr, rg, D, OFFS32
-            )
+        slot, live = _live_positions(slot_row, hm_row, start_n + arn, end, dead_id, HAS_HEAD_MASK)
+        row = tl.where(live, slot - int4_base, 0) * Hkv + h
+        if OFFS32:  # the pool's byte offsets fit int32 (checked on the host)
+            row = row.to(tl.int32)
         lm = live[:, None]
-        kb = tl.load(k_ptr + row[:, None] * H2 + j[None, :], mask=lm, other=0)
+        co = row[:, None] * H2 + j[None, :]
+        kb = tl.load(k_ptr + co, mask=lm, other=0)
         vw = tl.load(
             v_ptr.to(tl.pointer_type(tl.int32)) + row[:, None] * (D // 8) + jw[None, :],
             mask=lm,
             other=0,
         )
-        ks = ks.to(tl.float32)
-        kz = kz.to(tl.float32)
+        so = row * NG
+        ssel = so[None, :] + rg[:, None]  # [R, BN]: token's scale of the row's group
+        lsel = live[None, :] & (rr >= 0)[:, None]
+        ks = tl.load(ks_ptr + ssel, mask=lsel, other=0.0).to(tl.float32)
+        kz = tl.load(kz_ptr + ssel, mask=lsel, other=DEAD_KZ).to(tl.float32)
+        vs = tl.load(vs_ptr + ssel, mask=lsel, other=0.0)
+        vz = tl.load(vz_ptr + so[:, None] + cng[None, :], mask=lm, other=0.0)
         if KEY_IMMA:
             # int8 codes straight from the bytes, one exact int32 dot for hi and lo rows
             ke8, ko8 = int4_code_bytes_i8(kb, USE_ASM)
@@ -570,7 +540,10 @@ def _int4_split_stacked(
             sst = _mma_acc(qo, tl.trans(cod), _mma(qe, tl.trans(ce), IEEE_F32), IEEE_F32)
             sst = sst * (ks * qk_scale) + qs[:, None] * kz
         qk = tl.sum(tl.reshape(sst, [BLOCK_HQ, NG, BN]), 1)
-        qk = tl.where(live[None, :], qk, float("-inf"))
+        if LIVE_FROM_SCALES:  # a DEAD row's zero loads as NaN: so does its score
+            qk = tl.where(qk == qk, qk, float("-inf"))
+        else:
+            qk = tl.where(live[None, :], qk, float("-inf"))
         if LAZY_RESCALE:
             # the running max moves (and the accumulators are rescaled) only when some row's
             # block max exceeds it by more than 2**4: p <= 16 otherwise (exact: l, acc and zb
@@ -628,9 +601,6 @@ def _int4_split_stacked(
             vo = tl.reshape(tl.join(tl.join(h0, h2), tl.join(h1, h3)), [BN, H2])
             acc_e = _mma_acc(pst, ve, acc_e, IEEE_F32)
             acc_o = _mma_acc(pst, vo, acc_o, IEEE_F32)
-        if PREFETCH:
-            row, ks, kz, vs, vz, live = nrow, nks, nkz, nvs, nvz, live_n
-            slot_n, live_n = slot_nn, live_nn
     inv = 1.0 / tl.where(l_i > 0.0, l_i, 1.0)
     offs_g = tl.arange(0, BLOCK_HQ)
     gmask = offs_g < G
@@ -1006,7 +976,7 @@ def _decode_split_kernel(
     OFFS32: tl.constexpr = False,
     INT2_FOLD: tl.constexpr = False,
     INT2_V_WORDS: tl.constexpr = False,
-    INT4_PREFETCH: tl.constexpr = False,
+    INT4_LIVE_FROM_SCALES: tl.constexpr = False,
 ):
     NG: tl.constexpr = D // 32
     Q: tl.constexpr = D // 4
@@ -1434,7 +1404,7 @@ def _decode_split_kernel(
                         V_SUBNORMAL,
                         V_DOTS8,
                         OFFS32,
-                        INT4_PREFETCH,
+                        INT4_LIVE_FROM_SCALES,
                     )
                 else:
                     # Scales folded out of the inner loop: per token t and 32-channel group g,
@@ -1964,7 +1934,7 @@ def decode_attention(
         OFFS32=cfg.int4_offsets32 and has4 and p4.k.numel() < 2**31,
         INT2_FOLD=cfg.int2_fold,
         INT2_V_WORDS=cfg.int2_v_words,
-        INT4_PREFETCH=cfg.int4_prefetch,
+        INT4_LIVE_FROM_SCALES=cfg.int4_live_from_scales and stacked,
         num_warps=cfg.warps(m4 > 0, m2 > 0),
         num_stages=cfg.num_stages,
         **({"maxnreg": regs} if regs else {}),
