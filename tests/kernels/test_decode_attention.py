@@ -324,10 +324,8 @@ INT4_CONFIGS = [
     ),
     ("stacked_subnormal", int4_config(int4_stacked=True, int4_v_subnormal=True)),
     ("stacked_dots8", int4_config(int4_stacked=True, int4_v_dots8=True)),
-    (
-        "imma_all",
-        int4_config(**KNOBS_ON),
-    ),
+    ("imma_all", int4_config(**KNOBS_ON)),
+    ("live_from_scales", int4_config(**KNOBS_ON, int4_live_from_scales=True, num_stages=3)),
 ]
 
 
@@ -396,6 +394,7 @@ def test_int4_imma_and_lazy_rescale_within_1e3_of_reference(q_scale) -> None:
         int4_config(int4_stacked=True, int4_lazy_rescale=True),
         int4_config(int4_imma=True, int4_lazy_rescale=True, int4_v_subnormal=True),
         int4_config(**KNOBS_ON),
+        int4_config(**KNOBS_ON, int4_live_from_scales=True, num_stages=3),
     ):
         out, ref = _run(mb, torch.float16, split_len=256, config=cfg)
         rel = float((out.float() - ref.float()).norm() / ref.float().norm())
