@@ -467,15 +467,11 @@ def tune_grid(impl: str) -> list[DecodeConfig]:
             for bn, w in ((32, 1), (64, 2))
             for pps in (16, 8)
         ]
-        grid += [  # the slot map only addresses: pipelined two blocks ahead with 3+ stages
-            DecodeConfig(int4_live_from_scales=True, num_stages=st, programs_per_sm_int4=pps)
-            for st, pps in ((3, 16), (4, 16), (3, 12), (2, 16))
-        ]
-        grid += [  # deeper software pipelining (more loads in flight per program)
+        grid += [  # the slot map only addresses (int4_live_from_scales): pipeline depth
             DecodeConfig(num_stages=st, programs_per_sm_int4=pps)
-            for st in (3, 4)
-            for pps in (16, 12)
+            for st, pps in ((4, 16), (3, 12), (2, 16))
         ]
+        grid += [DecodeConfig(int4_live_from_scales=False, num_stages=2)]  # session 10's
         grid += [
             DecodeConfig(
                 **{f"int4_{k}": on for k, on in zip(knobs, mask, strict=True)}, int4_stacked=True

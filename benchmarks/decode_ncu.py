@@ -40,6 +40,7 @@ VARIANTS: dict[str, tuple[str, dict]] = {
             int4_v_subnormal=False,
             int4_v_dots8=False,
             int4_offsets32=False,
+            int4_live_from_scales=False,
         ),
     ),
     "int2 default: folded v-words w1": ("int2", {}),
@@ -47,8 +48,7 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "int2 folded v-words no prefetch": ("int2", dict(prefetch=False)),
     "int2 folded v-words w2": ("int2", dict(num_warps=2)),
     "int2 dequantizing": ("int2", dict(int2_fold=False)),
-    "int4 default 3 stages": ("int4", dict(num_stages=3)),
-    "int4 live from scales 3 stages": ("int4", dict(int4_live_from_scales=True, num_stages=3)),
+    "int4 session-10 default": ("int4", dict(int4_live_from_scales=False)),
 }
 
 METRICS = {

@@ -75,9 +75,12 @@ VARIANTS = {
     "int4 imma lazy subnormal-V bn32 w1": _stacked(32, 1, *KNOBS[:3]),
     "int4 stacked dots8-V bn32 w1": _stacked(32, 1, "V_DOTS8"),
     "int4 imma lazy subnormal-V dots8-V bn32 w1": _stacked(32, 1, *KNOBS[:4]),
-    "int4 all five knobs bn32 w1 (the default)": _stacked(32, 1, *KNOBS),
-    "int4 the default, maxnreg 168": dict(_stacked(32, 1, *KNOBS), maxnreg=168),
-    "int4 the default, maxnreg 128": dict(_stacked(32, 1, *KNOBS), maxnreg=128),
+    "int4 all five knobs bn32 w1 (session 10's default)": _stacked(32, 1, *KNOBS),
+    "int4 five knobs + live from scales, 3 stages (the default)": dict(
+        _stacked(32, 1, *KNOBS), INT4_LIVE_FROM_SCALES=True, stages=3
+    ),
+    "int4 session 10 default, maxnreg 168": dict(_stacked(32, 1, *KNOBS), maxnreg=168),
+    "int4 session 10 default, maxnreg 128": dict(_stacked(32, 1, *KNOBS), maxnreg=128),
     "int4 imma lazy subnormal-V dots8-V bn64 w2": _stacked(64, 2, *KNOBS[:4]),
     "int4 imma lazy subnormal-V bn64 w2": _stacked(64, 2, *KNOBS[:3]),
     "int4 imma lazy bn64 w2": _stacked(64, 2, *KNOBS[:2]),
@@ -95,6 +98,7 @@ def compile_split(group: int, head_dim: int, segments: set[str], **knobs):
     mod = importlib.import_module("agentkv.kernels.decode_attention")
     fn = mod._decode_split_kernel
     warps = knobs.pop("warps", 2)
+    stages = knobs.pop("stages", 2)
     maxnreg = knobs.pop("maxnreg", None)
     consts = dict(
         G=group,
@@ -116,6 +120,7 @@ def compile_split(group: int, head_dim: int, segments: set[str], **knobs):
         STACKED=True,
         INT2_FOLD=False,
         INT2_V_WORDS=False,
+        INT4_LIVE_FROM_SCALES=False,
         **dict.fromkeys(KNOBS, False),
     )
     consts.update(knobs)
@@ -126,7 +131,7 @@ def compile_split(group: int, head_dim: int, segments: set[str], **knobs):
         if sig[n].startswith("*") or n in DIV16
     }
     src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
-    options = {"num_warps": warps, "num_stages": 2}
+    options = {"num_warps": warps, "num_stages": stages}
     if maxnreg:
         options["maxnreg"] = maxnreg
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)

@@ -76,10 +76,9 @@ class DecodeConfig:
     """Tuning knobs (``benchmarks/decode_attention.py --tune`` sweeps them on the GPU).
 
     block_n_full / block_n_int4: positions per inner iteration (INT2 is one 32-token page).
-    num_warps, num_stages: per program (one launch: shared by every segment); num_warps None:
-    1 when the launch has INT4 segments, else 2 (the H100 tuning winners, docs/benchmarks.md
-    §3: INT4 and mixed at 1 warp, 32 positions per block, 16 programs per SM; bf16 and INT2
-    at 2).
+    num_warps, num_stages: per program (one launch: shared by every segment); None: see
+    :meth:`warps` (1 with INT4 or folded INT2 segments, else 2) and :meth:`stages` (3 with
+    INT4 segments, else 2), the H100 tuning winners (docs/benchmarks.md §3).
     programs_per_sm / _int4 / _int2: target programs per SM when choosing the split length
     of the full / INT4 / INT2 segments (more programs: more splits, shorter ones).
     min_split_len: shortest split. min_block_hq: least query rows per program on the
@@ -126,12 +125,14 @@ class DecodeConfig:
     masked from that, so the slot map is read only to form addresses: with ``num_stages``
     3 the compiler then pipelines it two blocks ahead (an asynchronous copy) instead of
     waiting for it in every iteration. A live row whose stored zero is NaN (a NaN key) is
-    masked too, where it would otherwise make the output NaN."""
+    masked too, where it would otherwise make the output NaN. On by default with 3 stages
+    for INT4 launches (H100, session 11: 195 vs 202 µs at B=8 N=32k, 150 vs 168 µs with 50%
+    DEAD)."""
 
     block_n_full: int = 64
     block_n_int4: int = 32
     num_warps: int | None = None
-    num_stages: int = 2
+    num_stages: int | None = None
     programs_per_sm: int = 16
     programs_per_sm_int4: int = 16
     programs_per_sm_int2: int = 16
@@ -149,8 +150,15 @@ class DecodeConfig:
     prefetch: bool = True
     int2_fold: bool = True
     int2_v_words: bool = True
-    int4_live_from_scales: bool = False
+    int4_live_from_scales: bool = True
     max_registers: int | None = None
+
+    def stages(self, has_int4: bool) -> int:
+        """``num_stages`` of a launch (None: 3 with INT4 segments, where the live-from-scales
+        INT4 split pipelines its slot map two blocks ahead; else 2)."""
+        if self.num_stages is not None:
+            return self.num_stages
+        return 3 if has_int4 and self.int4_live_from_scales else 2
 
     def warps(self, has_int4: bool, has_int2: bool = False) -> int:
         """``num_warps`` of a launch (None: 1 with INT4 or folded INT2 segments, else 2)."""
@@ -1936,7 +1944,7 @@ def decode_attention(
         INT2_V_WORDS=cfg.int2_v_words,
         INT4_LIVE_FROM_SCALES=cfg.int4_live_from_scales and stacked,
         num_warps=cfg.warps(m4 > 0, m2 > 0),
-        num_stages=cfg.num_stages,
+        num_stages=cfg.stages(m4 > 0),
         **({"maxnreg": regs} if regs else {}),
     )
     _merge_splits_kernel[(b * hq,)](

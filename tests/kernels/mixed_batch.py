@@ -142,13 +142,14 @@ def _pools_to(pools: KVPools, device: torch.device) -> KVPools:
     return KVPools(move(pools.full), move(pools.int4), move(pools.int2))
 
 
-#: the INT4 stacked-path knobs, all off (``DecodeConfig()`` has them on since session 10)
+#: the INT4 stacked-path knobs, all off (``DecodeConfig()`` has them on since sessions 10-11)
 KNOBS_OFF = dict(
     int4_imma=False,
     int4_lazy_rescale=False,
     int4_v_subnormal=False,
     int4_v_dots8=False,
     int4_offsets32=False,
+    int4_live_from_scales=False,
 )
 
 #: the same knobs all on (what ``DecodeConfig()``'s stacked path runs since session 10)
