@@ -8,7 +8,8 @@ Run on a GPU machine (not a test; never gates CI)::
 
 ``--quick`` times only B=8 N=32k, B=1 N=32k and B=32 N=4k (0% and 50% random DEAD).
 ``--tune`` first sweeps the quantized paths' knobs (:class:`DecodeConfig`: INT4 variant,
-block_n, warps, programs per SM; INT2 warps, prefetch, programs per SM) at the quick
+block_n, warps, stages, programs per SM; INT2 split, value words, prefetch, warps,
+programs per SM) at the quick
 shapes, keeps per impl the config with the lowest geometric-mean time, and then measures
 with it; ``--configs-from`` reuses the configs a previous run chose. Every measured output
 is also checked against the torch reference on the *same* quantized pools
