@@ -127,7 +127,16 @@ class DecodeConfig:
     waiting for it in every iteration. A live row whose stored zero is NaN (a NaN key) is
     masked too, where it would otherwise make the output NaN. On by default with 3 stages
     for INT4 launches (H100, session 11: 195 vs 202 µs at B=8 N=32k, 150 vs 168 µs with 50%
-    DEAD)."""
+    DEAD).
+    max_split_len_folded: the longest split (positions, a multiple of 64) of the
+    scale-folded segments (INT4 except ``int4_legacy`` / fp16-dequantized values; folded
+    INT2), whatever ``split_len`` says; 0: no cap. Their output is the difference of two
+    large one-signed sums (``sum p s c`` and ``sum p z``), and the tensor cores' fp32
+    accumulation loses low bits as those grow: on the H100 the error against the reference
+    rose from 2e-3 at 1,024 positions per split to 1.8e-2 at 16,384 and 3.7e-2 at 65,536
+    (random K/V; the dequantizing INT2 split and bf16 stay at 1.7-2.3e-3 at any length).
+    Shorter splits mean more programs and partial outputs for the merge, not more
+    reads."""
 
     block_n_full: int = 64
     block_n_int4: int = 32
@@ -152,6 +161,7 @@ class DecodeConfig:
     int2_v_words: bool = True
     int4_live_from_scales: bool = True
     max_registers: int | None = None
+    max_split_len_folded: int = 1024
 
     def stages(self, has_int4: bool) -> int:
         """``num_stages`` of a launch (None: 3 with INT4 segments, where the live-from-scales
@@ -1829,6 +1839,14 @@ def decode_attention(
     m2 = max_lens.int2 if has2 else 0
     m4 = max_lens.int4 if has4 else 0
     mf = max_lens.full
+    g = hq // hkv
+    g_pow2 = 1 << (g - 1).bit_length()  # triton.next_power_of_2 is a constexpr_function (slow)
+    block_hq = max(cfg.min_block_hq, g_pow2)
+    stacked = cfg.int4_stacked
+    v_fold = cfg.int4_v_fold
+    if stacked is None:  # stacked rows fit one 16-row MMA tile; else fp16-dequantized values
+        stacked = block_hq * (d // 32) <= 16
+        v_fold = v_fold and stacked
     if split_len is None:
         total, sms = m2 + m4 + mf, _num_sms(q.device)
         sl2, sl4, slf = (
@@ -1839,6 +1857,11 @@ def decode_attention(
         sl2 = sl4 = slf = split_len
     if sl2 % 64 or sl4 % 64 or slf % 64:
         raise ValueError("split_len must be a multiple of 64")
+    cap = cfg.max_split_len_folded  # the scale-folded splits' sums cancel: keep them short
+    if cap and cfg.int2_fold:
+        sl2 = min(sl2, cap)
+    if cap and not cfg.int4_legacy and (stacked or v_fold):
+        sl4 = min(sl4, cap)
     s2, s4, sf = (-(-m // sl) for m, sl in ((m2, sl2), (m4, sl4), (mf, slf)))
     s_total = max(1, s2 + s4 + sf)
 
@@ -1872,15 +1895,7 @@ def decode_attention(
     part_o = torch.empty(b, hq, s_total, d, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(b, hq, s_total, dtype=torch.float32, device=q.device)
     out = torch.empty(b, hq, d, dtype=q.dtype, device=q.device)
-    g = hq // hkv
     interpreting = triton_interpreting()
-    g_pow2 = 1 << (g - 1).bit_length()  # triton.next_power_of_2 is a constexpr_function (slow)
-    block_hq = max(cfg.min_block_hq, g_pow2)
-    stacked = cfg.int4_stacked
-    v_fold = cfg.int4_v_fold
-    if stacked is None:  # stacked rows fit one 16-row MMA tile; else fp16-dequantized values
-        stacked = block_hq * (d // 32) <= 16
-        v_fold = v_fold and stacked
     imma = stacked if cfg.int4_imma is None else cfg.int4_imma  # int8 key dots where stacked
     regs = None if interpreting else cfg.max_registers
     _decode_split_kernel[(s_total, hkv, b)](

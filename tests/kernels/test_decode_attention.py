@@ -473,3 +473,19 @@ def test_launch_warps_follow_the_segments() -> None:
     assert cfg.warps(has_int4=False, has_int2=False) == 2
     assert DecodeConfig(int2_fold=False).warps(has_int4=False, has_int2=True) == 2
     assert DecodeConfig(num_warps=4).warps(has_int4=True, has_int2=True) == 4
+
+
+def test_folded_splits_are_capped() -> None:
+    """The scale-folded INT4 / INT2 splits never run longer than ``max_split_len_folded``
+    positions (their sums cancel; the H100's tensor-core accumulation error grew with the
+    split): a longer ``split_len`` gives the capped launch's exact output; with the cap off
+    it is honoured (a different split, a different rounding)."""
+    mb = build_mixed_batch([(6, 300, 9)], hq=8, hkv=2, d=128, dead_fraction=0.1, seed=13)
+    cap = DecodeConfig(max_split_len_folded=64)
+    short, _ = _run(mb, torch.float16, split_len=64, config=cap)
+    long, _ = _run(mb, torch.float16, split_len=256, config=cap)
+    assert torch.equal(short, long)
+    uncapped, _ = _run(
+        mb, torch.float16, split_len=256, config=DecodeConfig(max_split_len_folded=0)
+    )
+    assert not torch.equal(short, uncapped)
