@@ -158,17 +158,12 @@ VARIANTS: dict[str, GatherConfig] = {
     "skip_tile_o32": _O32,
     "hf_skip_tile_o32": _V(_O32, heads_fastest=True),
     "hf_skip_tile_o32_cs": _V(_O32, heads_fastest=True, store_cache=".cs"),
-    "hf_skip_tile_o32_cs_ef": _V(
-        _O32, heads_fastest=True, store_cache=".cs", load_evict="evict_first"
-    ),
     "hf2_skip_tile_o32_cs": _V(_O32, heads_fastest=True, heads_per_program=2, store_cache=".cs"),
     "h8_skip_tile_o32_cs": _V(_O32, heads_fastest=True, heads_per_program=8, store_cache=".cs"),
     "hf_skip_tile_o32_cs_rows": _V(_O32, heads_fastest=True, store_cache=".cs", slot_rows=True),
     "h8_skip_tile_o32_cs_rows": _V(
         _O32, heads_fastest=True, heads_per_program=8, store_cache=".cs", slot_rows=True
     ),
-    # persistent: 215 registers on sm_90 (2 programs of 4 warps per SM)
-    "pers2_skip_tile_o32_cs": _V(_O32, persistent=2, store_cache=".cs"),
     "default": GatherConfig(),
 }
 # swept by default (the others on request, --variants NAME,...): skip_absent alone, then
@@ -236,10 +231,8 @@ def sass_table(
     knob_const = dict(
         heads_per_program="HEADS",
         heads_fastest="HEADS_FASTEST",
-        persistent="PERSISTENT",
         skip_absent="SKIP",
         store_cache="STORE_CACHE",
-        load_evict="LOAD_EVICT",
         int2_tile="INT2_TILE",
         int4_words="WORDS",
         offsets32="OFF32",
@@ -258,7 +251,7 @@ def sass_table(
                 )
                 for k, c in knob_const.items():
                     v = kn[k]
-                    consts[c] = bool(v) if k == "persistent" else v
+                    consts[c] = v
                 sig = {
                     a: "constexpr"
                     if a in consts

@@ -27,16 +27,15 @@ from .quant_int4 import dequantize_int4_ref
 from .quant_token_groups import dequantize_token_groups_ref
 
 _STORE_CACHE = ("", ".wb", ".cg", ".cs", ".wt")  # Triton's store cache modifiers
-_LOAD_EVICT = ("", "evict_first", "evict_last")  # Triton's load eviction policies
 
 
 @dataclass(frozen=True)
 class GatherConfig:
     """Tuning knobs of :func:`dequant_gather` (``benchmarks/dequant_gather.py`` sweeps them on
     the GPU). Every combination gives the same bits (``tests/kernels/``); they change only
-    speed. The defaults are the H100 winner of 2026-11-24 (every quantized cell of the sweep
-    >= 2.06 TB/s effective, mean 2.26, vs 1.5-1.95 for :data:`GATHER_BASE`, the original
-    kernel). Fields are checked on construction (``ValueError``).
+    speed. The defaults are the H100 winner of 2026-11-24 (2.10-2.49 TB/s effective kernel
+    time in every quantized cell, vs 1.63-1.88 for :data:`GATHER_BASE`, the original
+    kernel; docs/benchmarks.md §3). Fields are checked on construction (``ValueError``).
 
     Attributes:
         block_t: positions (token rows) per program; a power of two >= 16.
@@ -51,15 +50,11 @@ class GatherConfig:
             time cover consecutive tokens of every head (one contiguous stretch of the output
             instead of a 1/Hkv slice of a stretch Hkv times longer); else a 2-D grid
             ``(token blocks, head groups)``, token blocks fastest.
-        persistent: > 0: launch that many programs per SM, which walk the (token block, head
-            group) tiles in the ``heads_fastest`` order; 0: one program per tile.
         skip_absent: branch over the full / INT4 / INT2 sections a block has no row of (one
             block-wide OR of flags per tile instead of masked work for every precision; the
             tile is held in the output dtype).
         store_cache: cache modifier of the output stores: ``""`` (none), ``".cs"``
             (streaming), ``".cg"``, ``".wb"`` or ``".wt"``. Ignored by the interpreter.
-        load_evict: eviction policy of the quantized code / scale loads: ``""``,
-            ``"evict_first"`` or ``"evict_last"``. Ignored by the interpreter.
         int2_tile: INT2 rows dequantized as whole ``[block_t, D]`` tiles in channel order
             (each planar code byte read once per channel block, key scales as contiguous
             rows) merged with the full / INT4 rows before a single store, instead of four
@@ -77,10 +72,8 @@ class GatherConfig:
     int4_words: bool = True
     heads_per_program: int | None = None
     heads_fastest: bool = True
-    persistent: int = 0
     skip_absent: bool = True
     store_cache: str = ".cs"
-    load_evict: str = ""
     int2_tile: bool = True
     offsets32: bool = True
     slot_rows: bool = True
@@ -100,18 +93,9 @@ class GatherConfig:
                 f"GatherConfig.heads_per_program must be None (all KV heads) or an int >= 1, "
                 f"got {hp!r}"
             )
-        if not is_int(self.persistent) or self.persistent < 0:
-            raise ValueError(
-                f"GatherConfig.persistent must be an int >= 0 (programs per SM), "
-                f"got {self.persistent!r}"
-            )
         if self.store_cache not in _STORE_CACHE:
             raise ValueError(
                 f"GatherConfig.store_cache must be one of {_STORE_CACHE}, got {self.store_cache!r}"
-            )
-        if self.load_evict not in _LOAD_EVICT:
-            raise ValueError(
-                f"GatherConfig.load_evict must be one of {_LOAD_EVICT}, got {self.load_evict!r}"
             )
         for name in (
             "int4_words",
@@ -228,7 +212,6 @@ def _dequant_gather_kernel(
     ov_ptr,
     stride_ot,
     stride_oh,
-    n_tiles,
     D: tl.constexpr,
     BLOCK_T: tl.constexpr,
     HAS_INT4: tl.constexpr,
@@ -238,10 +221,8 @@ def _dequant_gather_kernel(
     WORDS: tl.constexpr,
     HEADS: tl.constexpr = 1,
     HEADS_FASTEST: tl.constexpr = False,
-    PERSISTENT: tl.constexpr = False,
     SKIP: tl.constexpr = False,
     STORE_CACHE: tl.constexpr = "",
-    LOAD_EVICT: tl.constexpr = "",
     INT2_TILE: tl.constexpr = False,
     OFF32: tl.constexpr = False,
     SLOT_ROWS: tl.constexpr = False,
@@ -250,59 +231,9 @@ def _dequant_gather_kernel(
     All knobs off (:data:`GATHER_BASE`): a 2-D grid ``(token blocks, Hkv)``, token blocks
     fastest. HEADS_FASTEST: a 1-D grid whose
     consecutive programs take the head groups of one token block (the programs resident at a
-    time write one contiguous stretch of the output); PERSISTENT: that 1-D index space
-    walked by ``num_programs(0)`` programs (``n_tiles`` tiles in all)."""
-    if HEADS_FASTEST or PERSISTENT:
+    time write one contiguous stretch of the output)."""
+    if HEADS_FASTEST:
         n_hg = H // HEADS
-        if PERSISTENT:
-            for tile in range(tl.program_id(0), n_tiles, tl.num_programs(0)):
-                for i in tl.static_range(HEADS):
-                    _gather_tile(
-                        tile // n_hg,
-                        (tile % n_hg) * HEADS + i,
-                        slots_ptr,
-                        row_stride,
-                        T,
-                        dead_id,
-                        int4_base,
-                        int2_base,
-                        H,
-                        fk_ptr,
-                        fv_ptr,
-                        stride_fs,
-                        stride_fh,
-                        q4k_ptr,
-                        q4v_ptr,
-                        q4ks_ptr,
-                        q4kz_ptr,
-                        q4vs_ptr,
-                        q4vz_ptr,
-                        q4c_ptr,
-                        q2k_ptr,
-                        q2v_ptr,
-                        q2ks_ptr,
-                        q2kz_ptr,
-                        q2vs_ptr,
-                        q2vz_ptr,
-                        ok_ptr,
-                        ov_ptr,
-                        stride_ot,
-                        stride_oh,
-                        D,
-                        BLOCK_T,
-                        HAS_INT4,
-                        HAS_INT2,
-                        PER_HEAD,
-                        HAS_KCS,
-                        WORDS,
-                        SKIP,
-                        STORE_CACHE,
-                        LOAD_EVICT,
-                        INT2_TILE,
-                        OFF32,
-                        SLOT_ROWS,
-                    )
-            return
         pid = tl.program_id(0)
         blk = pid // n_hg
         h0 = (pid % n_hg) * HEADS
@@ -350,7 +281,6 @@ def _dequant_gather_kernel(
             WORDS,
             SKIP,
             STORE_CACHE,
-            LOAD_EVICT,
             INT2_TILE,
             OFF32,
             SLOT_ROWS,
@@ -403,7 +333,6 @@ def _gather_tile(
     WORDS: tl.constexpr,
     SKIP: tl.constexpr,
     STORE_CACHE: tl.constexpr,
-    LOAD_EVICT: tl.constexpr,
     INT2_TILE: tl.constexpr,
     OFF32: tl.constexpr,
     SLOT_ROWS: tl.constexpr,
@@ -473,15 +402,14 @@ def _gather_tile(
                     q4k_ptr.to(tl.pointer_type(tl.int32)) + cw,
                     mask=m4,
                     other=0,
-                    eviction_policy=LOAD_EVICT,
                 )
                 ku = tl.reshape(unpack_int4_words_f32(kw, BLOCK_T, D // 8), [BLOCK_T, NG, 32])
             else:
                 co = row[:, None] * (D // 2) + tl.arange(0, D // 2)[None, :]
-                ku = tl.load(q4k_ptr + co, mask=m4, other=0, eviction_policy=LOAD_EVICT)
+                ku = tl.load(q4k_ptr + co, mask=m4, other=0)
                 ku = tl.reshape(unpack_int4_f32(ku), [BLOCK_T, NG, 32])
-            ks = tl.load(q4ks_ptr + so, mask=m4, other=0.0, eviction_policy=LOAD_EVICT)
-            kz = tl.load(q4kz_ptr + so, mask=m4, other=0.0, eviction_policy=LOAD_EVICT)
+            ks = tl.load(q4ks_ptr + so, mask=m4, other=0.0)
+            kz = tl.load(q4kz_ptr + so, mask=m4, other=0.0)
             ks = ks.to(tl.float32)
             kz = kz.to(tl.float32)
             k4 = tl.reshape(ku * ks[:, :, None] + kz[:, :, None], [BLOCK_T, D])
@@ -493,14 +421,13 @@ def _gather_tile(
                     q4v_ptr.to(tl.pointer_type(tl.int32)) + cw,
                     mask=m4,
                     other=0,
-                    eviction_policy=LOAD_EVICT,
                 )
                 vu = tl.reshape(unpack_int4_words_f32(vw, BLOCK_T, D // 8), [BLOCK_T, NG, 32])
             else:
-                vu = tl.load(q4v_ptr + co, mask=m4, other=0, eviction_policy=LOAD_EVICT)
+                vu = tl.load(q4v_ptr + co, mask=m4, other=0)
                 vu = tl.reshape(unpack_int4_f32(vu), [BLOCK_T, NG, 32])
-            vs = tl.load(q4vs_ptr + so, mask=m4, other=0.0, eviction_policy=LOAD_EVICT)
-            vz = tl.load(q4vz_ptr + so, mask=m4, other=0.0, eviction_policy=LOAD_EVICT)
+            vs = tl.load(q4vs_ptr + so, mask=m4, other=0.0)
+            vz = tl.load(q4vz_ptr + so, mask=m4, other=0.0)
             vs = vs.to(tl.float32)
             vz = vz.to(tl.float32)
             v4 = tl.reshape(vu * vs[:, :, None] + vz[:, :, None], [BLOCK_T, D])
@@ -513,17 +440,17 @@ def _gather_tile(
             m2 = is2[:, None]
             cb = row[:, None] * (D // 4) + (offs_d % (D // 4))[None, :]  # planar byte
             sh = (2 * (offs_d // (D // 4)))[None, :]  # its bit pair
-            kb = tl.load(q2k_ptr + cb, mask=m2, other=0, eviction_policy=LOAD_EVICT)
+            kb = tl.load(q2k_ptr + cb, mask=m2, other=0)
             kc = codes_to_f32((kb.to(tl.int32) >> sh) & 3)
             kso = ph[:, None] * D + offs_d[None, :]
             ks = tl.load(q2ks_ptr + kso, mask=m2, other=0.0).to(tl.float32)
             kz = tl.load(q2kz_ptr + kso, mask=m2, other=0.0).to(tl.float32)
             k = tl.where(m2, (kc * ks + kz).to(k.dtype), k)
-            vb = tl.load(q2v_ptr + cb, mask=m2, other=0, eviction_policy=LOAD_EVICT)
+            vb = tl.load(q2v_ptr + cb, mask=m2, other=0)
             vc = tl.reshape(codes_to_f32((vb.to(tl.int32) >> sh) & 3), [BLOCK_T, NG, 32])
             vso = row[:, None] * NG + offs_g[None, :]
-            vs = tl.load(q2vs_ptr + vso, mask=m2, other=0.0, eviction_policy=LOAD_EVICT)
-            vz = tl.load(q2vz_ptr + vso, mask=m2, other=0.0, eviction_policy=LOAD_EVICT)
+            vs = tl.load(q2vs_ptr + vso, mask=m2, other=0.0)
+            vz = tl.load(q2vz_ptr + vso, mask=m2, other=0.0)
             vs = vs.to(tl.float32)
             vz = vz.to(tl.float32)
             v2 = tl.reshape(vc * vs[:, :, None] + vz[:, :, None], [BLOCK_T, D])
@@ -553,8 +480,8 @@ def _gather_tile(
             m2 = is2[:, None]
             cq = tl.arange(0, D // 4)[None, :]
             co = row[:, None] * (D // 4) + cq
-            kb = tl.load(q2k_ptr + co, mask=m2, other=0, eviction_policy=LOAD_EVICT)
-            vb = tl.load(q2v_ptr + co, mask=m2, other=0, eviction_policy=LOAD_EVICT)
+            kb = tl.load(q2k_ptr + co, mask=m2, other=0)
+            vb = tl.load(q2v_ptr + co, mask=m2, other=0)
             k0, k1, k2, k3 = unpack_int2_f32(kb)
             v0, v1, v2, v3 = unpack_int2_f32(vb)
             _int2_store_block(
@@ -738,16 +665,8 @@ def dequant_gather(
             if not t.is_contiguous():
                 raise ValueError("quantized pools must be contiguous")
         n_blocks = triton.cdiv(n, cfg.block_t)
-        n_tiles = n_blocks * (h // heads)
-        if cfg.persistent > 0:
-            sms = (
-                torch.cuda.get_device_properties(slots.device).multi_processor_count
-                if slots.device.type == "cuda"
-                else 2
-            )
-            grid = (min(n_tiles, cfg.persistent * sms),)
-        elif cfg.heads_fastest:
-            grid = (n_tiles,)
+        if cfg.heads_fastest:
+            grid = (n_blocks * (h // heads),)
         else:
             grid = (n_blocks, h // heads)
         _dequant_gather_kernel[grid](
@@ -769,7 +688,6 @@ def dequant_gather(
             v,
             k.stride(0),
             k.stride(1),
-            n_tiles,
             D=d,
             BLOCK_T=cfg.block_t,
             HAS_INT4=p4 is not None,
@@ -779,10 +697,8 @@ def dequant_gather(
             WORDS=cfg.int4_words,
             HEADS=heads,
             HEADS_FASTEST=cfg.heads_fastest,
-            PERSISTENT=cfg.persistent > 0,
             SKIP=cfg.skip_absent,
             STORE_CACHE=cfg.store_cache,
-            LOAD_EVICT=cfg.load_evict,
             INT2_TILE=cfg.int2_tile,
             SLOT_ROWS=per_head and cfg.slot_rows,
             OFF32=cfg.offsets32 and all(_span(x) < 2**31 for x in (f.k, f.v, k, *q4, *q2)),

@@ -100,14 +100,14 @@ def test_custom_dead_id(mixed_batch, config) -> None:
 
 def test_default_config_is_the_h100_winner() -> None:
     c = GatherConfig()
-    assert (c.block_t, c.num_warps, c.heads_per_program, c.persistent) == (32, 8, None, 0)
+    assert (c.block_t, c.num_warps, c.heads_per_program) == (32, 8, None)
     assert c.int4_words and c.heads_fastest and c.skip_absent and c.int2_tile
-    assert c.offsets32 and c.slot_rows and (c.store_cache, c.load_evict) == (".cs", "")
+    assert c.offsets32 and c.slot_rows and c.store_cache == ".cs"
     assert c.heads(8) == 8 and c.heads(3) == 3  # None: all KV heads in one program
     b = GATHER_BASE
     assert (b.block_t, b.num_warps, b.heads(8), b.store_cache) == (32, 4, 1, "")
     assert b.int4_words and not (b.heads_fastest or b.skip_absent or b.int2_tile)
-    assert not (b.offsets32 or b.slot_rows or b.persistent)
+    assert not (b.offsets32 or b.slot_rows)
 
 
 @pytest.mark.parametrize(
@@ -119,9 +119,7 @@ def test_default_config_is_the_h100_winner() -> None:
         ("num_warps", 3),
         ("num_warps", 16),
         ("heads_per_program", 0),
-        ("persistent", -1),
         ("store_cache", ".ca"),
-        ("load_evict", "evict_normal"),
         ("skip_absent", 1),
     ],
 )

@@ -128,14 +128,13 @@ _BASE_VARIANTS = [
     dict(heads_fastest=True),
     dict(heads_fastest=True, heads_per_program=2),
     dict(heads_per_program=2),
-    dict(persistent=1),
-    dict(persistent=2, heads_per_program=2, block_t=16),
+    dict(heads_fastest=True, heads_per_program=2, block_t=16),
     dict(skip_absent=True),
-    dict(store_cache=".cs", load_evict="evict_first"),
+    dict(store_cache=".cs"),
     dict(int2_tile=True),
     dict(int2_tile=True, int4_words=False),
     dict(int2_tile=True, skip_absent=True, heads_fastest=True, heads_per_program=2),
-    dict(int2_tile=True, skip_absent=True, persistent=1, store_cache=".cs"),
+    dict(int2_tile=True, skip_absent=True, store_cache=".cs"),
     dict(offsets32=True),
     dict(offsets32=True, skip_absent=True, int2_tile=True, heads_fastest=True),
     dict(offsets32=True, skip_absent=True, int2_tile=True, heads_per_program=2, block_t=64),
@@ -148,7 +147,7 @@ _DEFAULT_VARIANTS = [
     dict(heads_per_program=1),
     dict(slot_rows=False),
     dict(heads_fastest=False, block_t=64, num_warps=4),
-    dict(persistent=1, load_evict="evict_last", store_cache=""),
+    dict(store_cache=""),
 ]
 VARIANTS = [replace(GATHER_BASE, **d) for d in _BASE_VARIANTS] + [
     replace(GatherConfig(), **d) for d in _DEFAULT_VARIANTS
