@@ -132,9 +132,11 @@ def _int4_pairs_asm(fp: str, magic: str, one: str, neg: str) -> str:
     }}"""
 
 
-def _int2_quads_asm(fp: str, magic: str, one: str, neg: str, dequant: bool) -> str:
-    # $2i,$2i+1: pairs of output i (bits 2i..2i+1 of each byte); $8 four code bytes;
-    # with dequant, output i uses scale pairs $9+4i,$10+4i and zero pairs $11+4i,$12+4i.
+def _int2_quads_asm(fp: str, magic: str, one: str, neg: str, mode: str) -> str:
+    # $2i,$2i+1: pairs of output i (bits 2i..2i+1 of each byte); $8 four code bytes.
+    # mode "codes": exact codes (magic number, offset removed by an fma); "dequant": output i
+    # also uses scale pairs $9+4i,$10+4i and zero pairs $11+4i,$12+4i; "subnormal": the code
+    # itself is the bit pattern, the fp16 subnormal n * 2**-24 (no magic number, no fma).
     lines = [
         "{",
         ".reg .b32 zz, t01, t23, u0, u1, k1, kn;",
@@ -145,11 +147,17 @@ def _int2_quads_asm(fp: str, magic: str, one: str, neg: str, dequant: bool) -> s
         "prmt.b32 t23, $8, zz, 0x4342;",
     ]
     for i in range(4):
-        lines += [
-            f"lop3.b32 u0, t01, 0x00030003, {magic}, 0xEA;",
-            f"lop3.b32 u1, t23, 0x00030003, {magic}, 0xEA;",
-        ]
-        if dequant:
+        if mode == "subnormal":
+            lines += [
+                f"and.b32 ${2 * i}, t01, 0x00030003;",
+                f"and.b32 ${2 * i + 1}, t23, 0x00030003;",
+            ]
+        else:
+            lines += [
+                f"lop3.b32 u0, t01, 0x00030003, {magic}, 0xEA;",
+                f"lop3.b32 u1, t23, 0x00030003, {magic}, 0xEA;",
+            ]
+        if mode == "dequant":
             s0, s1, z0, z1 = 9 + 4 * i, 10 + 4 * i, 11 + 4 * i, 12 + 4 * i
             lines += [
                 f"fma.rn.{fp} u0, u0, k1, kn;",
@@ -157,7 +165,7 @@ def _int2_quads_asm(fp: str, magic: str, one: str, neg: str, dequant: bool) -> s
                 f"fma.rn.{fp} ${2 * i}, u0, ${s0}, ${z0};",
                 f"fma.rn.{fp} ${2 * i + 1}, u1, ${s1}, ${z1};",
             ]
-        else:
+        elif mode == "codes":
             lines += [
                 f"fma.rn.{fp} ${2 * i}, u0, k1, kn;",
                 f"fma.rn.{fp} ${2 * i + 1}, u1, k1, kn;",
@@ -198,10 +206,14 @@ INT4_PAIRS_BF16 = tl.constexpr(_int4_pairs_asm(*_BF16))
 INT4_PAIRS_FP16 = tl.constexpr(_int4_pairs_asm(*_FP16))
 INT4_CODES_BF16 = tl.constexpr(_int4_codes_asm(*_BF16))
 INT4_CODES_FP16 = tl.constexpr(_int4_codes_asm(*_FP16))
-INT2_CODES_BF16 = tl.constexpr(_int2_quads_asm(*_BF16, dequant=False))
-INT2_CODES_FP16 = tl.constexpr(_int2_quads_asm(*_FP16, dequant=False))
-INT2_QUADS_BF16 = tl.constexpr(_int2_quads_asm(*_BF16, dequant=True))
-INT2_QUADS_FP16 = tl.constexpr(_int2_quads_asm(*_FP16, dequant=True))
+INT2_CODES_BF16 = tl.constexpr(_int2_quads_asm(*_BF16, mode="codes"))
+INT2_CODES_FP16 = tl.constexpr(_int2_quads_asm(*_FP16, mode="codes"))
+INT2_QUADS_BF16 = tl.constexpr(_int2_quads_asm(*_BF16, mode="dequant"))
+INT2_QUADS_FP16 = tl.constexpr(_int2_quads_asm(*_FP16, mode="dequant"))
+INT2_QUADS_SUBNORMAL = tl.constexpr(_int2_quads_asm(*_FP16, mode="subnormal"))
+#: 2**-24, the fp16 subnormal whose bit pattern is 1: a code n stored as the bits of an
+#: fp16 is n * SUBNORMAL_UNIT (the interpreter fallbacks compute it so)
+SUBNORMAL_UNIT = tl.constexpr(2.0**-24)
 
 
 @triton.jit
@@ -371,7 +383,7 @@ def int4_word_codes_f16_subnormal(w, USE_ASM: tl.constexpr):
             pack=2,
         )
     else:
-        t = 5.9604644775390625e-08  # 2**-24
+        t = SUBNORMAL_UNIT
         return (
             (codes_to_f32(w & 15) * t).to(tl.float16),
             (codes_to_f32((w >> 8) & 15) * t).to(tl.float16),
@@ -416,22 +428,6 @@ def int2_code_quads(b, OUT: tl.constexpr, USE_ASM: tl.constexpr):
         return c0, c1, c2, c3
 
 
-def _int2_quads_subnormal_asm() -> str:
-    # $0..$7: pairs of output i = 0..3 (bits 2i..2i+1 of each of four code bytes in $8) as
-    # the fp16 subnormals n * 2**-24: the code itself is the bit pattern, no magic number
-    lines = ["{", ".reg .b32 zz, t01, t23;", "mov.b32 zz, 0;"]
-    lines += ["prmt.b32 t01, $8, zz, 0x4140;", "prmt.b32 t23, $8, zz, 0x4342;"]
-    for i in range(4):
-        lines += [f"and.b32 ${2 * i}, t01, 0x00030003;", f"and.b32 ${2 * i + 1}, t23, 0x00030003;"]
-        if i < 3:
-            lines += ["shr.b32 t01, t01, 2;", "shr.b32 t23, t23, 2;"]
-    lines.append("}")
-    return "\n".join(lines)
-
-
-INT2_QUADS_SUBNORMAL = tl.constexpr(_int2_quads_subnormal_asm())
-
-
 @triton.jit
 def int2_code_quads_subnormal(b, USE_ASM: tl.constexpr):
     """As :func:`int2_code_quads` with OUT fp16 (same four tensors, same channels), but each
@@ -447,7 +443,7 @@ def int2_code_quads_subnormal(b, USE_ASM: tl.constexpr):
             pack=4,
         )
     else:
-        t = 5.9604644775390625e-08  # 2**-24
+        t = SUBNORMAL_UNIT
         x = b.to(tl.int32)
         return (
             (codes_to_f32(x & 3) * t).to(tl.float16),
@@ -479,7 +475,7 @@ INT2_WORD_PLANES = tl.constexpr(_int2_word_planes_asm())
 @triton.jit
 def _int2_plane_in_place(x, i: tl.constexpr, k: tl.constexpr):
     """Bit pair k of byte i of int32 words x, left in place, as the fp16 ``(n << 2k) 2**-24``."""
-    return (codes_to_f32((x >> (8 * i)) & (3 << (2 * k))) * 5.9604644775390625e-08).to(tl.float16)
+    return (codes_to_f32((x >> (8 * i)) & (3 << (2 * k))) * SUBNORMAL_UNIT).to(tl.float16)
 
 
 @triton.jit
