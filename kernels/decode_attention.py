@@ -177,6 +177,9 @@ class DecodeConfig:
         return 1 if has_int4 or (has_int2 and self.int2_fold) else 2
 
 
+_DEFAULT_CONFIG = DecodeConfig()
+
+
 @triton.jit
 def _mma(a, b, IEEE_F32: tl.constexpr):
     # The CPU interpreter of Triton 3.9 mis-computes bf16 dots: use exact fp32 there.
@@ -1830,7 +1833,7 @@ def decode_attention(
             "the Triton decode kernel supports head_dim 64 or 128 (use backend='torch')"
         )
 
-    cfg = config or DecodeConfig()
+    cfg = config or _DEFAULT_CONFIG
     length = slot_map.shape[-1]
     has2 = int2_lens is not None and pools.int2 is not None
     has4 = int4_lens is not None and pools.int4 is not None

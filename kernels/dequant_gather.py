@@ -134,6 +134,8 @@ GATHER_BASE = GatherConfig(
 one KV head) programs of 4 warps, every precision's section run with masks, int64
 offsets, a head-major padded slot copy for per-head maps; INT4 read as words."""
 
+_DEFAULT_CONFIG = GatherConfig()  # built (and checked) once, not per call
+
 
 def dequant_gather_ref(
     pools: KVPools,
@@ -616,7 +618,7 @@ def dequant_gather(
     the original kernel); the torch backend ignores them, but ``heads_per_program`` must
     divide Hkv either way (``ValueError``).
     """
-    cfg = GatherConfig() if config is None else config
+    cfg = _DEFAULT_CONFIG if config is None else config
     if not isinstance(cfg, GatherConfig):
         raise TypeError(f"config must be a GatherConfig or None, got {type(cfg).__name__}")
     heads = cfg.heads(pools.num_kv_heads)
