@@ -49,6 +49,10 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "int2 folded v-words w2": ("int2", dict(num_warps=2)),
     "int2 dequantizing": ("int2", dict(int2_fold=False)),
     "int4 session-10 default": ("int4", dict(int4_live_from_scales=False)),
+    "int4 uncapped splits": ("int4", dict(max_split_len_folded=0)),
+    "int4 split-fastest grid": ("int4", dict(heads_fastest=False)),
+    "int4 centred": ("int4", dict(int4_v_subnormal=False, int4_v_centred=True)),
+    "int2 split-fastest grid": ("int2", dict(heads_fastest=False)),
 }
 
 METRICS = {

@@ -10,7 +10,8 @@ Input contract (one layer, one new query token per request):
   group of 32 positions holds rows of one INT2 page (any row order) or DEAD.
 * Attention is order-free over keys (RoPE is already in K), so this reordering is free.
 
-Kernel: grid (split, kv_head, request). A split covers a split length of positions of one
+Kernel: grid (kv_head, split, request) (``heads_fastest``; else (split, kv_head, request)).
+A split covers a split length of positions of one
 segment (each segment has its own, from :class:`DecodeConfig`), so it reads one pool; all
 ``Hq / Hkv`` query heads of the GQA group share the program and read each K/V row once.
 DEAD positions, positions past the segment end and head-masked positions are predicated
@@ -46,6 +47,7 @@ import triton.language as tl
 from .backend import Backend, resolve_backend, triton_interpreting
 from .decode_attention_reference import decode_attention_ref
 from .packing import (
+    INT4_CENTRE,
     dequant_int2_quads,
     dequant_int4_pairs,
     int2_code_quads,
@@ -136,7 +138,19 @@ class DecodeConfig:
     rose from 2e-3 at 1,024 positions per split to 1.8e-2 at 16,384 and 3.7e-2 at 65,536
     (random K/V; the dequantizing INT2 split and bf16 stay at 1.7-2.3e-3 at any length).
     Shorter splits mean more programs and partial outputs for the merge, not more
-    reads."""
+    reads.
+    heads_fastest: the split kernel's grid is (KV head, split, request) instead of (split,
+    KV head, request), so the programs of one split's KV heads are neighbours in launch
+    order and run together: the token rows they share (one slot-map entry; the 32-byte
+    sectors of the INT4 scales, which hold four heads' rows) come from DRAM once and from
+    L2 for the other heads. With the split fastest, a head's next program was
+    ``splits`` launches away, far enough at 128 splits for the sectors to leave L2 between
+    the heads (H100, B=8 N=128k INT4: 2.11 GB read for 1.14 GB of rows and scales).
+    int4_v_centred (stacked folded path, with ``int4_v_subnormal`` off): the value codes
+    enter the dot as ``c - 8`` (the magic-number conversion subtracts 1032 instead of
+    1024: same instructions) and the zeros as ``z + 8 s``, so ``sum p s (c - 8)`` and
+    ``sum p (z + 8 s)`` are each about the size of the output instead of two large sums
+    that cancel: the INT4 splits then need no ``max_split_len_folded`` cap."""
 
     block_n_full: int = 64
     block_n_int4: int = 32
@@ -162,6 +176,15 @@ class DecodeConfig:
     int4_live_from_scales: bool = True
     max_registers: int | None = None
     max_split_len_folded: int = 1024
+    heads_fastest: bool = True
+    int4_v_centred: bool = False
+
+    def __post_init__(self) -> None:
+        if self.int4_v_centred and self.int4_v_subnormal:
+            raise ValueError(
+                "int4_v_centred needs int4_v_subnormal=False (the centred codes are made "
+                "by the magic-number conversion, not as subnormals)"
+            )
 
     def stages(self, has_int4: bool) -> int:
         """``num_stages`` of a launch (None: 3 with INT4 segments, where the live-from-scales
@@ -465,6 +488,7 @@ def _int4_split_stacked(
     V_DOTS8: tl.constexpr,
     OFFS32: tl.constexpr,
     LIVE_FROM_SCALES: tl.constexpr = False,
+    V_CENTRED: tl.constexpr = False,
 ):
     """One INT4 split with (query head, channel group) pairs stacked as the rows of one dot.
 
@@ -473,7 +497,9 @@ def _int4_split_stacked(
     group's partial score and the per-token group scales apply afterwards
     (``q.k = sum_g s_tg (q_g . c_tg) + z_tg sum(q_g)``). For values, the stacked rows
     carry ``p_t s_tg`` and each output channel takes its own group's row at the end
-    (``sum_t (p_t s_tg) c_tc``), plus ``sum_t p_t z_tg`` from one small dot."""
+    (``sum_t (p_t s_tg) c_tc``), plus ``sum_t p_t z_tg`` from one small dot. V_CENTRED: the
+    value codes enter as ``c - 8`` and the zeros as ``z + 8 s``, so neither sum grows
+    one-signed over the split (see ``DecodeConfig.int4_v_centred``)."""
     NG: tl.constexpr = D // 32
     R: tl.constexpr = BLOCK_HQ * NG
     H2: tl.constexpr = D // 2
@@ -549,6 +575,9 @@ def _int4_split_stacked(
         kz = tl.load(kz_ptr + ssel, mask=lsel, other=DEAD_KZ).to(tl.float32)
         vs = tl.load(vs_ptr + ssel, mask=lsel, other=0.0)
         vz = tl.load(vz_ptr + so[:, None] + cng[None, :], mask=lm, other=0.0)
+        if V_CENTRED:  # z + 8 s: the zero of the centred codes (same sectors as vs: L1)
+            vsg = tl.load(vs_ptr + so[:, None] + cng[None, :], mask=lm, other=0.0)
+            vz = (vz.to(tl.float32) + INT4_CENTRE * vsg.to(tl.float32)).to(vz.dtype)
         if KEY_IMMA:
             # int8 codes straight from the bytes, one exact int32 dot for hi and lo rows
             ke8, ko8 = int4_code_bytes_i8(kb, USE_ASM)
@@ -606,7 +635,7 @@ def _int4_split_stacked(
         if V_SUBNORMAL:  # codes n as fp16 n * 2**-24: the 2**24 comes back at the store
             l0, l1, l2, l3, h0, h1, h2, h3 = int4_word_codes_f16_subnormal(vw, USE_ASM)
         else:
-            l0, l1, l2, l3, h0, h1, h2, h3 = int4_word_codes_f16(vw, USE_ASM)
+            l0, l1, l2, l3, h0, h1, h2, h3 = int4_word_codes_f16(vw, USE_ASM, V_CENTRED)
         pst = pst.to(tl.float16)
         if V_DOTS8:  # no join: each code tensor is a dot operand as loaded
             a0 = _mma_acc(pst, l0, a0, IEEE_F32)
@@ -998,11 +1027,17 @@ def _decode_split_kernel(
     INT2_FOLD: tl.constexpr = False,
     INT2_V_WORDS: tl.constexpr = False,
     INT4_LIVE_FROM_SCALES: tl.constexpr = False,
+    HEADS_FASTEST: tl.constexpr = False,
+    V_CENTRED: tl.constexpr = False,
 ):
     NG: tl.constexpr = D // 32
     Q: tl.constexpr = D // 4
-    s = tl.program_id(0)
-    h = tl.program_id(1)
+    if HEADS_FASTEST:
+        h = tl.program_id(0)
+        s = tl.program_id(1)
+    else:
+        s = tl.program_id(0)
+        h = tl.program_id(1)
     b = tl.program_id(2)
 
     len_off = b * stride_lb + h * stride_lh
@@ -1426,6 +1461,7 @@ def _decode_split_kernel(
                         V_DOTS8,
                         OFFS32,
                         INT4_LIVE_FROM_SCALES,
+                        V_CENTRED,
                     )
                 else:
                     # Scales folded out of the inner loop: per token t and 32-channel group g,
@@ -1863,7 +1899,8 @@ def decode_attention(
     cap = cfg.max_split_len_folded  # the scale-folded splits' sums cancel: keep them short
     if cap and cfg.int2_fold:
         sl2 = min(sl2, cap)
-    if cap and not cfg.int4_legacy and (stacked or v_fold):
+    centred = cfg.int4_v_centred and stacked and not cfg.int4_v_subnormal
+    if cap and not cfg.int4_legacy and (stacked or v_fold) and not centred:
         sl4 = min(sl4, cap)
     s2, s4, sf = (-(-m // sl) for m, sl in ((m2, sl2), (m4, sl4), (mf, slf)))
     s_total = max(1, s2 + s4 + sf)
@@ -1901,7 +1938,8 @@ def decode_attention(
     interpreting = triton_interpreting()
     imma = stacked if cfg.int4_imma is None else cfg.int4_imma  # int8 key dots where stacked
     regs = None if interpreting else cfg.max_registers
-    _decode_split_kernel[(s_total, hkv, b)](
+    grid = (hkv, s_total, b) if cfg.heads_fastest else (s_total, hkv, b)
+    _decode_split_kernel[grid](
         q,
         q.stride(0),
         q.stride(1),
@@ -1961,6 +1999,8 @@ def decode_attention(
         INT2_FOLD=cfg.int2_fold,
         INT2_V_WORDS=cfg.int2_v_words,
         INT4_LIVE_FROM_SCALES=cfg.int4_live_from_scales and stacked,
+        HEADS_FASTEST=cfg.heads_fastest,
+        V_CENTRED=centred,
         num_warps=cfg.warps(m4 > 0, m2 > 0),
         num_stages=cfg.stages(m4 > 0),
         **({"maxnreg": regs} if regs else {}),

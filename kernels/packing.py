@@ -300,10 +300,17 @@ def int4_code_bytes_i8(b, USE_ASM: tl.constexpr):
         return (b & 15).to(tl.int8), (b >> 4).to(tl.int8)
 
 
-def _int4_word_codes_asm() -> str:
+def _int4_word_codes_asm(centre: int = 0) -> str:
     # $8, $9: two int32 words (bytes 0..3 each); outputs $0..$3: low nibbles of byte k of
-    # both words (f16x2: word 0 in the low half), $4..$7: their high nibbles. Exact codes.
-    lines = ["{", ".reg .b32 t, u, k1, kn;", "mov.b32 k1, 0x3C003C00;", "mov.b32 kn, 0xE400E400;"]
+    # both words (f16x2: word 0 in the low half), $4..$7: their high nibbles. Exact codes
+    # n - centre: ``n | 0x6400`` is the fp16 1024 + n, the fma adds -(1024 + centre).
+    minus = 0xE400 + centre  # the fp16 -(1024 + centre) for 0 <= centre < 1024
+    lines = [
+        "{",
+        ".reg .b32 t, u, k1, kn;",
+        "mov.b32 k1, 0x3C003C00;",
+        f"mov.b32 kn, {minus | (minus << 16):#010x};",
+    ]
     for k in range(4):
         sel = k | (k << 4) | ((4 + k) << 8) | ((4 + k) << 12)
         lines += [
@@ -319,6 +326,9 @@ def _int4_word_codes_asm() -> str:
 
 
 INT4_WORD_CODES = tl.constexpr(_int4_word_codes_asm())
+#: the value codes' centre of ``int4_v_centred``: a code n enters the dot as n - 8
+INT4_CENTRE = tl.constexpr(8)
+INT4_WORD_CODES_CENTRED = tl.constexpr(_int4_word_codes_asm(INT4_CENTRE.value))
 
 
 def _int4_word_codes_subnormal_asm() -> str:
@@ -341,14 +351,15 @@ INT4_WORD_CODES_SUBNORMAL = tl.constexpr(_int4_word_codes_subnormal_asm())
 
 
 @triton.jit
-def int4_word_codes_f16(w, USE_ASM: tl.constexpr):
+def int4_word_codes_f16(w, USE_ASM: tl.constexpr, CENTRED: tl.constexpr = False):
     """w: [R, W] int32 words of INT4 bytes -> eight [R, W] fp16 tensors of exact codes:
     (low nibble of byte k for k = 0..3, then high nibble of byte k for k = 0..3) of each
     word. With the pool's layout, word i of a 32-channel group holds channels 8i .. 8i + 7:
-    low nibble of byte k = channel 8i + 2k, high nibble = channel 8i + 2k + 1."""
+    low nibble of byte k = channel 8i + 2k, high nibble = channel 8i + 2k + 1. CENTRED:
+    each code n comes as n - ``INT4_CENTRE`` (-8 .. 7; exact, same instruction count)."""
     if USE_ASM:
         return tl.inline_asm_elementwise(
-            INT4_WORD_CODES,
+            INT4_WORD_CODES_CENTRED if CENTRED else INT4_WORD_CODES,
             "=r,=r,=r,=r,=r,=r,=r,=r,r,r",
             [w],
             dtype=(tl.float16,) * 8,
@@ -356,15 +367,18 @@ def int4_word_codes_f16(w, USE_ASM: tl.constexpr):
             pack=2,
         )
     else:
+        c = 0.0
+        if CENTRED:
+            c = INT4_CENTRE * 1.0
         return (
-            codes_to_f32(w & 15).to(tl.float16),
-            codes_to_f32((w >> 8) & 15).to(tl.float16),
-            codes_to_f32((w >> 16) & 15).to(tl.float16),
-            codes_to_f32((w >> 24) & 15).to(tl.float16),
-            codes_to_f32((w >> 4) & 15).to(tl.float16),
-            codes_to_f32((w >> 12) & 15).to(tl.float16),
-            codes_to_f32((w >> 20) & 15).to(tl.float16),
-            codes_to_f32((w >> 28) & 15).to(tl.float16),
+            (codes_to_f32(w & 15) - c).to(tl.float16),
+            (codes_to_f32((w >> 8) & 15) - c).to(tl.float16),
+            (codes_to_f32((w >> 16) & 15) - c).to(tl.float16),
+            (codes_to_f32((w >> 24) & 15) - c).to(tl.float16),
+            (codes_to_f32((w >> 4) & 15) - c).to(tl.float16),
+            (codes_to_f32((w >> 12) & 15) - c).to(tl.float16),
+            (codes_to_f32((w >> 20) & 15) - c).to(tl.float16),
+            (codes_to_f32((w >> 28) & 15) - c).to(tl.float16),
         )
 
 

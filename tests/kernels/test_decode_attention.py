@@ -326,6 +326,9 @@ INT4_CONFIGS = [
     ("stacked_dots8", int4_config(int4_stacked=True, int4_v_dots8=True)),
     ("imma_all_session10", int4_config(**(KNOBS_ON | {"int4_live_from_scales": False}))),
     ("all_knobs_2_stages", int4_config(**KNOBS_ON, num_stages=2)),
+    ("centred", DecodeConfig(int4_v_subnormal=False, int4_v_centred=True)),
+    ("centred_plain", int4_config(int4_stacked=True, int4_v_centred=True)),
+    ("split_fastest_grid", DecodeConfig(heads_fastest=False)),
 ]
 
 
@@ -395,6 +398,7 @@ def test_int4_imma_and_lazy_rescale_within_1e3_of_reference(q_scale) -> None:
         int4_config(int4_imma=True, int4_lazy_rescale=True, int4_v_subnormal=True),
         int4_config(**(KNOBS_ON | {"int4_live_from_scales": False})),
         int4_config(**KNOBS_ON),
+        DecodeConfig(int4_v_subnormal=False, int4_v_centred=True),
     ):
         out, ref = _run(mb, torch.float16, split_len=256, config=cfg)
         rel = float((out.float() - ref.float()).norm() / ref.float().norm())
@@ -489,3 +493,23 @@ def test_folded_splits_are_capped() -> None:
         mb, torch.float16, split_len=256, config=DecodeConfig(max_split_len_folded=0)
     )
     assert not torch.equal(short, uncapped)
+
+
+def test_centred_int4_splits_are_not_capped() -> None:
+    """With centred value codes the INT4 sums no longer cancel, so the cap does not apply to
+    the INT4 segment: a longer ``split_len`` is honoured (a different rounding), and an INT4
+    launch with the cap equals one without it. The centred codes need the magic-number
+    conversion: asking for them with subnormal codes is an error, not a silent fallback."""
+    mb = build_mixed_batch([(0, 300, 9)], hq=8, hkv=2, d=128, dead_fraction=0.1, seed=13)
+    centred = dict(int4_v_subnormal=False, int4_v_centred=True)
+    short, _ = _run(mb, torch.float16, split_len=64, config=DecodeConfig(**centred))
+    capped, _ = _run(
+        mb, torch.float16, split_len=256, config=DecodeConfig(max_split_len_folded=64, **centred)
+    )
+    free, _ = _run(
+        mb, torch.float16, split_len=256, config=DecodeConfig(max_split_len_folded=0, **centred)
+    )
+    assert torch.equal(capped, free)
+    assert not torch.equal(short, capped)
+    with pytest.raises(ValueError, match="int4_v_subnormal"):
+        DecodeConfig(int4_v_centred=True)

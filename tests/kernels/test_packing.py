@@ -285,6 +285,50 @@ def test_int4_imma_and_subnormal_code_views_match_torch(device: torch.device) ->
 
 
 @triton.jit
+def _int4_word_codes_kernel(
+    p_ptr,
+    wl_ptr,
+    wh_ptr,
+    R: tl.constexpr,
+    D: tl.constexpr,
+    CENTRED: tl.constexpr,
+    ASM: tl.constexpr,
+):
+    r = tl.arange(0, R)
+    w = tl.load(
+        p_ptr.to(tl.pointer_type(tl.int32)) + r[:, None] * (D // 8) + tl.arange(0, D // 8)[None, :]
+    )
+    c0, c1, c2, c3, c4, c5, c6, c7 = int4_word_codes_f16(w, ASM, CENTRED)
+    ow = r[:, None] * (D // 2) + 4 * tl.arange(0, D // 8)[None, :]  # byte 4w + k
+    tl.store(wl_ptr + ow, c0)
+    tl.store(wl_ptr + ow + 1, c1)
+    tl.store(wl_ptr + ow + 2, c2)
+    tl.store(wl_ptr + ow + 3, c3)
+    tl.store(wh_ptr + ow, c4)
+    tl.store(wh_ptr + ow + 1, c5)
+    tl.store(wh_ptr + ow + 2, c6)
+    tl.store(wh_ptr + ow + 3, c7)
+
+
+@pytest.mark.parametrize("centred", [False, True])
+def test_int4_word_codes_magic_and_centred_match_torch(device: torch.device, centred) -> None:
+    """The magic-number word unpacking (``n | 0x6400`` as fp16, minus 1024, or minus 1032 for
+    the centred value codes of ``int4_v_centred``: n - 8) against torch's codes, exactly
+    (the inline PTX on a GPU, the fallback in the interpreter)."""
+    g = torch.Generator().manual_seed(6)
+    rows, d = 4, 128
+    codes = torch.randint(0, 16, (rows, d), generator=g, dtype=torch.uint8)
+    codes[0, :16] = torch.arange(16, dtype=torch.uint8)  # every code once
+    packed = pack_int4(codes).to(device)
+    wl, wh = (torch.empty(rows, d // 2, dtype=torch.float16, device=device) for _ in range(2))
+    asm = not triton_interpreting()
+    _int4_word_codes_kernel[(1,)](packed, wl, wh, R=rows, D=d, CENTRED=centred, ASM=asm)
+    c = codes.to(device).float() - (8.0 if centred else 0.0)
+    assert torch.equal(wl.float(), c[:, 0::2])
+    assert torch.equal(wh.float(), c[:, 1::2])
+
+
+@triton.jit
 def _int2_subnormal_views_kernel(
     p_ptr, q_ptr, w_ptr, R: tl.constexpr, D: tl.constexpr, ASM: tl.constexpr
 ):

@@ -1,0 +1,147 @@
+"""How the decode kernels' time and error depend on the split plan and the launch order.
+
+Run on the GPU machine::
+
+    python3 benchmarks/decode_splits.py --shapes '8,131072;32,32768' --impls int4 \\
+        --variants 'default={};split-fastest={"heads_fastest": false}' --out $OUT/splits.json
+
+For every shape (B, N; Hq 32, Hkv 8, D 128, every position live, token slots scattered as in
+``decode_attention.py``), impl and variant (``DecodeConfig`` keyword arguments as JSON), it
+records:
+
+- ``kernel_us``: the whole call (split kernel + merge) from a CUDA graph, L2 flushed, and its
+  ratio to SDPA's on the same shape;
+- ``split_us`` / ``merge_us``: each kernel's own time (torch profiler, mean of 10 calls, L2
+  flushed before each);
+- ``rel_err_bf16``: norm-relative error against the float32 torch reference on the same
+  quantized values (bf16 query and output), with ``bf16_floor``, the reference's own rounding
+  to bf16; ``rel_err_fp16``: the same with an fp16 query and output, whose rounding floor is 8x
+  lower: the kernel's own error shows there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from decode_attention import (  # noqa: E402
+    _FLUSH_BYTES,
+    DecodeConfig,
+    Shape,
+    _kernel_us,
+    _rel,
+    _sdpa,
+    _warm_gpu,
+    decode_attention,
+    decode_attention_ref,
+)
+
+KERNELS = ("_decode_split_kernel", "_merge_splits_kernel")
+
+
+def kernel_means(fn, calls: int = 10) -> dict[str, float]:
+    """Mean device time per call of each of the two decode kernels, microseconds."""
+    flush = torch.empty(_FLUSH_BYTES // 4, dtype=torch.int32, device="cuda")
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            flush.zero_()
+            fn()
+        torch.cuda.synchronize()
+    out = dict.fromkeys(KERNELS, 0.0)
+    for ev in prof.events():
+        for k in KERNELS:
+            if k in ev.name:
+                out[k] += ev.device_time / calls
+    return out
+
+
+def measure(s: Shape, impl: str, cfg: DecodeConfig, sdpa_us: float) -> dict:
+    kw = s.inputs(impl, False)
+
+    def call(q: torch.Tensor) -> torch.Tensor:
+        return decode_attention(q, s.pools, config=cfg, **kw)
+
+    def fn():
+        return call(s.q)
+
+    _warm_gpu(0.1)
+    us = _kernel_us(fn)
+    per = kernel_means(fn)
+    r = min(2, s.b)
+    rows = {k: (v[:r] if isinstance(v, torch.Tensor) and v.dim() else v) for k, v in kw.items()}
+    ref = decode_attention_ref(s.q[:r].float(), s.pools, rows["slot_map"], rows["seq_lens"])
+    out16 = decode_attention(s.q[:r].half(), s.pools, config=cfg, **rows)
+    ref16 = decode_attention_ref(
+        s.q[:r].half().float(), s.pools, rows["slot_map"], rows["seq_lens"]
+    )
+    lens = kw["int4_lens"] if impl == "int4" else kw["int2_lens"] if impl == "int2" else None
+    return {
+        "kernel_us": us,
+        "vs_sdpa": sdpa_us / us if us else None,
+        "split_us": per[KERNELS[0]],
+        "merge_us": per[KERNELS[1]],
+        "rel_err_bf16": _rel(fn()[:r], ref),
+        "bf16_floor": _rel(ref.to(torch.bfloat16), ref),
+        "rel_err_fp16": _rel(out16, ref16),
+        "fp16_floor": _rel(ref16.half(), ref16),
+        "n": int(lens.max()) if lens is not None else s.n,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shapes", default="8,131072;32,32768;8,32768", help="B,N;B,N;...")
+    ap.add_argument("--impls", default="int4")
+    ap.add_argument(
+        "--variants",
+        default='default={};uncapped={"max_split_len_folded": 0}',
+        help="name=JSON DecodeConfig kwargs;...",
+    )
+    ap.add_argument(
+        "--rounds", type=int, default=1, help="times every variant is measured, in turn"
+    )
+    ap.add_argument("--out", type=Path, default=Path("decode_splits.json"))
+    args = ap.parse_args()
+    variants = {}
+    for spec in filter(None, args.variants.split(";")):
+        name, _, kwargs = spec.partition("=")
+        variants[name] = json.loads(kwargs or "{}")
+    rows = []
+    for spec in args.shapes.split(";"):
+        b, n = (int(x) for x in spec.split(","))
+        s = Shape(b, n)
+        _warm_gpu(1.0)
+        sdpa_us = _kernel_us(_sdpa(s))
+        s.drop_sdpa_kv()
+        print(f"B={b} N={n}: SDPA {sdpa_us} us", flush=True)
+        for rnd, impl, (name, kw) in itertools.product(
+            range(args.rounds), args.impls.split(","), variants.items()
+        ):
+            row = {"B": b, "N": n, "impl": impl, "variant": name, "round": rnd}
+            try:
+                cfg = DecodeConfig(**kw)
+                row.update(measure(s, impl, cfg, sdpa_us))
+                row["config"] = asdict(cfg)
+            except Exception as e:  # noqa: BLE001 - one bad config must not end the sweep
+                row["error"] = f"{type(e).__name__}: {e}"[:300]
+            rows.append(row)
+            shown = {k: v for k, v in row.items() if k != "config"}
+            print(json.dumps(shown, default=lambda x: round(x, 6)), flush=True)
+        del s
+        torch.cuda.empty_cache()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"sdpa": "torch SDPA bf16", "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
