@@ -347,11 +347,12 @@ def _sdpa(s: Shape):
     return fn
 
 
-def _ours(s: Shape, impl: str, dead: bool, cfg: DecodeConfig):
+def _ours(s: Shape, impl: str, dead: bool, cfg: DecodeConfig, q: torch.Tensor | None = None):
     kw = s.inputs(impl, dead)
+    q = s.q if q is None else q
 
     def fn():
-        return decode_attention(s.q, s.pools, config=cfg, **kw)
+        return decode_attention(q, s.pools, config=cfg, **kw)
 
     return fn
 
@@ -436,18 +437,26 @@ def _num(x: float | None, spec: str = ".1f") -> str:
     return "-" if x is None else format(x, spec)
 
 
-def _ref_errors(s: Shape, impl: str, dead: bool, out: torch.Tensor, rows: int = 2) -> dict:
-    """Error of ``out`` against the torch reference on the same (quantized) pools, over the
-    first ``rows`` requests (float32 reference; the bf16 floor is the reference rounded)."""
+def _ref_errors(
+    s: Shape, impl: str, dead: bool, out: torch.Tensor, out16: torch.Tensor | None = None
+) -> dict:
+    """Error of ``out`` (bf16 query and output) against the float32 torch reference on the
+    same (quantized) pools, over the first two requests; the bf16 floor is the reference
+    rounded to bf16. ``out16``: the same call with the query in fp16, whose output rounding
+    floor is 8x lower, so the kernel's own error shows (``rel_err_fp16_vs_ref``)."""
     kw = s.inputs(impl, dead)
-    r = min(rows, s.b)
+    r = min(2, s.b)
     ref = decode_attention_ref(
         s.q[:r].float(), s.pools, kw["slot_map"][:r], kw["seq_lens"][:r]
     )  # float32 [r, Hq, D]
-    return {
+    res = {
         "rel_err_vs_ref": _rel(out[:r], ref),
         "bf16_floor": _rel(ref.to(torch.bfloat16), ref),
     }
+    if out16 is not None:  # bf16 query values are exact in fp16: the same reference
+        res["rel_err_fp16_vs_ref"] = _rel(out16[:r], ref)
+        res["fp16_floor"] = _rel(ref.half(), ref)
+    return res
 
 
 def tune_grid(impl: str) -> list[DecodeConfig]:
@@ -906,7 +915,8 @@ def main() -> None:
                     if not dead and ref is not None:
                         extra["rel_err_vs_sdpa"] = _rel(out, ref)
                     if not args.no_ref:
-                        extra.update(_ref_errors(s, impl, dead, out))
+                        out16 = _ours(s, impl, dead, cfgs[impl], s.q.half())()
+                        extra.update(_ref_errors(s, impl, dead, out, out16))
                     emit(impl, 0.5 if dead else 0.0, us, s.bytes_read(impl, dead), sdpa_us, extra)
                 except Exception as e:  # noqa: BLE001
                     rec.add(
@@ -929,7 +939,8 @@ def main() -> None:
                 f"{r['time_us']:9.1f} us {r['bandwidth_TBps']:5.2f} TB/s "
                 f"x{(r['speedup_vs_sdpa'] or 0):5.2f} "
                 f"err_sdpa={_fmt(r.get('rel_err_vs_sdpa'))} "
-                f"err_ref={_fmt(r.get('rel_err_vs_ref'))} (bf16 floor {_fmt(r.get('bf16_floor'))})"
+                f"err_ref={_fmt(r.get('rel_err_vs_ref'))} (bf16 floor {_fmt(r.get('bf16_floor'))}"
+                f", fp16 {_fmt(r.get('rel_err_fp16_vs_ref'))})"
                 f"\n{'':14s} kernel {_num(r.get('kernel_us'))} us (graph, L2 flushed) | host "
                 f"{_num(r.get('host_us'))} us/call (python {_num(r.get('python_us'))} + launch "
                 f"{_num(r.get('launch_us'))}), stream {_num(r.get('stream_us'))} us/call, "

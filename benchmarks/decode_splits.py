@@ -13,10 +13,10 @@ records:
   ratio to SDPA's on the same shape;
 - ``split_us`` / ``merge_us``: each kernel's own time (torch profiler, mean of 10 calls, L2
   flushed before each);
-- ``rel_err_bf16``: norm-relative error against the float32 torch reference on the same
-  quantized values (bf16 query and output), with ``bf16_floor``, the reference's own rounding
-  to bf16; ``rel_err_fp16``: the same with an fp16 query and output, whose rounding floor is 8x
-  lower: the kernel's own error shows there.
+- ``rel_err_vs_ref`` / ``rel_err_fp16_vs_ref`` and their floors: the error against the
+  float32 torch reference on the same quantized values with a bf16 and an fp16 query
+  (``decode_attention.py``'s ``_ref_errors``; the fp16 output's rounding floor is 8x lower,
+  so the kernel's own error shows there).
 """
 
 from __future__ import annotations
@@ -37,11 +37,10 @@ from decode_attention import (  # noqa: E402
     DecodeConfig,
     Shape,
     _kernel_us,
-    _rel,
+    _ours,
+    _ref_errors,
     _sdpa,
     _warm_gpu,
-    decode_attention,
-    decode_attention_ref,
 )
 
 KERNELS = ("_decode_split_kernel", "_merge_splits_kernel")
@@ -66,35 +65,17 @@ def kernel_means(fn, calls: int = 10) -> dict[str, float]:
 
 
 def measure(s: Shape, impl: str, cfg: DecodeConfig, sdpa_us: float) -> dict:
-    kw = s.inputs(impl, False)
-
-    def call(q: torch.Tensor) -> torch.Tensor:
-        return decode_attention(q, s.pools, config=cfg, **kw)
-
-    def fn():
-        return call(s.q)
-
+    fn = _ours(s, impl, False, cfg)
+    errs = _ref_errors(s, impl, False, fn(), _ours(s, impl, False, cfg, s.q.half())())
     _warm_gpu(0.1)
     us = _kernel_us(fn)
     per = kernel_means(fn)
-    r = min(2, s.b)
-    rows = {k: (v[:r] if isinstance(v, torch.Tensor) and v.dim() else v) for k, v in kw.items()}
-    ref = decode_attention_ref(s.q[:r].float(), s.pools, rows["slot_map"], rows["seq_lens"])
-    out16 = decode_attention(s.q[:r].half(), s.pools, config=cfg, **rows)
-    ref16 = decode_attention_ref(
-        s.q[:r].half().float(), s.pools, rows["slot_map"], rows["seq_lens"]
-    )
-    lens = kw["int4_lens"] if impl == "int4" else kw["int2_lens"] if impl == "int2" else None
     return {
         "kernel_us": us,
         "vs_sdpa": sdpa_us / us if us else None,
         "split_us": per[KERNELS[0]],
         "merge_us": per[KERNELS[1]],
-        "rel_err_bf16": _rel(fn()[:r], ref),
-        "bf16_floor": _rel(ref.to(torch.bfloat16), ref),
-        "rel_err_fp16": _rel(out16, ref16),
-        "fp16_floor": _rel(ref16.half(), ref16),
-        "n": int(lens.max()) if lens is not None else s.n,
+        **errs,
     }
 
 

@@ -94,18 +94,24 @@ def render(doc: dict) -> str:
             "",
             "### Error vs the torch reference on the same quantized pools",
             "",
-            "Relative L2 error of the kernel's bf16 output against a float32 "
-            "`decode_attention_ref` over the first requests; *floor*: the error of rounding "
-            "that reference to bf16 (no bf16 output can do better).",
+            "Relative L2 error of the kernel's output against a float32 "
+            "`decode_attention_ref` over the first requests, with a bf16 query (and output) "
+            "and with the same query in fp16; *floor*: the error of rounding that reference "
+            "to the output dtype (no output of that dtype can do better).",
             "",
-            "| B | N | impl | DEAD | rel. error | bf16 floor |",
-            "| --- | --- | --- | --- | --- | --- |",
+            "| B | N | impl | DEAD | bf16 error | bf16 floor | fp16 error | fp16 floor |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
+
+        def e(x: float | None) -> str:
+            return "-" if x is None else f"{x:.1e}"
+
         for r in sorted(err_rows, key=_key):
             out.append(
                 f"| {r['B']} | {r['N'] // 1024}k | {r['impl']} | "
                 f"{r['dead_fraction']:.0%} {r.get('dead_pattern') or ''} | "
-                f"{r['rel_err_vs_ref']:.1e} | {r['bf16_floor']:.1e} |"
+                f"{r['rel_err_vs_ref']:.1e} | {r['bf16_floor']:.1e} | "
+                f"{e(r.get('rel_err_fp16_vs_ref'))} | {e(r.get('fp16_floor'))} |"
             )
     if doc.get("configs"):
         out += ["", "Configs used (`DecodeConfig`, after `--tune` when given):", ""]

@@ -110,8 +110,11 @@ class DecodeConfig:
     (fewer 64-bit address instructions). Defaults: every stacked-path knob on, int4_imma
     None = on wherever the stacked path runs (the H100 sweep of session 10: INT4 at B=8
     N=32k 202 µs vs 278 µs with them off, docs/benchmarks.md §3). prefetch: hand
-    double-buffering of the INT2 (and legacy INT4) loads. merge_block_s: splits per step
-    of the merge kernel. int2_fold: the INT2 split with every scale folded out of the codes
+    double-buffering of the INT2 (and legacy INT4) loads. merge_block_s: the most splits per
+    step of the merge kernel (each step takes the next power of two >= the splits, at least
+    16, up to this): at B=1 N=32k (128 splits) one step of 128 instead of four of 32 cut the
+    merge from 7.1 to 3.0 µs on the H100, while a fixed 128 doubled it where 16 splits are
+    merged (B=32 N=4k: 5.4 -> 9.2 µs). int2_fold: the INT2 split with every scale folded out of the codes
     (key page scales into the query, value token scales into ``p``, codes as fp16
     subnormals: no per-element dequantization; ``int4_lazy_rescale`` applies to it too).
     max_registers: a cap on registers per thread (ptxas ``.maxnreg``): more programs per SM
@@ -131,14 +134,20 @@ class DecodeConfig:
     for INT4 launches (H100, session 11: 195 vs 202 µs at B=8 N=32k, 150 vs 168 µs with 50%
     DEAD).
     max_split_len_folded: the longest split (positions, a multiple of 64) of the
-    scale-folded segments (INT4 except ``int4_legacy`` / fp16-dequantized values; folded
-    INT2), whatever ``split_len`` says; 0: no cap. Their output is the difference of two
-    large one-signed sums (``sum p s c`` and ``sum p z``), and the tensor cores' fp32
-    accumulation loses low bits as those grow: on the H100 the error against the reference
-    rose from 2e-3 at 1,024 positions per split to 1.8e-2 at 16,384 and 3.7e-2 at 65,536
-    (random K/V; the dequantizing INT2 split and bf16 stay at 1.7-2.3e-3 at any length).
-    Shorter splits mean more programs and partial outputs for the merge, not more
-    reads.
+    scale-folded segments (INT4 except ``int4_legacy`` / fp16-dequantized values /
+    ``int4_v_centred``; folded INT2) for requests of up to ``folded_cap_len`` positions,
+    whatever ``split_len`` says; longer requests get ``max_split_len_folded *
+    sqrt(folded_cap_len / length)`` (a multiple of 64, at least 256); 0: no cap. Their
+    output is the difference of two large one-signed sums (``sum p s c`` and ``sum p z``),
+    and the tensor cores' fp32 accumulation truncates (rounds toward zero) the products it
+    adds to a growing sum: a bias that grows with the split, and that the cancellation
+    turns into a relative error. On the H100 (random K/V: near-uniform attention, so the
+    output shrinks as 1/sqrt(length) and the bias stands out most) it rose from 2e-3 at
+    1,024 positions per split to 1.8e-2 at 16,384 and 3.7e-2 at 65,536; at B=8 N=128k
+    with fp16 output, 5.9e-3 uncapped, 1.1e-3 at 1,024 positions and 5.4e-4 at 512 (the
+    dequantizing INT2 split and bf16 stay at their rounding floor at any length). Shorter
+    splits mean more programs and partial outputs for the merge, not more reads (INT4 at
+    B=8 N=128k: 726 µs at 1,024, 767 at 512).
     heads_fastest: the split kernel's grid is (KV head, split, request) instead of (split,
     KV head, request), so the programs of one split's KV heads are neighbours in launch
     order and run together: the token rows they share (one slot-map entry; the 32-byte
@@ -169,13 +178,14 @@ class DecodeConfig:
     int4_v_subnormal: bool = True
     int4_v_dots8: bool = True
     int4_offsets32: bool = True
-    merge_block_s: int = 32
+    merge_block_s: int = 128
     prefetch: bool = True
     int2_fold: bool = True
     int2_v_words: bool = True
     int4_live_from_scales: bool = True
     max_registers: int | None = None
     max_split_len_folded: int = 1024
+    folded_cap_len: int = 32768
     heads_fastest: bool = True
     int4_v_centred: bool = False
 
@@ -185,6 +195,13 @@ class DecodeConfig:
                 "int4_v_centred needs int4_v_subnormal=False (the centred codes are made "
                 "by the magic-number conversion, not as subnormals)"
             )
+
+    def folded_split_cap(self, length: int) -> int:
+        """The longest scale-folded split for requests of ``length`` positions (0: none)."""
+        cap = self.max_split_len_folded
+        if not cap or length <= self.folded_cap_len:
+            return cap
+        return max(256, int(cap * math.sqrt(self.folded_cap_len / length)) // 64 * 64)
 
     def stages(self, has_int4: bool) -> int:
         """``num_stages`` of a launch (None: 3 with INT4 segments, where the live-from-scales
@@ -1896,7 +1913,8 @@ def decode_attention(
         sl2 = sl4 = slf = split_len
     if sl2 % 64 or sl4 % 64 or slf % 64:
         raise ValueError("split_len must be a multiple of 64")
-    cap = cfg.max_split_len_folded  # the scale-folded splits' sums cancel: keep them short
+    # the scale-folded splits' sums cancel: keep them short
+    cap = cfg.folded_split_cap(m2 + m4 + mf)
     if cap and cfg.int2_fold:
         sl2 = min(sl2, cap)
     centred = cfg.int4_v_centred and stacked and not cfg.int4_v_subnormal
@@ -2014,7 +2032,7 @@ def decode_attention(
         hq,
         s_total,
         D=d,
-        BLOCK_S=cfg.merge_block_s,
+        BLOCK_S=min(cfg.merge_block_s, max(16, 1 << (s_total - 1).bit_length())),
         num_warps=4,
     )
     return out

@@ -495,6 +495,19 @@ def test_folded_splits_are_capped() -> None:
     assert not torch.equal(short, uncapped)
 
 
+def test_folded_split_cap_shrinks_with_length() -> None:
+    """The cap holds up to ``folded_cap_len`` positions, then shrinks as 1/sqrt(length) (the
+    truncation bias it bounds adds up over the request while near-uniform attention's output
+    shrinks), in multiples of 64 and never under 256; 0 turns it off."""
+    cfg = DecodeConfig()
+    assert cfg.folded_split_cap(4096) == cfg.folded_split_cap(32768) == 1024
+    assert cfg.folded_split_cap(131072) == 512
+    assert cfg.folded_split_cap(65536) == 704  # 1024 / sqrt(2) = 724, down to a multiple of 64
+    assert cfg.folded_split_cap(1 << 22) == 256
+    assert DecodeConfig(max_split_len_folded=0).folded_split_cap(1 << 20) == 0
+    assert DecodeConfig(folded_cap_len=1 << 20).folded_split_cap(131072) == 1024
+
+
 def test_centred_int4_splits_are_not_capped() -> None:
     """With centred value codes the INT4 sums no longer cancel, so the cap does not apply to
     the INT4 segment: a longer ``split_len`` is honoured (a different rounding), and an INT4
