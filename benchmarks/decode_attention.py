@@ -244,7 +244,7 @@ def _gpu_state() -> dict:
 class Shape:
     """All tensors of one (B, N) shape: SDPA K/V, the three pools, slot maps, masks."""
 
-    def __init__(self, b: int, n: int, seed: int = 0) -> None:
+    def __init__(self, b: int, n: int, seed: int = 0, scatter: bool = True) -> None:
         dev = DEVICE
         g = torch.Generator(device=dev).manual_seed(seed)
         self.b, self.n = b, n
@@ -258,6 +258,10 @@ class Shape:
         full_ids = torch.randperm(tokens, device=dev, generator=g).int() + 1
         int4_ids = torch.randperm(tokens, device=dev, generator=g).int()
         pages = torch.randperm(tokens // 32, device=dev, generator=g).int()
+        if not scatter:  # each request's positions on consecutive slots (a contiguous cache)
+            full_ids = torch.arange(1, tokens + 1, device=dev, dtype=torch.int32)
+            int4_ids = torch.arange(tokens, device=dev, dtype=torch.int32)
+            pages = torch.arange(tokens // 32, device=dev, dtype=torch.int32)
         self.slots_full = full_ids.view(b, n)
         self.slots_int4 = (int4_ids + p.int4_base).view(b, n)
         self.slots_int2 = p.int2_slot_ids(pages).reshape(b, n).int()

@@ -79,6 +79,12 @@ VARIANTS = {
     "int4 five knobs + live from scales, 3 stages (the default)": dict(
         _stacked(32, 1, *KNOBS), INT4_LIVE_FROM_SCALES=True, stages=3
     ),
+    "int4 default with centred V (int4_v_centred: magic-number codes, no subnormals)": dict(
+        _stacked(32, 1, "KEY_IMMA", "LAZY_RESCALE", "V_DOTS8", "OFFS32"),
+        INT4_LIVE_FROM_SCALES=True,
+        V_CENTRED=True,
+        stages=3,
+    ),
     "int4 session 10 default, maxnreg 168": dict(_stacked(32, 1, *KNOBS), maxnreg=168),
     "int4 session 10 default, maxnreg 128": dict(_stacked(32, 1, *KNOBS), maxnreg=128),
     "int4 imma lazy subnormal-V dots8-V bn64 w2": _stacked(64, 2, *KNOBS[:4]),
@@ -121,6 +127,8 @@ def compile_split(group: int, head_dim: int, segments: set[str], **knobs):
         INT2_FOLD=False,
         INT2_V_WORDS=False,
         INT4_LIVE_FROM_SCALES=False,
+        HEADS_FASTEST=True,
+        V_CENTRED=False,
         **dict.fromkeys(KNOBS, False),
     )
     consts.update(knobs)

@@ -7,7 +7,8 @@ Run on the GPU machine::
 
 For every shape (B, N; Hq 32, Hkv 8, D 128, every position live, token slots scattered as in
 ``decode_attention.py``), impl and variant (``DecodeConfig`` keyword arguments as JSON), it
-records:
+records (``--sequential-slots``: every request's tokens on consecutive slots, a contiguous
+cache, to see what the scattered rows cost):
 
 - ``kernel_us``: the whole call (split kernel + merge) from a CUDA graph, L2 flushed, and its
   ratio to SDPA's on the same shape;
@@ -91,6 +92,11 @@ def main() -> None:
     ap.add_argument(
         "--rounds", type=int, default=1, help="times every variant is measured, in turn"
     )
+    ap.add_argument(
+        "--sequential-slots",
+        action="store_true",
+        help="each request's positions on consecutive slots instead of scattered ones",
+    )
     ap.add_argument("--out", type=Path, default=Path("decode_splits.json"))
     args = ap.parse_args()
     variants = {}
@@ -100,7 +106,7 @@ def main() -> None:
     rows = []
     for spec in args.shapes.split(";"):
         b, n = (int(x) for x in spec.split(","))
-        s = Shape(b, n)
+        s = Shape(b, n, scatter=not args.sequential_slots)
         _warm_gpu(1.0)
         sdpa_us = _kernel_us(_sdpa(s))
         s.drop_sdpa_kv()

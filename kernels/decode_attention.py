@@ -269,7 +269,7 @@ def _int4_group_pv(vw, p, vs, a0, a1, a2, a3, IEEE_F32: tl.constexpr, USE_ASM: t
     group's 16 code bytes of each row); a0..a3: [BH, 8] accumulators of the group's
     channels ``8w + 4 (m % 2) + 2i + m // 2`` (tile m, column 2w + i)."""
     bn: tl.constexpr = vw.shape[0]
-    l0, l1, l2, l3, h0, h1, h2, h3 = int4_word_codes_f16(vw, USE_ASM)
+    l0, l1, l2, l3, h0, h1, h2, h3 = int4_word_codes_f16(vw, USE_ASM, False)
     pg = (p * vs[None, :]).to(tl.float16)
     a0 = _mma_acc(pg, tl.reshape(tl.join(l0, l1), [bn, 8]), a0, IEEE_F32)
     a1 = _mma_acc(pg, tl.reshape(tl.join(l2, l3), [bn, 8]), a1, IEEE_F32)
@@ -642,7 +642,7 @@ def _int4_split_stacked(
                 acc_e = acc_e * alr
                 acc_o = acc_o * alr
         zb = _mma_acc(p.to(tl.float16), vz, zb, IEEE_F32)
-        if V_SUBNORMAL:  # and p * s in packed fp16 (it is rounded to fp16 for the dot anyway)
+        if V_SUBNORMAL or V_CENTRED:  # p * s in packed fp16 (rounded to fp16 for the dot anyway)
             p16 = p.to(tl.float16)
             pst = tl.reshape(tl.broadcast_to(p16[:, None, :], [BLOCK_HQ, NG, BN]), [R, BN]) * vs
         else:
@@ -1687,7 +1687,7 @@ def _decode_split_kernel(
                 qk = tl.where(live[None, :], qk, float("-inf"))
                 p, alpha, m_i, l_i = _online_softmax(qk, m_i, l_i)
                 v = tl.load(fv_ptr + fo, mask=live[:, None], other=0.0).to(dt)
-                acc = acc * alpha[:, None] + _mma(p.to(dt), v, IEEE_F32)
+                acc = _mma_acc(p.to(dt), v, acc * alpha[:, None], IEEE_F32)
             _store_partial(po_ptr, row_o, offs_d, acc, l_i, hmask, D)
             _store_lse(plse_ptr, row_o, m_i, l_i, hmask)
 

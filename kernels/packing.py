@@ -351,21 +351,31 @@ INT4_WORD_CODES_SUBNORMAL = tl.constexpr(_int4_word_codes_subnormal_asm())
 
 
 @triton.jit
-def int4_word_codes_f16(w, USE_ASM: tl.constexpr, CENTRED: tl.constexpr = False):
+def int4_word_codes_f16(w, USE_ASM: tl.constexpr, CENTRED: tl.constexpr):
     """w: [R, W] int32 words of INT4 bytes -> eight [R, W] fp16 tensors of exact codes:
     (low nibble of byte k for k = 0..3, then high nibble of byte k for k = 0..3) of each
     word. With the pool's layout, word i of a 32-channel group holds channels 8i .. 8i + 7:
     low nibble of byte k = channel 8i + 2k, high nibble = channel 8i + 2k + 1. CENTRED:
     each code n comes as n - ``INT4_CENTRE`` (-8 .. 7; exact, same instruction count)."""
     if USE_ASM:
-        return tl.inline_asm_elementwise(
-            INT4_WORD_CODES_CENTRED if CENTRED else INT4_WORD_CODES,
-            "=r,=r,=r,=r,=r,=r,=r,=r,r,r",
-            [w],
-            dtype=(tl.float16,) * 8,
-            is_pure=True,
-            pack=2,
-        )
+        if CENTRED:  # (a conditional expression over the two strings fails in Triton 3.6)
+            return tl.inline_asm_elementwise(
+                INT4_WORD_CODES_CENTRED,
+                "=r,=r,=r,=r,=r,=r,=r,=r,r,r",
+                [w],
+                dtype=(tl.float16,) * 8,
+                is_pure=True,
+                pack=2,
+            )
+        else:
+            return tl.inline_asm_elementwise(
+                INT4_WORD_CODES,
+                "=r,=r,=r,=r,=r,=r,=r,=r,r,r",
+                [w],
+                dtype=(tl.float16,) * 8,
+                is_pure=True,
+                pack=2,
+            )
     else:
         c = 0.0
         if CENTRED:

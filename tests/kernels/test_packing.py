@@ -210,7 +210,7 @@ def _int4_views_kernel(
     ob = r[:, None] * (D // 2) + tl.arange(0, D // 2)[None, :]
     tl.store(lo_ptr + ob, lo)
     tl.store(hi_ptr + ob, hi)
-    c0, c1, c2, c3, c4, c5, c6, c7 = int4_word_codes_f16(w, False)
+    c0, c1, c2, c3, c4, c5, c6, c7 = int4_word_codes_f16(w, False, False)
     ow = r[:, None] * (D // 2) + 4 * tl.arange(0, D // 8)[None, :]  # byte 4w + k
     tl.store(wl_ptr + ow, c0)
     tl.store(wl_ptr + ow + 1, c1)
