@@ -52,6 +52,7 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "int4 uncapped splits": ("int4", dict(max_split_len_folded=0)),
     "int4 split-fastest grid": ("int4", dict(heads_fastest=False)),
     "int4 centred": ("int4", dict(int4_v_subnormal=False, int4_v_centred=True)),
+    "int4 value scales gathered": ("int4", dict(int4_v_scales_by_dot=False)),
     "int2 split-fastest grid": ("int2", dict(heads_fastest=False)),
 }
 

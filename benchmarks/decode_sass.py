@@ -76,7 +76,7 @@ VARIANTS = {
     "int4 stacked dots8-V bn32 w1": _stacked(32, 1, "V_DOTS8"),
     "int4 imma lazy subnormal-V dots8-V bn32 w1": _stacked(32, 1, *KNOBS[:4]),
     "int4 all five knobs bn32 w1 (session 10's default)": _stacked(32, 1, *KNOBS),
-    "int4 five knobs + live from scales, 3 stages (the default)": dict(
+    "int4 five knobs + live from scales, 3 stages (session 11's default)": dict(
         _stacked(32, 1, *KNOBS), INT4_LIVE_FROM_SCALES=True, stages=3
     ),
     "int4 default with centred V (int4_v_centred: magic-number codes, no subnormals)": dict(
@@ -84,6 +84,9 @@ VARIANTS = {
         INT4_LIVE_FROM_SCALES=True,
         V_CENTRED=True,
         stages=3,
+    ),
+    "int4 default (value scales by dot, live from scales, 3 stages)": dict(
+        _stacked(32, 1, *KNOBS), INT4_LIVE_FROM_SCALES=True, INT4_V_SCALES_BY_DOT=True, stages=3
     ),
     "int4 session 10 default, maxnreg 168": dict(_stacked(32, 1, *KNOBS), maxnreg=168),
     "int4 session 10 default, maxnreg 128": dict(_stacked(32, 1, *KNOBS), maxnreg=128),
@@ -129,6 +132,7 @@ def compile_split(group: int, head_dim: int, segments: set[str], **knobs):
         INT4_LIVE_FROM_SCALES=False,
         HEADS_FASTEST=True,
         V_CENTRED=False,
+        INT4_V_SCALES_BY_DOT=False,
         **dict.fromkeys(KNOBS, False),
     )
     consts.update(knobs)

@@ -188,6 +188,7 @@ class DecodeConfig:
     folded_cap_len: int = 32768
     heads_fastest: bool = True
     int4_v_centred: bool = False
+    int4_v_scales_by_dot: bool = True
 
     def __post_init__(self) -> None:
         if self.int4_v_centred and self.int4_v_subnormal:
@@ -506,6 +507,7 @@ def _int4_split_stacked(
     OFFS32: tl.constexpr,
     LIVE_FROM_SCALES: tl.constexpr = False,
     V_CENTRED: tl.constexpr = False,
+    V_SCALES_BY_DOT: tl.constexpr = False,
 ):
     """One INT4 split with (query head, channel group) pairs stacked as the rows of one dot.
 
@@ -572,6 +574,10 @@ def _int4_split_stacked(
     arn = tl.arange(0, BN)
     cng = tl.arange(0, NG)
     jw = tl.arange(0, W)
+    if V_SCALES_BY_DOT:
+        c16 = tl.arange(0, 16)
+        in_ng = (c16 < NG)[None, :]
+        e_rows = (c16[None, :] == rg[:, None]).to(tl.float16)  # [R, 16]
     for start_n in range(start, end, BN):
         slot, live = _live_positions(slot_row, hm_row, start_n + arn, end, dead_id, HAS_HEAD_MASK)
         row = tl.where(live, slot - int4_base, 0) * Hkv + h
@@ -586,11 +592,23 @@ def _int4_split_stacked(
             other=0,
         )
         so = row * NG
-        ssel = so[None, :] + rg[:, None]  # [R, BN]: token's scale of the row's group
-        lsel = live[None, :] & (rr >= 0)[:, None]
-        ks = tl.load(ks_ptr + ssel, mask=lsel, other=0.0).to(tl.float32)
-        kz = tl.load(kz_ptr + ssel, mask=lsel, other=DEAD_KZ).to(tl.float32)
-        vs = tl.load(vs_ptr + ssel, mask=lsel, other=0.0)
+        if V_SCALES_BY_DOT:
+            # the value scales as a [BN, 16] tile (columns >= NG masked), spread to the
+            # stacked rows by a dot with the 0/1 matrix E (row r takes group r % NG; exact):
+            # a dot operand, so the pipeliner copies it ahead asynchronously instead of a
+            # synchronous gather in every iteration
+            ssel = so[None, :] + rg[:, None]  # [R, BN]: token's scale of the row's group
+            lsel = live[None, :] & (rr >= 0)[:, None]
+            ks = tl.load(ks_ptr + ssel, mask=lsel, other=0.0).to(tl.float32)
+            kz = tl.load(kz_ptr + ssel, mask=lsel, other=DEAD_KZ).to(tl.float32)
+            vs16 = tl.load(vs_ptr + so[:, None] + c16[None, :], mask=lm & in_ng, other=0.0)
+            vs = _mma(e_rows, tl.trans(vs16), IEEE_F32).to(tl.float16)
+        else:
+            ssel = so[None, :] + rg[:, None]  # [R, BN]: token's scale of the row's group
+            lsel = live[None, :] & (rr >= 0)[:, None]
+            ks = tl.load(ks_ptr + ssel, mask=lsel, other=0.0).to(tl.float32)
+            kz = tl.load(kz_ptr + ssel, mask=lsel, other=DEAD_KZ).to(tl.float32)
+            vs = tl.load(vs_ptr + ssel, mask=lsel, other=0.0)
         vz = tl.load(vz_ptr + so[:, None] + cng[None, :], mask=lm, other=0.0)
         if V_CENTRED:  # z + 8 s: the zero of the centred codes (same sectors as vs: L1)
             vsg = tl.load(vs_ptr + so[:, None] + cng[None, :], mask=lm, other=0.0)
@@ -1046,6 +1064,7 @@ def _decode_split_kernel(
     INT4_LIVE_FROM_SCALES: tl.constexpr = False,
     HEADS_FASTEST: tl.constexpr = False,
     V_CENTRED: tl.constexpr = False,
+    INT4_V_SCALES_BY_DOT: tl.constexpr = False,
 ):
     NG: tl.constexpr = D // 32
     Q: tl.constexpr = D // 4
@@ -1479,6 +1498,7 @@ def _decode_split_kernel(
                         OFFS32,
                         INT4_LIVE_FROM_SCALES,
                         V_CENTRED,
+                        INT4_V_SCALES_BY_DOT,
                     )
                 else:
                     # Scales folded out of the inner loop: per token t and 32-channel group g,
@@ -2019,6 +2039,7 @@ def decode_attention(
         INT4_LIVE_FROM_SCALES=cfg.int4_live_from_scales and stacked,
         HEADS_FASTEST=cfg.heads_fastest,
         V_CENTRED=centred,
+        INT4_V_SCALES_BY_DOT=cfg.int4_v_scales_by_dot and stacked,
         num_warps=cfg.warps(m4 > 0, m2 > 0),
         num_stages=cfg.stages(m4 > 0),
         **({"maxnreg": regs} if regs else {}),

@@ -329,6 +329,7 @@ INT4_CONFIGS = [
     ("centred", DecodeConfig(int4_v_subnormal=False, int4_v_centred=True)),
     ("centred_plain", int4_config(int4_stacked=True, int4_v_centred=True)),
     ("split_fastest_grid", DecodeConfig(heads_fastest=False)),
+    ("value_scales_gathered", DecodeConfig(int4_v_scales_by_dot=False)),
 ]
 
 
