@@ -195,6 +195,24 @@ def test_register_dequant_matches_torch(dtype, device) -> None:
 
 
 @triton.jit
+def _store_word_codes(
+    wl_ptr, wh_ptr, R: tl.constexpr, D: tl.constexpr, c0, c1, c2, c3, c4, c5, c6, c7
+):
+    """The eight [R, D // 8] code tensors of a word unpacking, stored in channel order: low
+    nibbles (even channels) to wl, high nibbles (odd channels) to wh, [R, D // 2] each."""
+    r = tl.arange(0, R)
+    ow = r[:, None] * (D // 2) + 4 * tl.arange(0, D // 8)[None, :]  # byte 4w + k
+    tl.store(wl_ptr + ow, c0)
+    tl.store(wl_ptr + ow + 1, c1)
+    tl.store(wl_ptr + ow + 2, c2)
+    tl.store(wl_ptr + ow + 3, c3)
+    tl.store(wh_ptr + ow, c4)
+    tl.store(wh_ptr + ow + 1, c5)
+    tl.store(wh_ptr + ow + 2, c6)
+    tl.store(wh_ptr + ow + 3, c7)
+
+
+@triton.jit
 def _int4_views_kernel(
     p_ptr, nat_ptr, lo_ptr, hi_ptr, wl_ptr, wh_ptr, R: tl.constexpr, D: tl.constexpr
 ):
@@ -211,15 +229,7 @@ def _int4_views_kernel(
     tl.store(lo_ptr + ob, lo)
     tl.store(hi_ptr + ob, hi)
     c0, c1, c2, c3, c4, c5, c6, c7 = int4_word_codes_f16(w, False, False)
-    ow = r[:, None] * (D // 2) + 4 * tl.arange(0, D // 8)[None, :]  # byte 4w + k
-    tl.store(wl_ptr + ow, c0)
-    tl.store(wl_ptr + ow + 1, c1)
-    tl.store(wl_ptr + ow + 2, c2)
-    tl.store(wl_ptr + ow + 3, c3)
-    tl.store(wh_ptr + ow, c4)
-    tl.store(wh_ptr + ow + 1, c5)
-    tl.store(wh_ptr + ow + 2, c6)
-    tl.store(wh_ptr + ow + 3, c7)
+    _store_word_codes(wl_ptr, wh_ptr, R, D, c0, c1, c2, c3, c4, c5, c6, c7)
 
 
 def test_int4_code_views_match_torch(device: torch.device) -> None:
@@ -254,15 +264,7 @@ def _int4_imma_views_kernel(
         p_ptr.to(tl.pointer_type(tl.int32)) + r[:, None] * (D // 8) + tl.arange(0, D // 8)[None, :]
     )
     c0, c1, c2, c3, c4, c5, c6, c7 = int4_word_codes_f16_subnormal(w, ASM)
-    ow = r[:, None] * (D // 2) + 4 * tl.arange(0, D // 8)[None, :]  # byte 4w + k
-    tl.store(wl_ptr + ow, c0)
-    tl.store(wl_ptr + ow + 1, c1)
-    tl.store(wl_ptr + ow + 2, c2)
-    tl.store(wl_ptr + ow + 3, c3)
-    tl.store(wh_ptr + ow, c4)
-    tl.store(wh_ptr + ow + 1, c5)
-    tl.store(wh_ptr + ow + 2, c6)
-    tl.store(wh_ptr + ow + 3, c7)
+    _store_word_codes(wl_ptr, wh_ptr, R, D, c0, c1, c2, c3, c4, c5, c6, c7)
 
 
 def test_int4_imma_and_subnormal_code_views_match_torch(device: torch.device) -> None:
@@ -299,15 +301,7 @@ def _int4_word_codes_kernel(
         p_ptr.to(tl.pointer_type(tl.int32)) + r[:, None] * (D // 8) + tl.arange(0, D // 8)[None, :]
     )
     c0, c1, c2, c3, c4, c5, c6, c7 = int4_word_codes_f16(w, ASM, CENTRED)
-    ow = r[:, None] * (D // 2) + 4 * tl.arange(0, D // 8)[None, :]  # byte 4w + k
-    tl.store(wl_ptr + ow, c0)
-    tl.store(wl_ptr + ow + 1, c1)
-    tl.store(wl_ptr + ow + 2, c2)
-    tl.store(wl_ptr + ow + 3, c3)
-    tl.store(wh_ptr + ow, c4)
-    tl.store(wh_ptr + ow + 1, c5)
-    tl.store(wh_ptr + ow + 2, c6)
-    tl.store(wh_ptr + ow + 3, c7)
+    _store_word_codes(wl_ptr, wh_ptr, R, D, c0, c1, c2, c3, c4, c5, c6, c7)
 
 
 @pytest.mark.parametrize("centred", [False, True])
