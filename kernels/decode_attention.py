@@ -592,22 +592,18 @@ def _int4_split_stacked(
             other=0,
         )
         so = row * NG
+        ssel = so[None, :] + rg[:, None]  # [R, BN]: token's scale of the row's group
+        lsel = live[None, :] & (rr >= 0)[:, None]
+        ks = tl.load(ks_ptr + ssel, mask=lsel, other=0.0).to(tl.float32)
+        kz = tl.load(kz_ptr + ssel, mask=lsel, other=DEAD_KZ).to(tl.float32)
         if V_SCALES_BY_DOT:
             # the value scales as a [BN, 16] tile (columns >= NG masked), spread to the
             # stacked rows by a dot with the 0/1 matrix E (row r takes group r % NG; exact):
             # a dot operand, so the pipeliner copies it ahead asynchronously instead of a
             # synchronous gather in every iteration
-            ssel = so[None, :] + rg[:, None]  # [R, BN]: token's scale of the row's group
-            lsel = live[None, :] & (rr >= 0)[:, None]
-            ks = tl.load(ks_ptr + ssel, mask=lsel, other=0.0).to(tl.float32)
-            kz = tl.load(kz_ptr + ssel, mask=lsel, other=DEAD_KZ).to(tl.float32)
             vs16 = tl.load(vs_ptr + so[:, None] + c16[None, :], mask=lm & in_ng, other=0.0)
             vs = _mma(e_rows, tl.trans(vs16), IEEE_F32).to(tl.float16)
         else:
-            ssel = so[None, :] + rg[:, None]  # [R, BN]: token's scale of the row's group
-            lsel = live[None, :] & (rr >= 0)[:, None]
-            ks = tl.load(ks_ptr + ssel, mask=lsel, other=0.0).to(tl.float32)
-            kz = tl.load(kz_ptr + ssel, mask=lsel, other=DEAD_KZ).to(tl.float32)
             vs = tl.load(vs_ptr + ssel, mask=lsel, other=0.0)
         vz = tl.load(vz_ptr + so[:, None] + cng[None, :], mask=lm, other=0.0)
         if V_CENTRED:  # z + 8 s: the zero of the centred codes (same sectors as vs: L1)
