@@ -123,16 +123,21 @@ _FLUSH: torch.Tensor | None = None
 _FLUSH_BYTES = 256 * 1024 * 1024
 
 
+def _flush_buffer() -> torch.Tensor:
+    """The buffer zeroed before every timed call to empty the L2 (allocated once)."""
+    global _FLUSH
+    if _FLUSH is None:
+        _FLUSH = torch.empty(_FLUSH_BYTES // 4, dtype=torch.int32, device=DEVICE)
+    return _FLUSH
+
+
 def _kernel_us(fn, calls: int = 20, reps: int = 7) -> float | None:
     """GPU time of ``fn`` without any host overhead, L2 flushed before every call: one CUDA
     graph of ``calls`` x (flush, fn) minus one of ``calls`` x flush, median over ``reps``
     replays, per call, in microseconds. None off CUDA."""
-    global _FLUSH
     if DEVICE.type != "cuda":
         return None
-    if _FLUSH is None:
-        _FLUSH = torch.empty(_FLUSH_BYTES // 4, dtype=torch.int32, device=DEVICE)
-    flush = _FLUSH
+    flush = _flush_buffer()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm up on a side stream before capture (torch docs)

@@ -34,9 +34,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from decode_attention import (  # noqa: E402
-    _FLUSH_BYTES,
     DecodeConfig,
     Shape,
+    _flush_buffer,
     _kernel_us,
     _ours,
     _ref_errors,
@@ -49,7 +49,7 @@ KERNELS = ("_decode_split_kernel", "_merge_splits_kernel")
 
 def kernel_means(fn, calls: int = 10) -> dict[str, float]:
     """Mean device time per call of each of the two decode kernels, microseconds."""
-    flush = torch.empty(_FLUSH_BYTES // 4, dtype=torch.int32, device="cuda")
+    flush = _flush_buffer()
     fn()
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:

@@ -505,9 +505,9 @@ def _int4_split_stacked(
     V_SUBNORMAL: tl.constexpr,
     V_DOTS8: tl.constexpr,
     OFFS32: tl.constexpr,
-    LIVE_FROM_SCALES: tl.constexpr = False,
-    V_CENTRED: tl.constexpr = False,
-    V_SCALES_BY_DOT: tl.constexpr = False,
+    LIVE_FROM_SCALES: tl.constexpr,
+    V_CENTRED: tl.constexpr,
+    V_SCALES_BY_DOT: tl.constexpr,
 ):
     """One INT4 split with (query head, channel group) pairs stacked as the rows of one dot.
 
@@ -1933,7 +1933,7 @@ def decode_attention(
     cap = cfg.folded_split_cap(m2 + m4 + mf)
     if cap and cfg.int2_fold:
         sl2 = min(sl2, cap)
-    centred = cfg.int4_v_centred and stacked and not cfg.int4_v_subnormal
+    centred = cfg.int4_v_centred and stacked  # (__post_init__: never with subnormal codes)
     if cap and not cfg.int4_legacy and (stacked or v_fold) and not centred:
         sl4 = min(sl4, cap)
     s2, s4, sf = (-(-m // sl) for m, sl in ((m2, sl2), (m4, sl4), (mf, slf)))

@@ -351,6 +351,31 @@ INT4_WORD_CODES_SUBNORMAL = tl.constexpr(_int4_word_codes_subnormal_asm())
 
 
 @triton.jit
+def _int4_word_nibbles_asm(w, ASM: tl.constexpr):
+    """The eight fp16 outputs of one of the INT4 word PTX programs (``INT4_WORD_CODES*``)
+    over w: [R, W] int32 words."""
+    return tl.inline_asm_elementwise(
+        ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [w], dtype=(tl.float16,) * 8, is_pure=True, pack=2
+    )
+
+
+@triton.jit
+def _int4_word_nibbles_f32(w):
+    """w: [R, W] int32 words -> the eight nibble tensors in the PTX programs' order (low
+    nibble of byte k for k = 0..3, then the high nibbles), exact fp32 (interpreter path)."""
+    return (
+        codes_to_f32(w & 15),
+        codes_to_f32((w >> 8) & 15),
+        codes_to_f32((w >> 16) & 15),
+        codes_to_f32((w >> 24) & 15),
+        codes_to_f32((w >> 4) & 15),
+        codes_to_f32((w >> 12) & 15),
+        codes_to_f32((w >> 20) & 15),
+        codes_to_f32((w >> 28) & 15),
+    )
+
+
+@triton.jit
 def int4_word_codes_f16(w, USE_ASM: tl.constexpr, CENTRED: tl.constexpr):
     """w: [R, W] int32 words of INT4 bytes -> eight [R, W] fp16 tensors of exact codes:
     (low nibble of byte k for k = 0..3, then high nibble of byte k for k = 0..3) of each
@@ -359,36 +384,23 @@ def int4_word_codes_f16(w, USE_ASM: tl.constexpr, CENTRED: tl.constexpr):
     each code n comes as n - ``INT4_CENTRE`` (-8 .. 7; exact, same instruction count)."""
     if USE_ASM:
         if CENTRED:  # (a conditional expression over the two strings fails in Triton 3.6)
-            return tl.inline_asm_elementwise(
-                INT4_WORD_CODES_CENTRED,
-                "=r,=r,=r,=r,=r,=r,=r,=r,r,r",
-                [w],
-                dtype=(tl.float16,) * 8,
-                is_pure=True,
-                pack=2,
-            )
+            return _int4_word_nibbles_asm(w, INT4_WORD_CODES_CENTRED)
         else:
-            return tl.inline_asm_elementwise(
-                INT4_WORD_CODES,
-                "=r,=r,=r,=r,=r,=r,=r,=r,r,r",
-                [w],
-                dtype=(tl.float16,) * 8,
-                is_pure=True,
-                pack=2,
-            )
+            return _int4_word_nibbles_asm(w, INT4_WORD_CODES)
     else:
         c = 0.0
         if CENTRED:
             c = INT4_CENTRE * 1.0
+        n0, n1, n2, n3, n4, n5, n6, n7 = _int4_word_nibbles_f32(w)
         return (
-            (codes_to_f32(w & 15) - c).to(tl.float16),
-            (codes_to_f32((w >> 8) & 15) - c).to(tl.float16),
-            (codes_to_f32((w >> 16) & 15) - c).to(tl.float16),
-            (codes_to_f32((w >> 24) & 15) - c).to(tl.float16),
-            (codes_to_f32((w >> 4) & 15) - c).to(tl.float16),
-            (codes_to_f32((w >> 12) & 15) - c).to(tl.float16),
-            (codes_to_f32((w >> 20) & 15) - c).to(tl.float16),
-            (codes_to_f32((w >> 28) & 15) - c).to(tl.float16),
+            (n0 - c).to(tl.float16),
+            (n1 - c).to(tl.float16),
+            (n2 - c).to(tl.float16),
+            (n3 - c).to(tl.float16),
+            (n4 - c).to(tl.float16),
+            (n5 - c).to(tl.float16),
+            (n6 - c).to(tl.float16),
+            (n7 - c).to(tl.float16),
         )
 
 
@@ -398,25 +410,19 @@ def int4_word_codes_f16_subnormal(w, USE_ASM: tl.constexpr):
     comes as the fp16 subnormal ``n * 2**-24`` (exact; the tensor cores multiply fp16
     subnormals exactly into their fp32 accumulators): two integer ops per two codes."""
     if USE_ASM:
-        return tl.inline_asm_elementwise(
-            INT4_WORD_CODES_SUBNORMAL,
-            "=r,=r,=r,=r,=r,=r,=r,=r,r,r",
-            [w],
-            dtype=(tl.float16,) * 8,
-            is_pure=True,
-            pack=2,
-        )
+        return _int4_word_nibbles_asm(w, INT4_WORD_CODES_SUBNORMAL)
     else:
         t = SUBNORMAL_UNIT
+        n0, n1, n2, n3, n4, n5, n6, n7 = _int4_word_nibbles_f32(w)
         return (
-            (codes_to_f32(w & 15) * t).to(tl.float16),
-            (codes_to_f32((w >> 8) & 15) * t).to(tl.float16),
-            (codes_to_f32((w >> 16) & 15) * t).to(tl.float16),
-            (codes_to_f32((w >> 24) & 15) * t).to(tl.float16),
-            (codes_to_f32((w >> 4) & 15) * t).to(tl.float16),
-            (codes_to_f32((w >> 12) & 15) * t).to(tl.float16),
-            (codes_to_f32((w >> 20) & 15) * t).to(tl.float16),
-            (codes_to_f32((w >> 28) & 15) * t).to(tl.float16),
+            (n0 * t).to(tl.float16),
+            (n1 * t).to(tl.float16),
+            (n2 * t).to(tl.float16),
+            (n3 * t).to(tl.float16),
+            (n4 * t).to(tl.float16),
+            (n5 * t).to(tl.float16),
+            (n6 * t).to(tl.float16),
+            (n7 * t).to(tl.float16),
         )
 
 
