@@ -427,6 +427,15 @@ def int4_word_codes_f16_subnormal(w, USE_ASM: tl.constexpr):
 
 
 @triton.jit
+def _int2_quads_f16_asm(b, ASM: tl.constexpr):
+    """The four fp16 outputs of one of the fp16 INT2 quad PTX programs over b: [R, C] uint8
+    (Triton 3.6 cannot take the output dtype as a constexpr argument here)."""
+    return tl.inline_asm_elementwise(
+        ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r", [b], dtype=(tl.float16,) * 4, is_pure=True, pack=4
+    )
+
+
+@triton.jit
 def int2_code_quads(b, OUT: tl.constexpr, USE_ASM: tl.constexpr):
     """b: [R, C] uint8 INT2 bytes -> 4 tensors [R, C] of dtype OUT (bf16 / fp16) holding the
     exact codes of channels 4j+0 .. 4j+3."""
@@ -436,19 +445,12 @@ def int2_code_quads(b, OUT: tl.constexpr, USE_ASM: tl.constexpr):
                 INT2_CODES_BF16,
                 "=r,=r,=r,=r,=r,=r,=r,=r,r",
                 [b],
-                dtype=(tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16),
+                dtype=(tl.bfloat16,) * 4,
                 is_pure=True,
                 pack=4,
             )
         else:
-            return tl.inline_asm_elementwise(
-                INT2_CODES_FP16,
-                "=r,=r,=r,=r,=r,=r,=r,=r,r",
-                [b],
-                dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
-                is_pure=True,
-                pack=4,
-            )
+            return _int2_quads_f16_asm(b, INT2_CODES_FP16)
     else:
         x = b.to(tl.int32)
         c0 = codes_to_f32(x & 3).to(OUT)
@@ -464,14 +466,7 @@ def int2_code_quads_subnormal(b, USE_ASM: tl.constexpr):
     code n comes as the fp16 subnormal ``n * 2**-24`` (exact; the tensor cores multiply fp16
     subnormals exactly into fp32): one integer op per code, the 2**24 applied after the dot."""
     if USE_ASM:
-        return tl.inline_asm_elementwise(
-            INT2_QUADS_SUBNORMAL,
-            "=r,=r,=r,=r,=r,=r,=r,=r,r",
-            [b],
-            dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
-            is_pure=True,
-            pack=4,
-        )
+        return _int2_quads_f16_asm(b, INT2_QUADS_SUBNORMAL)
     else:
         t = SUBNORMAL_UNIT
         x = b.to(tl.int32)
