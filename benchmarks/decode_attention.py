@@ -249,7 +249,9 @@ def _gpu_state() -> dict:
 class Shape:
     """All tensors of one (B, N) shape: SDPA K/V, the three pools, slot maps, masks."""
 
-    def __init__(self, b: int, n: int, seed: int = 0, scatter: bool = True) -> None:
+    def __init__(
+        self, b: int, n: int, seed: int = 0, scatter: bool = True, separate_scales: bool = False
+    ) -> None:
         dev = DEVICE
         g = torch.Generator(device=dev).manual_seed(seed)
         self.b, self.n = b, n
@@ -276,6 +278,11 @@ class Shape:
             p.full.v[full_ids.view(b, n)[r].long()] = vr
             write_int4(p.int4, int4_ids.view(b, n)[r], kr, vr)
             write_int2_pages(p.int2, pages.view(b, n // 32)[r], kr, vr)
+        if separate_scales:  # four INT4 scale tensors instead of the pool's interleaved one
+            q4 = p.int4
+            q4.k_scale, q4.k_zero, q4.v_scale, q4.v_zero = (
+                t.contiguous() for t in (q4.k_scale, q4.k_zero, q4.v_scale, q4.v_zero)
+            )
         n2 = (3 * n // 4) // 32 * 32
         self.n2_mixed = n2
         self.slots_mixed = torch.cat(

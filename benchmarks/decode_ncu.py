@@ -53,6 +53,7 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "int4 split-fastest grid": ("int4", dict(heads_fastest=False)),
     "int4 centred": ("int4", dict(int4_v_subnormal=False, int4_v_centred=True)),
     "int4 value scales gathered": ("int4", dict(int4_v_scales_by_dot=False)),
+    "int4 scales gathered (no row tile)": ("int4", dict(int4_scale_tile=False)),
     "int2 split-fastest grid": ("int2", dict(heads_fastest=False)),
 }
 
@@ -164,6 +165,11 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=32768)
     ap.add_argument("--variants", default=";".join(VARIANTS), help="names, ';'-separated")
+    ap.add_argument(
+        "--source",
+        action="store_true",
+        help="also sample warp stalls per SASS instruction (<out>/source_<i>.csv per variant)",
+    )
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     names = [v for v in args.variants.split(";") if v]
@@ -215,6 +221,29 @@ def main() -> None:
     if not summary:
         print(res.stderr[-3000:])
         raise SystemExit(f"ncu gave no rows (exit {res.returncode})")
+    if args.source:
+        source_stalls(ncu, args, names)
+
+
+def source_stalls(ncu: str, args: argparse.Namespace, names: list[str]) -> None:
+    """Warp-state samples per SASS instruction (ncu's source page), one CSV per variant:
+    which instructions the warps wait at, and for what."""
+    rep = args.out / "source"
+    cmd = [ncu, "--clock-control", "none", "--profile-from-start", "off"]
+    cmd += ["-k", "regex:_decode_split_kernel", "--section", "SourceCounters"]
+    cmd += ["--section", "WarpStateStats", "-f", "-o", str(rep), sys.executable, __file__]
+    cmd += ["--child", "--batch", str(args.batch), "--tokens", str(args.tokens)]
+    cmd += ["--variants", ";".join(names)]
+    res = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy())
+    (args.out / "source.log").write_text(res.stdout[-20000:] + res.stderr[-20000:])
+    for i in range(len(names)):
+        page = subprocess.run(
+            [ncu, "--import", f"{rep}.ncu-rep", "--page", "source", "--csv"]
+            + ["--print-source", "sass", "--launch-skip", str(i), "--launch-count", "1"],
+            capture_output=True,
+            text=True,
+        )
+        (args.out / f"source_{i}.csv").write_text(page.stdout or page.stderr)
 
 
 if __name__ == "__main__":

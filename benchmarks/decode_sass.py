@@ -85,8 +85,15 @@ VARIANTS = {
         V_CENTRED=True,
         stages=3,
     ),
-    "int4 default (value scales by dot, live from scales, 3 stages)": dict(
+    "int4 separate scale tensors (value scales by dot, live from scales, 3 stages)": dict(
         _stacked(32, 1, *KNOBS), INT4_LIVE_FROM_SCALES=True, INT4_V_SCALES_BY_DOT=True, stages=3
+    ),
+    "int4 default, interleaved scales read as one row tile (session 13's default)": dict(
+        _stacked(32, 1, *KNOBS),
+        INT4_V_SCALES_BY_DOT=True,
+        INT4_SCALE_STRIDE=16,
+        INT4_SCALE_TILE=True,
+        stages=3,
     ),
     "int4 session 10 default, maxnreg 168": dict(_stacked(32, 1, *KNOBS), maxnreg=168),
     "int4 session 10 default, maxnreg 128": dict(_stacked(32, 1, *KNOBS), maxnreg=128),
@@ -133,6 +140,8 @@ def compile_split(group: int, head_dim: int, segments: set[str], **knobs):
         HEADS_FASTEST=True,
         V_CENTRED=False,
         INT4_V_SCALES_BY_DOT=False,
+        INT4_SCALE_STRIDE=head_dim // 32,  # separate scale tensors; 4x: interleaved
+        INT4_SCALE_TILE=False,
         **dict.fromkeys(KNOBS, False),
     )
     consts.update(knobs)

@@ -97,6 +97,11 @@ def main() -> None:
         action="store_true",
         help="each request's positions on consecutive slots instead of scattered ones",
     )
+    ap.add_argument(
+        "--separate-scales",
+        action="store_true",
+        help="the INT4 scales and zeros as four tensors (the pool interleaves them by default)",
+    )
     ap.add_argument("--out", type=Path, default=Path("decode_splits.json"))
     args = ap.parse_args()
     variants = {}
@@ -106,7 +111,7 @@ def main() -> None:
     rows = []
     for spec in args.shapes.split(";"):
         b, n = (int(x) for x in spec.split(","))
-        s = Shape(b, n, scatter=not args.sequential_slots)
+        s = Shape(b, n, scatter=not args.sequential_slots, separate_scales=args.separate_scales)
         _warm_gpu(1.0)
         sdpa_us = _kernel_us(_sdpa(s))
         s.drop_sdpa_kv()

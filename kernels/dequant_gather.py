@@ -228,6 +228,7 @@ def _dequant_gather_kernel(
     INT2_TILE: tl.constexpr = False,
     OFF32: tl.constexpr = False,
     SLOT_ROWS: tl.constexpr = False,
+    SS4: tl.constexpr = 0,
 ):
     """One (token block, group of HEADS heads) tile per program (knobs: :class:`GatherConfig`).
     All knobs off (:data:`GATHER_BASE`): a 2-D grid ``(token blocks, Hkv)``, token blocks
@@ -286,6 +287,7 @@ def _dequant_gather_kernel(
             INT2_TILE,
             OFF32,
             SLOT_ROWS,
+            SS4,
         )
 
 
@@ -338,6 +340,7 @@ def _gather_tile(
     INT2_TILE: tl.constexpr,
     OFF32: tl.constexpr,
     SLOT_ROWS: tl.constexpr,
+    SS4: tl.constexpr,
 ):
     """Rows ``[blk * BLOCK_T, (blk + 1) * BLOCK_T)`` of head ``h``. SKIP: a precision's
     section runs only when a row of the block needs it (one block-wide OR of flags; the
@@ -397,7 +400,7 @@ def _gather_tile(
         if do4:
             row = tl.where(is4, s - int4_base, 0) * H + h
             m4 = is4[:, None]
-            so = row[:, None] * NG + offs_g[None, :]
+            so = row[:, None] * SS4 + offs_g[None, :]  # SS4: the INT4 scales' row stride
             if WORDS:  # int32 words: nibble i of word w is channel 8w + i (no interleave)
                 cw = row[:, None] * (D // 8) + tl.arange(0, D // 8)[None, :]
                 kw = tl.load(
@@ -663,9 +666,10 @@ def dequant_gather(
             if p2 is None
             else [p2.k, p2.v, p2.k_scale, p2.k_zero, p2.v_scale, p2.v_zero]
         )
-        for t in q4 + q2:
+        for t in q4[:2] + q2:
             if not t.is_contiguous():
                 raise ValueError("quantized pools must be contiguous")
+        ss4 = p4.scale_row_stride() if p4 is not None else d // 32
         n_blocks = triton.cdiv(n, cfg.block_t)
         if cfg.heads_fastest:
             grid = (n_blocks * (h // heads),)
@@ -703,6 +707,7 @@ def dequant_gather(
             STORE_CACHE=cfg.store_cache,
             INT2_TILE=cfg.int2_tile,
             SLOT_ROWS=per_head and cfg.slot_rows,
+            SS4=ss4,
             OFF32=cfg.offsets32 and all(_span(x) < 2**31 for x in (f.k, f.v, k, *q4, *q2)),
             num_warps=cfg.num_warps,
         )

@@ -68,7 +68,11 @@ class Int4Pool:
     """INT4 token pool, keys and values quantized per token in groups of 32 channels.
 
     k, v: [num_slots, Hkv, D // 2] uint8 (two 4-bit codes per byte).
-    k_scale, k_zero, v_scale, v_zero: [num_slots, Hkv, D // 32] fp16.
+    k_scale, k_zero, v_scale, v_zero: [num_slots, Hkv, D // 32] fp16. :meth:`allocate` makes
+        them views of one [num_slots, Hkv, 4, D // 32] buffer, so a row's four scale vectors
+        lie side by side (``[ks | kz | vs | vz]``: one 32-byte sector at D=128), which the
+        decode kernel reads with one copy per row; four separate contiguous tensors work
+        too (the kernels read the row stride, :meth:`scale_row_stride`).
     k_channel: optional [Hkv, D] fp32 per-channel key scale (powers of two): keys are stored
         as ``quantize(k / k_channel)`` and read as ``dequantize(...) * k_channel``, so outlier
         key channels do not blow up a token's 32-channel groups. None = 1.
@@ -99,10 +103,31 @@ class Int4Pool:
                 num_slots, num_kv_heads, head_dim // 2, dtype=torch.uint8, device=device
             )
 
-        def sc() -> torch.Tensor:
-            return torch.zeros(num_slots, num_kv_heads, ng, dtype=SCALE_DTYPE, device=device)
+        scales = torch.zeros(num_slots, num_kv_heads, 4, ng, dtype=SCALE_DTYPE, device=device)
+        return cls(u8(), u8(), *scales.unbind(2))
 
-        return cls(u8(), u8(), sc(), sc(), sc(), sc())
+    def scale_row_stride(self) -> int:
+        """Elements between one (slot, head) row's scales and the next's, shared by the four
+        scale / zero tensors (D / 32 for separate contiguous tensors, 4 D / 32 for the
+        interleaved buffer of :meth:`allocate`). Raises ValueError when they differ."""
+        s = self.k_scale.stride(1)
+        want = (self.k_scale.shape[1] * s, s, 1)
+        for t in (self.k_scale, self.k_zero, self.v_scale, self.v_zero):
+            if t.stride() != want:
+                raise ValueError(
+                    f"INT4 scale tensors need equal strides [Hkv * S, S, 1], got {t.stride()} "
+                    f"next to k_scale's {self.k_scale.stride()}"
+                )
+        return s
+
+    @property
+    def scales_interleaved(self) -> bool:
+        """True when each row's scales and zeros lie side by side, ``[ks | kz | vs | vz]``."""
+        ng, base = self.k_scale.shape[-1], self.k_scale.data_ptr()
+        parts = (self.k_zero, self.v_scale, self.v_zero)
+        return self.k_scale.stride(1) == 4 * ng and all(
+            t.data_ptr() == base + 2 * i * ng for i, t in enumerate(parts, 1)
+        )
 
 
 @dataclass

@@ -63,6 +63,7 @@ def _quantize_token_groups_kernel(
     row_a,
     row_b,
     row_c,
+    scale_stride,
     D: tl.constexpr,
     BITS: tl.constexpr,
     TOK_DIV: tl.constexpr,
@@ -96,8 +97,23 @@ def _quantize_token_groups_kernel(
     offs_c = tl.arange(0, CB)
     tl.store(codes_ptr + row[:, None] * CB + offs_c[None, :], packed, mask=tmask[:, None])
     offs_g = tl.arange(0, NG)
-    tl.store(scale_ptr + row[:, None] * NG + offs_g[None, :], scale, mask=tmask[:, None])
-    tl.store(zero_ptr + row[:, None] * NG + offs_g[None, :], zero, mask=tmask[:, None])
+    so = row[:, None] * scale_stride + offs_g[None, :]
+    tl.store(scale_ptr + so, scale, mask=tmask[:, None])
+    tl.store(zero_ptr + so, zero, mask=tmask[:, None])
+
+
+def _row_stride(t: torch.Tensor) -> int | None:
+    """The stride between consecutive rows (last dim) of ``t`` when every row is contiguous
+    and the rows are evenly spaced in order; else None."""
+    if t.stride(-1) != 1:
+        return None
+    ss = t.stride(-2) if t.dim() > 1 else t.shape[-1]
+    expect = ss
+    for i in range(t.dim() - 2, -1, -1):
+        if t.shape[i] > 1 and t.stride(i) != expect:
+            return None
+        expect *= t.shape[i]
+    return ss
 
 
 def launch_quantize_token_groups(
@@ -115,15 +131,20 @@ def launch_quantize_token_groups(
     block_t: int = 16,
 ) -> None:
     """Triton launch. x: [T, H, D] (last dim contiguous); idx: [ceil(T / tok_div)] int;
-    codes / scale / zero: contiguous destination buffers viewed as rows of
-    ``D*bits/8`` bytes / ``D/32`` fp16 values (see the module docstring for the row map)."""
+    codes: a contiguous destination buffer viewed as rows of ``D*bits/8`` bytes; scale /
+    zero: rows of ``D/32`` fp16 values at one shared row stride (contiguous, or views of an
+    interleaved buffer as :class:`~.pools.Int4Pool` allocates). See the module docstring
+    for the row map."""
     t, h, d = x.shape
     if t == 0:
         return
     if x.stride(-1) != 1:
         x = x.contiguous()
-    if not (codes.is_contiguous() and scale.is_contiguous() and zero.is_contiguous()):
-        raise ValueError("destination buffers must be contiguous")
+    ss = _row_stride(scale)
+    if not codes.is_contiguous() or ss is None or _row_stride(zero) != ss:
+        raise ValueError(
+            "codes must be contiguous, scale and zero rows of D/32 values at one row stride"
+        )
     grid = (triton.cdiv(t, block_t), h)
     _quantize_token_groups_kernel[grid](
         x,
@@ -137,6 +158,7 @@ def launch_quantize_token_groups(
         row_a,
         row_b,
         row_c,
+        ss,
         D=d,
         BITS=bits,
         TOK_DIV=tok_div,

@@ -139,7 +139,11 @@ def _pools_to(pools: KVPools, device: torch.device) -> KVPools:
         moved = {f.name: getattr(obj, f.name) for f in fields(obj)}  # optional fields: None
         return replace(obj, **{k: v if v is None else v.to(device) for k, v in moved.items()})
 
-    return KVPools(move(pools.full), move(pools.int4), move(pools.int2))
+    int4 = move(pools.int4)
+    if int4 is not None and pools.int4.scales_interleaved:  # keep one interleaved buffer
+        buf = torch.stack([int4.k_scale, int4.k_zero, int4.v_scale, int4.v_zero], dim=2)
+        int4.k_scale, int4.k_zero, int4.v_scale, int4.v_zero = buf.unbind(2)
+    return KVPools(move(pools.full), int4, move(pools.int2))
 
 
 #: the INT4 stacked-path knobs, all off (``DecodeConfig()`` has them on since sessions 10-11)

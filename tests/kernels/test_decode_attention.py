@@ -527,3 +527,47 @@ def test_centred_int4_splits_are_not_capped() -> None:
     assert not torch.equal(short, capped)
     with pytest.raises(ValueError, match="int4_v_subnormal"):
         DecodeConfig(int4_v_centred=True)
+
+
+def _separate_int4_scales(mb) -> None:  # type: ignore[no-untyped-def]
+    """The INT4 pool's scales and zeros as four contiguous tensors (allocate() interleaves
+    them in one buffer)."""
+    q4 = mb.pools.int4
+    assert q4.scales_interleaved
+    q4.k_scale, q4.k_zero, q4.v_scale, q4.v_zero = (
+        t.contiguous() for t in (q4.k_scale, q4.k_zero, q4.v_scale, q4.v_zero)
+    )
+    assert not q4.scales_interleaved
+
+
+@pytest.mark.parametrize("layout", ["interleaved", "separate"])
+@pytest.mark.parametrize(
+    "cfg",
+    [DecodeConfig(), DecodeConfig(int4_scale_tile=False), int4_config(int4_legacy=True)],
+    ids=["default", "scales_gathered", "legacy"],
+)
+@pytest.mark.parametrize(("group", "d"), [(4, 128), (3, 64)], ids=["g4d128", "g3d64"])
+def test_int4_scale_layouts_match_reference(layout, cfg, group, d) -> None:
+    """Both INT4 scale layouts (one interleaved buffer, the default; four tensors) through
+    the row-tile path, the gathered-scales path and the legacy kernel."""
+    mb = build_mixed_batch(
+        [(1, 70, 9), (0, 45, 0)],
+        hq=2 * group,
+        hkv=2,
+        d=d,
+        dtype=torch.float16,
+        dead_fraction=0.3,
+        head_mask_fraction=0.2,
+        seed=group + d,
+    )
+    if layout == "separate":
+        _separate_int4_scales(mb)
+    assert mb.pools.int4.scale_row_stride() == (4 if layout == "interleaved" else 1) * (d // 32)
+    _run(mb, torch.float16, split_len=64, config=cfg)
+
+
+def test_int4_scales_of_mixed_layouts_are_refused() -> None:
+    mb = build_mixed_batch([(0, 40, 0)], hq=4, hkv=2, d=64, dtype=torch.float16, seed=3)
+    mb.pools.int4.k_zero = mb.pools.int4.k_zero.contiguous()  # one tensor off the buffer
+    with pytest.raises(ValueError, match="INT4 scale tensors need equal strides"):
+        _run(mb, torch.float16)
