@@ -168,7 +168,7 @@ class DecodeConfig:
     16-bit key-scale gathers it replaces were synchronous loads issued at the end of the
     previous iteration. H100, session 13: the INT4 split kernel 3-10% faster (B=8 N=32k
     169 vs 178 µs, B=32 N=32k 664 vs 742 µs; 217 instead of 238 registers); the same
-    interleaved layout read by the gathers was 5-10% slower than four separate tensors."""
+    interleaved layout read by the gathers was 4-11% slower than four separate tensors."""
 
     block_n_full: int = 64
     block_n_int4: int = 32
