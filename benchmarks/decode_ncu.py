@@ -54,6 +54,7 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "int4 centred": ("int4", dict(int4_v_subnormal=False, int4_v_centred=True)),
     "int4 value scales gathered": ("int4", dict(int4_v_scales_by_dot=False)),
     "int4 scales gathered (no row tile)": ("int4", dict(int4_scale_tile=False)),
+    "int4 default, 184 registers": ("int4", dict(max_registers=184)),
     "int2 split-fastest grid": ("int2", dict(heads_fastest=False)),
 }
 
@@ -67,6 +68,8 @@ METRICS = {
     "smsp__issue_active.avg.pct_of_peak_sustained_active": "issue_active_pct",
     "smsp__inst_executed.sum": "warp_instructions",
     "smsp__warps_eligible.avg.per_cycle_active": "eligible_warps_per_cycle",
+    "launch__occupancy_limit_shared_mem": "blocks_per_sm_limit_shared_mem",
+    "launch__shared_mem_config_size": "shared_mem_config_bytes",
 }
 STALLS = (
     "long_scoreboard",

@@ -1140,7 +1140,7 @@ def _decode_split_kernel(
     HEADS_FASTEST: tl.constexpr = False,
     V_CENTRED: tl.constexpr = False,
     INT4_V_SCALES_BY_DOT: tl.constexpr = False,
-    INT4_SCALE_STRIDE: tl.constexpr = 0,
+    INT4_SCALE_STRIDE: tl.constexpr = 0,  # the INT4 scales' row stride (the wrapper passes it)
     INT4_SCALE_TILE: tl.constexpr = False,
 ):
     NG: tl.constexpr = D // 32

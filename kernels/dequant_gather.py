@@ -228,7 +228,7 @@ def _dequant_gather_kernel(
     INT2_TILE: tl.constexpr = False,
     OFF32: tl.constexpr = False,
     SLOT_ROWS: tl.constexpr = False,
-    SS4: tl.constexpr = 0,
+    SS4: tl.constexpr = 0,  # the INT4 scales' row stride (the wrapper passes it)
 ):
     """One (token block, group of HEADS heads) tile per program (knobs: :class:`GatherConfig`).
     All knobs off (:data:`GATHER_BASE`): a 2-D grid ``(token blocks, Hkv)``, token blocks
