@@ -8,7 +8,8 @@ Run on the GPU machine::
 For every shape (B, N; Hq 32, Hkv 8, D 128, every position live, token slots scattered as in
 ``decode_attention.py``), impl and variant (``DecodeConfig`` keyword arguments as JSON), it
 records (``--sequential-slots``: every request's tokens on consecutive slots, a contiguous
-cache, to see what the scattered rows cost):
+cache, to see what the scattered rows cost; ``--separate-scales``: the INT4 scales and zeros
+as four tensors instead of the pool's interleaved buffer):
 
 - ``kernel_us``: the whole call (split kernel + merge) from a CUDA graph, L2 flushed, and its
   ratio to SDPA's on the same shape;
