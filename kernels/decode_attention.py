@@ -23,7 +23,8 @@ out of the inner loop, ``q.k = sum_g s_tg (q_g . c_tg) + z_tg sum(q_g)`` and
 exact int -> 16-bit conversion (magic number: ``nibble | 0x6400`` as fp16 is ``1024 + n``,
 the 1024 removed *before* the dot) and the GQA group is not padded to 16 rows. By default
 the (query head, channel group) pairs are stacked as the rows of one dot
-(``int4_stacked``); the per-group variant, a variant with fp16-dequantized values and the
+(``int4_stacked``), and each row's interleaved scales and zeros are read as one tile
+(``int4_scale_tile``); the per-group variant, a variant with fp16-dequantized values and the
 previous kernel (``int4_legacy``) remain selectable. INT2: keys fold the page's
 per-channel scale into the query (``(q * s) . code + q . zero``); by default (``int2_fold``)
 values fold each token's group scale into ``p`` the same way and every code enters its dot
