@@ -55,6 +55,7 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "int4 value scales gathered": ("int4", dict(int4_v_scales_by_dot=False)),
     "int4 scales gathered (no row tile)": ("int4", dict(int4_scale_tile=False)),
     "int4 default, 184 registers": ("int4", dict(max_registers=184)),
+    "int4 default, 5 stages": ("int4", dict(num_stages=5)),
     "int2 split-fastest grid": ("int2", dict(heads_fastest=False)),
 }
 
