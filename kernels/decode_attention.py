@@ -622,9 +622,6 @@ def _int4_split_stacked(
         e_ks = (c16[None, :] == krg[:, None]).to(tl.float16)
         e_kz = (c16[None, :] == (NG + krg)[:, None]).to(tl.float16)
         e_vs = (c16[None, :] == (2 * NG + rg)[:, None]).to(tl.float16)
-        z_col = 3 * NG
-    else:
-        z_col = 0
     for start_n in range(start, end, BN):
         slot, live = _live_positions(slot_row, hm_row, start_n + arn, end, dead_id, HAS_HEAD_MASK)
         row = tl.where(live, slot - int4_base, 0) * Hkv + h
@@ -764,7 +761,7 @@ def _int4_split_stacked(
     if V_DOTS8:
         # accumulator k holds channel 8w + 2 (k % 4) + k // 4 in column w (group w // 4)
         if SCALE_TILE:
-            z4 = _spread_cols(zb, z_col + jw // 4)
+            z4 = _spread_cols(zb, 3 * NG + jw // 4)  # the tile's value-zero columns
         else:
             z4 = _bcast_groups(zb, BLOCK_HQ, NG, 4)
         own8 = rg[:, None] == (jw // 4)[None, :]
@@ -782,7 +779,7 @@ def _int4_split_stacked(
         oe = tl.sum(tl.reshape(tl.where(own, acc_e, 0.0), [BLOCK_HQ, NG, H2]), 1) * v_one
         oo = tl.sum(tl.reshape(tl.where(own, acc_o, 0.0), [BLOCK_HQ, NG, H2]), 1) * v_one
         if SCALE_TILE:
-            z16 = _spread_cols(zb, z_col + j // 16)
+            z16 = _spread_cols(zb, 3 * NG + j // 16)
         else:
             z16 = _bcast_groups(zb, BLOCK_HQ, NG, 16)
         out = tl.interleave(oe + z16, oo + z16) * inv[:, None]

@@ -42,6 +42,21 @@ SCALE_DTYPE = torch.float16
 """dtype of every scale and zero tensor."""
 
 
+def row_stride(t: torch.Tensor) -> int | None:
+    """Elements between consecutive rows (the last dim) of ``t`` when every row is
+    contiguous and the rows are evenly spaced in order (a contiguous tensor, or a view of
+    one field of an interleaved buffer); else None."""
+    if t.stride(-1) != 1:
+        return None
+    ss = t.stride(-2) if t.dim() > 1 else t.shape[-1]
+    expect = ss
+    for i in range(t.dim() - 2, -1, -1):
+        if t.shape[i] > 1 and t.stride(i) != expect:
+            return None
+        expect *= t.shape[i]
+    return ss
+
+
 def _check_head_dim(head_dim: int) -> None:
     if head_dim % GROUP_SIZE or head_dim & (head_dim - 1):
         raise ValueError(f"head_dim must be a power of two and a multiple of 32, got {head_dim}")
@@ -110,10 +125,9 @@ class Int4Pool:
         """Elements between one (slot, head) row's scales and the next's, shared by the four
         scale / zero tensors (D / 32 for separate contiguous tensors, 4 D / 32 for the
         interleaved buffer of :meth:`allocate`). Raises ValueError when they differ."""
-        s = self.k_scale.stride(1)
-        want = (self.k_scale.shape[1] * s, s, 1)
+        s = row_stride(self.k_scale)
         for t in (self.k_scale, self.k_zero, self.v_scale, self.v_zero):
-            if t.stride() != want:
+            if s is None or row_stride(t) != s:
                 raise ValueError(
                     f"INT4 scale tensors need equal strides [Hkv * S, S, 1], got {t.stride()} "
                     f"next to k_scale's {self.k_scale.stride()}"

@@ -22,7 +22,7 @@ from .asymmetric_quant import (
     asym_params_tl,
 )
 from .packing import pack_int2, pack_int2_u8, pack_int4, pack_int4_u8, unpack_int2, unpack_int4
-from .pools import GROUP_SIZE
+from .pools import GROUP_SIZE, row_stride
 
 
 def quantize_token_groups_ref(
@@ -102,20 +102,6 @@ def _quantize_token_groups_kernel(
     tl.store(zero_ptr + so, zero, mask=tmask[:, None])
 
 
-def _row_stride(t: torch.Tensor) -> int | None:
-    """The stride between consecutive rows (last dim) of ``t`` when every row is contiguous
-    and the rows are evenly spaced in order; else None."""
-    if t.stride(-1) != 1:
-        return None
-    ss = t.stride(-2) if t.dim() > 1 else t.shape[-1]
-    expect = ss
-    for i in range(t.dim() - 2, -1, -1):
-        if t.shape[i] > 1 and t.stride(i) != expect:
-            return None
-        expect *= t.shape[i]
-    return ss
-
-
 def launch_quantize_token_groups(
     x: torch.Tensor,
     idx: torch.Tensor,
@@ -140,8 +126,8 @@ def launch_quantize_token_groups(
         return
     if x.stride(-1) != 1:
         x = x.contiguous()
-    ss = _row_stride(scale)
-    if not codes.is_contiguous() or ss is None or _row_stride(zero) != ss:
+    ss = row_stride(scale)
+    if not codes.is_contiguous() or ss is None or row_stride(zero) != ss:
         raise ValueError(
             "codes must be contiguous, scale and zero rows of D/32 values at one row stride"
         )

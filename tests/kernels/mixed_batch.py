@@ -146,6 +146,17 @@ def _pools_to(pools: KVPools, device: torch.device) -> KVPools:
     return KVPools(move(pools.full), int4, move(pools.int2))
 
 
+def separate_int4_scales(pools: KVPools) -> None:
+    """The INT4 pool's scales and zeros as four contiguous tensors (``allocate`` interleaves
+    them in one buffer; the kernels accept both)."""
+    q4 = pools.int4
+    assert q4.scales_interleaved
+    q4.k_scale, q4.k_zero, q4.v_scale, q4.v_zero = (
+        t.contiguous() for t in (q4.k_scale, q4.k_zero, q4.v_scale, q4.v_zero)
+    )
+    assert not q4.scales_interleaved
+
+
 #: the INT4 stacked-path knobs, all off (``DecodeConfig()`` has them on since sessions 10-11)
 KNOBS_OFF = dict(
     int4_imma=False,

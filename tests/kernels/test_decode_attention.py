@@ -9,7 +9,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from mixed_batch import KNOBS_ON, build_mixed_batch, int4_config
+from mixed_batch import KNOBS_ON, build_mixed_batch, int4_config, separate_int4_scales
 
 from agentkv.kernels import (
     DecodeConfig,
@@ -529,17 +529,6 @@ def test_centred_int4_splits_are_not_capped() -> None:
         DecodeConfig(int4_v_centred=True)
 
 
-def _separate_int4_scales(mb) -> None:  # type: ignore[no-untyped-def]
-    """The INT4 pool's scales and zeros as four contiguous tensors (allocate() interleaves
-    them in one buffer)."""
-    q4 = mb.pools.int4
-    assert q4.scales_interleaved
-    q4.k_scale, q4.k_zero, q4.v_scale, q4.v_zero = (
-        t.contiguous() for t in (q4.k_scale, q4.k_zero, q4.v_scale, q4.v_zero)
-    )
-    assert not q4.scales_interleaved
-
-
 @pytest.mark.parametrize("layout", ["interleaved", "separate"])
 @pytest.mark.parametrize(
     "cfg",
@@ -561,7 +550,7 @@ def test_int4_scale_layouts_match_reference(layout, cfg, group, d) -> None:
         seed=group + d,
     )
     if layout == "separate":
-        _separate_int4_scales(mb)
+        separate_int4_scales(mb.pools)
     assert mb.pools.int4.scale_row_stride() == (4 if layout == "interleaved" else 1) * (d // 32)
     _run(mb, torch.float16, split_len=64, config=cfg)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from mixed_batch import separate_int4_scales
 
 from agentkv.kernels import (
     GATHER_BASE,
@@ -145,12 +146,8 @@ def test_separate_int4_scale_tensors_gather_the_same_bits(mixed_batch, config) -
     """The pool interleaves the INT4 scales in one buffer; four separate tensors (the
     kernels read the row stride) gather to the same bits."""
     mb = mixed_batch([(1, 40, 6), (0, 25, 3)], hq=2, hkv=2, d=128, dead_fraction=0.3)
-    q4 = mb.pools.int4
-    assert q4.scales_interleaved
     k, v = dequant_gather(mb.pools, mb.slot_map, backend="triton", config=config)
-    q4.k_scale, q4.k_zero, q4.v_scale, q4.v_zero = (
-        t.contiguous() for t in (q4.k_scale, q4.k_zero, q4.v_scale, q4.v_zero)
-    )
-    assert q4.scale_row_stride() == 128 // 32
+    separate_int4_scales(mb.pools)
+    assert mb.pools.int4.scale_row_stride() == 128 // 32
     k2, v2 = dequant_gather(mb.pools, mb.slot_map, backend="triton", config=config)
     assert torch.equal(k, k2) and torch.equal(v, v2)
