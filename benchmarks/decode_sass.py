@@ -142,6 +142,7 @@ def compile_split(group: int, head_dim: int, segments: set[str], **knobs):
         INT4_V_SCALES_BY_DOT=False,
         INT4_SCALE_STRIDE=head_dim // 32,  # separate scale tensors; 4x: interleaved
         INT4_SCALE_TILE=False,
+        INT2_PIPELINED=False,
         **dict.fromkeys(KNOBS, False),
     )
     consts.update(knobs)

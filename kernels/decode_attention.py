@@ -111,7 +111,8 @@ class DecodeConfig:
     (fewer 64-bit address instructions). Defaults: every stacked-path knob on, int4_imma
     None = on wherever the stacked path runs (the H100 sweep of session 10: INT4 at B=8
     N=32k 202 µs vs 278 µs with them off, docs/benchmarks.md §3). prefetch: hand
-    double-buffering of the INT2 (and legacy INT4) loads. merge_block_s: the most splits per
+    double-buffering of the INT2 (and legacy INT4) loads (the folded INT2 split only with
+    ``int2_pipelined`` off). merge_block_s: the most splits per
     step of the merge kernel (each step takes the next power of two >= the splits, at least
     16, up to this): at B=1 N=32k (128 splits) one step of 128 instead of four of 32 cut the
     merge from 7.1 to 3.0 µs on the H100, while a fixed 128 doubled it where 16 splits are
@@ -169,7 +170,16 @@ class DecodeConfig:
     16-bit key-scale gathers it replaces were synchronous loads issued at the end of the
     previous iteration. H100, session 13: the INT4 split kernel 3-10% faster (B=8 N=32k
     169 vs 178 µs, B=32 N=32k 664 vs 742 µs; 217 instead of 238 registers); the same
-    interleaved layout read by the gathers was 4-11% slower than four separate tensors."""
+    interleaved layout read by the gathers was 4-11% slower than four separate tensors.
+    int2_pipelined (folded INT2): no prefetch by hand; every load of a page block (slot map,
+    code rows, the rows' value scales as one [32, D / 32] tile, the page's key scales
+    straight in the query rows' shape) is a tile of at least 4 bytes a lane, which Triton's
+    pipeliner copies ahead asynchronously (3 stages: the codes and scales one block ahead,
+    double-buffered in shared memory). The hand prefetch kept the codes synchronous (loaded
+    at the top of their iteration, their latency exposed every block) and made the loop one
+    the pipeliner skips. H100, session 14: INT2 split kernel at B=8 N=32k 157 -> 129 µs
+    (2.02x -> 2.67x SDPA's kernel time), B=32 N=4k 1.93x -> 2.39x, B=1 N=32k 1.81x ->
+    2.39x, B=8 N=128k 2.25x -> 2.83x; errors unchanged."""
 
     block_n_full: int = 64
     block_n_int4: int = 32
@@ -200,6 +210,7 @@ class DecodeConfig:
     int4_v_centred: bool = False
     int4_v_scales_by_dot: bool = True
     int4_scale_tile: bool = True
+    int2_pipelined: bool = True
 
     def __post_init__(self) -> None:
         if self.int4_v_centred and self.int4_v_subnormal:
@@ -215,12 +226,15 @@ class DecodeConfig:
             return cap
         return max(256, int(cap * math.sqrt(self.folded_cap_len / length)) // 64 * 64)
 
-    def stages(self, has_int4: bool) -> int:
+    def stages(self, has_int4: bool, has_int2: bool = False) -> int:
         """``num_stages`` of a launch (None: 3 with INT4 segments, where the live-from-scales
-        INT4 split pipelines its slot map two blocks ahead; else 2)."""
+        INT4 split pipelines its slot map two blocks ahead, and with pipelined folded INT2
+        segments; else 2)."""
         if self.num_stages is not None:
             return self.num_stages
-        return 3 if has_int4 and self.int4_live_from_scales else 2
+        int4 = has_int4 and self.int4_live_from_scales
+        int2 = has_int2 and self.int2_fold and self.int2_pipelined
+        return 3 if int4 or int2 else 2
 
     def warps(self, has_int4: bool, has_int2: bool = False) -> int:
         """``num_warps`` of a launch (None: 1 with INT4 or folded INT2 segments, else 2)."""
@@ -819,6 +833,51 @@ def _int2_fold_scales(
 
 
 @triton.jit
+def _int2_fold_scale_tiles(
+    slot,
+    live,
+    int2_base,
+    Hkv,
+    h,
+    ks_ptr,
+    kz_ptr,
+    vs_ptr,
+    vz_ptr,
+    BLOCK_HQ: tl.constexpr,
+    D: tl.constexpr,
+):
+    """As :func:`_int2_fold_scales`, every load a tile of at least 4 bytes per lane (a row's
+    value scales [32, D // 32], the page's key scales [4, D // 4]), which Triton's pipeliner
+    can copy ahead asynchronously; the planes are picked out of the tiles in registers."""
+    NG: tl.constexpr = D // 32
+    Q: tl.constexpr = D // 4
+    j = tl.where(live, slot - int2_base, -1)
+    ph = (tl.maximum(tl.max(j, 0), 0) // 32) * Hkv + h
+    row = ph * 32 + tl.where(live, j % 32, 0)
+    cng = tl.arange(0, NG)
+    so = row[:, None] * NG + cng[None, :]
+    vst = tl.load(vs_ptr + so, mask=live[:, None], other=0.0).to(tl.float32)
+    # (not straight into the zero dot: an N = D / 32 operand is not copied ahead)
+    vz = tl.where(live[:, None], tl.load(vz_ptr + so, mask=live[:, None], other=0.0), 0.0)
+    # the page's key scales / zeros of plane k read straight into the query rows' shape
+    # [BLOCK_HQ, Q] (every row the same; 8 bytes a lane where a [1, Q] read has 2)
+    kc = ph * D + 0 * tl.arange(0, BLOCK_HQ)[:, None] + tl.arange(0, Q)[None, :]
+    vs0 = tl.sum(tl.where(cng[None, :] == (0 * Q) // 32, vst, 0.0), 1).to(tl.float16)
+    vs1 = tl.sum(tl.where(cng[None, :] == (1 * Q) // 32, vst, 0.0), 1).to(tl.float16)
+    vs2 = tl.sum(tl.where(cng[None, :] == (2 * Q) // 32, vst, 0.0), 1).to(tl.float16)
+    vs3 = tl.sum(tl.where(cng[None, :] == (3 * Q) // 32, vst, 0.0), 1).to(tl.float16)
+    ks0 = tl.load(ks_ptr + kc)
+    ks1 = tl.load(ks_ptr + kc + Q)
+    ks2 = tl.load(ks_ptr + kc + 2 * Q)
+    ks3 = tl.load(ks_ptr + kc + 3 * Q)
+    kz0 = tl.load(kz_ptr + kc)
+    kz1 = tl.load(kz_ptr + kc + Q)
+    kz2 = tl.load(kz_ptr + kc + 2 * Q)
+    kz3 = tl.load(kz_ptr + kc + 3 * Q)
+    return row, vs0, vs1, vs2, vs3, vz, ks0, ks1, ks2, ks3, kz0, kz1, kz2, kz3
+
+
+@triton.jit
 def _int2_fold_codes(row, live, k_ptr, v_ptr, D: tl.constexpr, V_WORDS: tl.constexpr):
     """Key code bytes [32, D // 4] and value codes (int32 words [32, D // 16] with V_WORDS,
     else bytes [32, D // 4]) of one block's rows; dead rows are not read."""
@@ -880,6 +939,7 @@ def _int2_split_folded(
     LAZY_RESCALE: tl.constexpr,
     V_WORDS: tl.constexpr,
     PREFETCH: tl.constexpr,
+    PIPELINED: tl.constexpr,
 ):
     """One INT2 split with every scale folded out of the codes (``int2_fold``).
 
@@ -894,7 +954,11 @@ def _int2_split_folded(
     V_WORDS: the value codes are read as int32 words and each (byte, bit pair) of a word
     becomes its own dot operand, codes left in place (``(n << 2k) 2**-24``: one byte
     permute per byte and one ``and`` per code pair, no shift; 16 dots of N = Q / 4, the
-    2**-2k undone at the store), made straight in the MMA operand layout."""
+    2**-2k undone at the store), made straight in the MMA operand layout.
+
+    PIPELINED (``int2_pipelined``): no prefetch by hand; every load of a block is a tile
+    Triton's pipeliner copies ahead asynchronously (``num_stages`` >= 3: the slot map two
+    blocks ahead, the codes and scales one)."""
     NG: tl.constexpr = D // 32
     Q: tl.constexpr = D // 4
     QW: tl.constexpr = Q // 4
@@ -936,7 +1000,9 @@ def _int2_split_folded(
     ar = tl.arange(0, 32)
     cw = tl.arange(0, QW)
     cng = tl.arange(0, NG)
-    if PREFETCH:  # the page's scales one block ahead, slots two (by hand); codes are loaded
+    if (
+        PREFETCH and not PIPELINED
+    ):  # the page's scales one block ahead, slots two (by hand); codes are loaded
         # at the top of their iteration (double-buffering them too was slower on the H100:
         # 243 registers, 195 vs 157 µs at B=8 N=32k)
         slot_c, live = _live_positions(slot_row, hm_row, start + ar, end, dead_id, HAS_HEAD_MASK)
@@ -947,24 +1013,50 @@ def _int2_split_folded(
             slot_row, hm_row, start + 32 + ar, end, dead_id, HAS_HEAD_MASK
         )
     for start_n in range(start, end, 32):
-        if PREFETCH:
-            slot_nn, live_nn = _live_positions(
-                slot_row, hm_row, start_n + 64 + ar, end, dead_id, HAS_HEAD_MASK
+        if PIPELINED:
+            slot_c, live = _live_positions(
+                slot_row, hm_row, start_n + ar, end, dead_id, HAS_HEAD_MASK
             )
-            (nrow, nvs0, nvs1, nvs2, nvs3, nvz, nks0, nks1, nks2, nks3, nkz0, nkz1, nkz2, nkz3) = (
-                _int2_fold_scales(
-                    slot_n, live_n, int2_base, Hkv, h, ks_ptr, kz_ptr, vs_ptr, vz_ptr, D
+            (row, vs0, vs1, vs2, vs3, vz, ks0, ks1, ks2, ks3, kz0, kz1, kz2, kz3) = (
+                _int2_fold_scale_tiles(
+                    slot_c, live, int2_base, Hkv, h, ks_ptr, kz_ptr, vs_ptr, vz_ptr, BLOCK_HQ, D
                 )
             )
             kb, vv = _int2_fold_codes(row, live, k_ptr, v_ptr, D, V_WORDS)
         else:
-            slot_c, live = _live_positions(
-                slot_row, hm_row, start_n + ar, end, dead_id, HAS_HEAD_MASK
-            )
-            row, vs0, vs1, vs2, vs3, vz, ks0, ks1, ks2, ks3, kz0, kz1, kz2, kz3 = _int2_fold_scales(
-                slot_c, live, int2_base, Hkv, h, ks_ptr, kz_ptr, vs_ptr, vz_ptr, D
-            )
-            kb, vv = _int2_fold_codes(row, live, k_ptr, v_ptr, D, V_WORDS)
+            if PREFETCH:
+                slot_nn, live_nn = _live_positions(
+                    slot_row, hm_row, start_n + 64 + ar, end, dead_id, HAS_HEAD_MASK
+                )
+                (
+                    nrow,
+                    nvs0,
+                    nvs1,
+                    nvs2,
+                    nvs3,
+                    nvz,
+                    nks0,
+                    nks1,
+                    nks2,
+                    nks3,
+                    nkz0,
+                    nkz1,
+                    nkz2,
+                    nkz3,
+                ) = _int2_fold_scales(
+                    slot_n, live_n, int2_base, Hkv, h, ks_ptr, kz_ptr, vs_ptr, vz_ptr, D
+                )
+                kb, vv = _int2_fold_codes(row, live, k_ptr, v_ptr, D, V_WORDS)
+            else:
+                slot_c, live = _live_positions(
+                    slot_row, hm_row, start_n + ar, end, dead_id, HAS_HEAD_MASK
+                )
+                row, vs0, vs1, vs2, vs3, vz, ks0, ks1, ks2, ks3, kz0, kz1, kz2, kz3 = (
+                    _int2_fold_scales(
+                        slot_c, live, int2_base, Hkv, h, ks_ptr, kz_ptr, vs_ptr, vz_ptr, D
+                    )
+                )
+                kb, vv = _int2_fold_codes(row, live, k_ptr, v_ptr, D, V_WORDS)
         qz = tl.sum(
             qf0 * kz0.to(tl.float32)
             + qf1 * kz1.to(tl.float32)
@@ -1035,7 +1127,7 @@ def _int2_split_folded(
             a1 = _mma_acc(p16 * vs1[None, :], v1, a1, IEEE_F32)
             a2 = _mma_acc(p16 * vs2[None, :], v2, a2, IEEE_F32)
             a3 = _mma_acc(p16 * vs3[None, :], v3, a3, IEEE_F32)
-        if PREFETCH:
+        if PREFETCH and not PIPELINED:
             row, vz, live = nrow, nvz, live_n
             vs0, vs1, vs2, vs3 = nvs0, nvs1, nvs2, nvs3
             ks0, ks1, ks2, ks3 = nks0, nks1, nks2, nks3
@@ -1140,6 +1232,7 @@ def _decode_split_kernel(
     INT4_V_SCALES_BY_DOT: tl.constexpr = False,
     INT4_SCALE_STRIDE: tl.constexpr = 0,  # the INT4 scales' row stride (the wrapper passes it)
     INT4_SCALE_TILE: tl.constexpr = False,
+    INT2_PIPELINED: tl.constexpr = False,
 ):
     NG: tl.constexpr = D // 32
     Q: tl.constexpr = D // 4
@@ -1220,6 +1313,7 @@ def _decode_split_kernel(
                 LAZY_RESCALE,
                 INT2_V_WORDS,
                 PREFETCH,
+                INT2_PIPELINED,
             )
     if HAS_INT2 and not INT2_FOLD:  # noqa: SIM102
         if is2:
@@ -2112,6 +2206,7 @@ def decode_attention(
         IEEE_F32=interpreting,
         USE_ASM=not interpreting,
         PREFETCH=cfg.prefetch,
+        INT2_PIPELINED=cfg.int2_pipelined,
         V_FOLD=v_fold,
         INT4_LEGACY=cfg.int4_legacy,
         STACKED=stacked or imma,
@@ -2129,7 +2224,7 @@ def decode_attention(
         INT4_SCALE_STRIDE=sstride,
         INT4_SCALE_TILE=scale_tile,
         num_warps=cfg.warps(m4 > 0, m2 > 0),
-        num_stages=cfg.stages(m4 > 0),
+        num_stages=cfg.stages(m4 > 0, m2 > 0),
         **({"maxnreg": regs} if regs else {}),
     )
     _merge_splits_kernel[(b * hq,)](

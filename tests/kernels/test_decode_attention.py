@@ -412,7 +412,9 @@ INT2_CONFIGS = [
     ("fold_w1", DecodeConfig(int2_fold=True, num_warps=1)),
     ("fold_v_words", DecodeConfig(int2_v_words=True)),
     ("fold_bytes", DecodeConfig(int2_v_words=False)),
-    ("fold_no_prefetch", DecodeConfig(prefetch=False)),
+    ("fold_hand_prefetch", DecodeConfig(int2_pipelined=False)),  # the default before session 14
+    ("fold_no_prefetch", DecodeConfig(int2_pipelined=False, prefetch=False)),
+    ("fold_pipelined_2_stages", DecodeConfig(num_stages=2)),
     (
         "fold_v_words_eager_w1",
         DecodeConfig(int2_v_words=True, int4_lazy_rescale=False, num_warps=1),
@@ -459,6 +461,7 @@ def test_int2_folded_within_1e3_of_reference(q_scale) -> None:
     for cfg in (
         DecodeConfig(int2_fold=True),
         DecodeConfig(int2_fold=True, int4_lazy_rescale=False),
+        DecodeConfig(int2_pipelined=False),
     ):
         out, ref = _run(mb, torch.float16, split_len=128, config=cfg)
         rel = float((out.float() - ref.float()).norm() / ref.float().norm())
@@ -469,15 +472,22 @@ def test_int2_folded_within_1e3_of_reference(q_scale) -> None:
         assert float((out - old.float()).norm() / old.float().norm()) < 1e-3
 
 
-def test_launch_warps_follow_the_segments() -> None:
+def test_launch_warps_and_stages_follow_the_segments() -> None:
     """num_warps None: 1 where the launch has INT4 or folded INT2 segments (the H100 sweeps'
-    winners), 2 for full-precision-only or dequantizing-INT2 launches."""
+    winners), 2 for full-precision-only or dequantizing-INT2 launches; num_stages None: 3
+    where a split the pipeliner copies ahead runs, else 2."""
     cfg = DecodeConfig()
     assert cfg.warps(has_int4=True) == 1
     assert cfg.warps(has_int4=False, has_int2=True) == 1
     assert cfg.warps(has_int4=False, has_int2=False) == 2
     assert DecodeConfig(int2_fold=False).warps(has_int4=False, has_int2=True) == 2
     assert DecodeConfig(num_warps=4).warps(has_int4=True, has_int2=True) == 4
+    # 3 stages where a pipelined split runs (INT4, folded pipelined INT2), else 2
+    assert cfg.stages(has_int4=True) == 3
+    assert cfg.stages(has_int4=False, has_int2=True) == 3
+    assert cfg.stages(has_int4=False, has_int2=False) == 2
+    assert DecodeConfig(int2_pipelined=False).stages(has_int4=False, has_int2=True) == 2
+    assert DecodeConfig(num_stages=4).stages(has_int4=False, has_int2=True) == 4
 
 
 def test_folded_splits_are_capped() -> None:

@@ -1,0 +1,222 @@
+"""How fast the decode kernel's scattered row reads can go at all: a read-only probe.
+
+The quantized decode kernels read, per (position, KV head), a few short rows at a slot
+taken from the slot map: INT4 a 64-byte key row, a 64-byte value row and a 32-byte scale
+row from three tensors. This probe reads exactly those rows with the decode kernel's grid
+and pipelining (one program per (KV head, split, request), the splits the quantized splits
+plan, 1 warp, 32 positions per iteration, ``num_stages`` 3, the slot map read in the loop) and does nothing with them but
+xor them together, so its time is what the reads alone cost. Layouts (``useful`` bytes per
+(position, head) in brackets):
+
+- ``int4 pool``: the pool's three tensors (160 B);
+- ``int4 kv fused``: key and value codes in one 128-byte row, scales apart (160 B);
+- ``int4 row fused``: codes and scales in one 160-byte row (160 B);
+- ``bf16 pool``: the bf16 pool's two 256-byte rows (512 B), the bf16 path's reads;
+- ``int2 pages``: a 32-byte key and a 32-byte value code row and 32 bytes of scales per
+  (position, head), a page's 32 rows contiguous per head (96 B);
+
+each with the positions on scattered (random) or consecutive slots. Useful TB/s = (rows'
+bytes + slot map) / time, the same count as ``decode_attention.py``'s roofline. Run on the
+GPU machine::
+
+    python3 benchmarks/gather_roofline.py --out $OUT/gather_roofline.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from decode_attention import _kernel_us, _warm_gpu  # noqa: E402
+
+from agentkv.kernels import DecodeConfig, plan_split_len  # noqa: E402
+
+HEADS = 8
+
+
+@triton.jit
+def _rows_xor(ptr, row, live, STRIDE: tl.constexpr, OFF: tl.constexpr, W: tl.constexpr):
+    """xor over the W int32 words at OFF of each live row ([BN] -> [BN, W] -> [BN])."""
+    x = tl.load(ptr + row[:, None] * STRIDE + OFF + tl.arange(0, W)[None, :], mask=live[:, None])
+    return tl.reduce(x, 1, _xor)
+
+
+@triton.jit
+def _xor(a, b):
+    return a ^ b
+
+
+@triton.jit
+def _gather_probe(
+    slot_ptr,
+    a_ptr,
+    b_ptr,
+    c_ptr,
+    out_ptr,
+    n_pos,
+    Hkv,
+    split_len,
+    BN: tl.constexpr,
+    A_STRIDE: tl.constexpr,
+    A_W: tl.constexpr,
+    B_STRIDE: tl.constexpr,
+    B_OFF: tl.constexpr,
+    B_W: tl.constexpr,
+    C_STRIDE: tl.constexpr,
+    C_OFF: tl.constexpr,
+    C_W: tl.constexpr,
+    PAGED: tl.constexpr,
+):
+    """Read streams a, b, c (int32 words; W = 0: not read) of each position's row (PAGED:
+    rows ``(page * Hkv + head) * 32 + slot % 32``, a 32-slot page's rows contiguous per head,
+    as in the INT2 pool; else ``slot * Hkv + head``)."""
+    h = tl.program_id(0)
+    s = tl.program_id(1)
+    r = tl.program_id(2)
+    start = s * split_len
+    end = tl.minimum(start + split_len, n_pos)
+    acc = tl.zeros([BN], tl.int32)
+    arn = tl.arange(0, BN)
+    for n in range(start, end, BN):
+        offs = n + arn
+        inb = offs < end
+        slot = tl.load(slot_ptr + r * n_pos + offs, mask=inb, other=0)
+        if PAGED:
+            row = (slot // 32 * Hkv + h) * 32 + slot % 32
+        else:
+            row = slot * Hkv + h
+        acc ^= _rows_xor(a_ptr, row, inb, A_STRIDE, 0, A_W)
+        if B_W > 0:
+            acc ^= _rows_xor(b_ptr, row, inb, B_STRIDE, B_OFF, B_W)
+        if C_W > 0:
+            acc ^= _rows_xor(c_ptr, row, inb, C_STRIDE, C_OFF, C_W)
+    tl.store(out_ptr + (r * tl.num_programs(1) + s) * Hkv + h, tl.reduce(acc, 0, _xor))
+
+
+#: layout -> streams (stride words, offset words, width words) of a, b, c; "tensors" says
+#: which streams share one tensor (fused rows)
+LAYOUTS = {
+    "int4 pool": dict(a=(16, 0, 16), b=(16, 0, 16), c=(8, 0, 8), shared=""),
+    "int4 kv fused": dict(a=(32, 0, 32), b=(32, 0, 0), c=(8, 0, 8), shared=""),
+    "int4 row fused": dict(a=(40, 0, 32), b=(40, 0, 0), c=(40, 32, 8), shared="ac"),
+    "bf16 pool": dict(a=(64, 0, 64), b=(64, 0, 64), c=(1, 0, 0), shared=""),
+    # INT2: 32-byte key and value code rows and 32 bytes of scales per (position, head)
+    # (value scales / zeros per row, the page's key scales / zeros spread over its rows)
+    "int2 pages": dict(a=(8, 0, 8), b=(8, 0, 8), c=(8, 0, 8), shared="", paged=True),
+}
+
+
+def _probe(layout: str, batch: int, n: int, scatter: bool, split_len: int, stages: int):
+    dev = torch.device("cuda")
+    spec = LAYOUTS[layout]
+    tokens = batch * n
+    g = torch.Generator(device=dev).manual_seed(0)
+    rows = tokens * HEADS
+
+    def stream(key):
+        stride, _, w = spec[key]
+        return torch.randint(
+            -(2**31),
+            2**31 - 1,
+            (rows * stride if w else 1,),
+            device=dev,
+            generator=g,
+            dtype=torch.int32,
+        )
+
+    a = stream("a")
+    b = stream("b")
+    c = a if "c" in spec["shared"] else stream("c")
+    paged = spec.get("paged", False)
+    # scattered: a random order of the slots (INT2: of the 32-slot pages, a page's positions
+    # on its consecutive slots); else every request on consecutive slots
+    units = tokens // 32 if paged else tokens
+    order = (
+        torch.randperm(units, device=dev, generator=g)
+        if scatter
+        else torch.arange(units, device=dev)
+    )
+    slots = (order[:, None] * 32 + torch.arange(32, device=dev)).flatten() if paged else order
+    slot_map = slots.int().view(batch, n)
+    splits = triton.cdiv(n, split_len)
+    out = torch.empty(batch * splits * HEADS, device=dev, dtype=torch.int32)
+
+    def fn():
+        _gather_probe[(HEADS, splits, batch)](
+            slot_map,
+            a,
+            b,
+            c,
+            out,
+            n,
+            HEADS,
+            split_len,
+            BN=32,
+            A_STRIDE=spec["a"][0],
+            A_W=spec["a"][2],
+            B_STRIDE=spec["b"][0],
+            B_OFF=spec["b"][1],
+            B_W=spec["b"][2],
+            C_STRIDE=spec["c"][0],
+            C_OFF=spec["c"][1],
+            C_W=spec["c"][2],
+            PAGED=paged,
+            num_warps=1,
+            num_stages=stages,
+        )
+
+    us = _kernel_us(fn)
+    useful = sum(spec[k][2] for k in "abc") * 4 * rows + tokens * 4 * HEADS
+    return us, useful / us / 1e6
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shapes", default="8,32768;32,4096;1,32768", help="B,N;B,N;...")
+    ap.add_argument(
+        "--split-len",
+        type=int,
+        default=0,
+        help="positions per program (0: the quantized decode splits' own plan)",
+    )
+    ap.add_argument("--stages", default="3", help="num_stages values, comma-separated")
+    ap.add_argument("--out", type=Path, default=Path("gather_roofline.json"))
+    args = ap.parse_args()
+    _warm_gpu(2.0)
+    rows = []
+    for shape in args.shapes.split(";"):
+        batch, n = (int(x) for x in shape.split(","))
+        split_len = args.split_len
+        if not split_len:  # as the scale-folded INT4 / INT2 splits: planned, then capped
+            cfg = DecodeConfig()
+            planned = plan_split_len(batch, HEADS, n, torch.device("cuda"), cfg)
+            split_len = min(planned, cfg.folded_split_cap(n))
+        for layout in LAYOUTS:
+            for scatter in (True, False):
+                for stages in (int(x) for x in args.stages.split(",")):
+                    us, tbps = _probe(layout, batch, n, scatter, split_len, stages)
+                    row = dict(
+                        B=batch,
+                        N=n,
+                        layout=layout,
+                        scattered=scatter,
+                        stages=stages,
+                        split_len=split_len,
+                        us=round(us, 1),
+                        useful_tbps=round(tbps, 3),
+                    )
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+    args.out.write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
