@@ -543,9 +543,9 @@ def tune_grid(impl: str) -> list[DecodeConfig]:
         grid = [DecodeConfig(), DecodeConfig(programs_per_sm_int2=32)]
         grid += [  # the folded split without one of its pieces, or at 2 warps
             DecodeConfig(int2_v_words=False),
-            DecodeConfig(prefetch=False),
+            DecodeConfig(int2_pipelined=False),
             DecodeConfig(num_warps=2),
-            DecodeConfig(int4_lazy_rescale=False),
+            DecodeConfig(int2_lazy_rescale=True),
             DecodeConfig(max_registers=168),
         ]
         grid += [  # the dequantizing split (the default before session 11)
@@ -580,6 +580,8 @@ def mixed_grid(best4: DecodeConfig, best2: DecodeConfig) -> list[DecodeConfig]:
             "programs_per_sm_int2",
             "int2_fold",
             "int2_v_words",
+            "int2_pipelined",
+            "int2_lazy_rescale",
             "num_stages",
         )
     }

@@ -143,6 +143,7 @@ def compile_split(group: int, head_dim: int, segments: set[str], **knobs):
         INT4_SCALE_STRIDE=head_dim // 32,  # separate scale tensors; 4x: interleaved
         INT4_SCALE_TILE=False,
         INT2_PIPELINED=False,
+        INT2_LAZY_RESCALE=False,
         **dict.fromkeys(KNOBS, False),
     )
     consts.update(knobs)
@@ -230,21 +231,18 @@ def main() -> None:
     if args.segments == "int4":
         runs = VARIANTS.items()
     elif args.segments == "int2":
+        folded = dict(warps=1, INT2_FOLD=True, INT2_V_WORDS=True)
+        pipelined = dict(folded, INT2_PIPELINED=True, stages=3)
         runs = [
-            (f"int2 {'folded' if fold else 'dequantizing'}{' lazy' if lazy else ''} w{w}", knobs)
-            for fold, lazy in ((False, False), (True, False), (True, True))
-            for w in (1, 2, 4)
-            if (knobs := dict(warps=w, INT2_FOLD=fold, LAZY_RESCALE=lazy))
+            ("int2 dequantizing w2", dict(warps=2)),
+            (
+                "int2 folded v-words, hand prefetch, lazy (sessions 11-13)",
+                dict(folded, PREFETCH=True, INT2_LAZY_RESCALE=True),
+            ),
+            ("int2 folded v-words, pipelined, eager (session 14's default)", pipelined),
+            ("int2 folded v-words, pipelined, lazy", dict(pipelined, INT2_LAZY_RESCALE=True)),
+            ("int2 folded v-words, pipelined, maxnreg 168", dict(pipelined, maxnreg=168)),
         ]
-        runs += [
-            (f"int2 folded lazy w{w} maxnreg {r}", dict(warps=w, INT2_FOLD=True, maxnreg=r))
-            for w, r in ((1, 128), (1, 168), (2, 128))
-        ]
-        for w, r in ((1, None), (2, None), (1, 168), (1, 128), (2, 128)):
-            knobs = dict(warps=w, INT2_FOLD=True, LAZY_RESCALE=True, INT2_V_WORDS=True)
-            if r:
-                knobs["maxnreg"] = r
-            runs.append((f"int2 folded lazy v-words w{w}{f' maxnreg {r}' if r else ''}", knobs))
     else:
         runs = [(f"{args.segments} w2", dict(warps=2)), (f"{args.segments} w4", dict(warps=4))]
     print(f"triton {triton.__version__}, sm_90, G={args.group}, D={args.head_dim}")

@@ -118,7 +118,7 @@ class DecodeConfig:
     merge from 7.1 to 3.0 µs on the H100, while a fixed 128 doubled it where 16 splits are
     merged (B=32 N=4k: 5.4 -> 9.2 µs). int2_fold: the INT2 split with every scale folded out of the codes
     (key page scales into the query, value token scales into ``p``, codes as fp16
-    subnormals: no per-element dequantization; ``int4_lazy_rescale`` applies to it too).
+    subnormals: no per-element dequantization; its lazy rescale is ``int2_lazy_rescale``).
     max_registers: a cap on registers per thread (ptxas ``.maxnreg``): more programs per SM
     at the price of spills; None or 0: the compiler's choice (the H100 sweeps found every
     cap slower: the spills cost more than the occupancy buys).
@@ -179,7 +179,12 @@ class DecodeConfig:
     at the top of their iteration, their latency exposed every block) and made the loop one
     the pipeliner skips. H100, session 14: INT2 split kernel at B=8 N=32k 157 -> 129 µs
     (2.02x -> 2.67x SDPA's kernel time), B=32 N=4k 1.93x -> 2.39x, B=1 N=32k 1.81x ->
-    2.39x, B=8 N=128k 2.25x -> 2.83x; errors unchanged."""
+    2.39x, B=8 N=128k 2.25x -> 2.83x; errors unchanged. int2_lazy_rescale: the lazy
+    rescale (see ``int4_lazy_rescale``) in the folded INT2 split; None: see
+    :meth:`int2_lazy` (eager on INT2-only launches, lazy where INT4 segments share the
+    launch: H100, session 14, split kernel at B=8 N=32k: INT2 118-125 µs eager vs 127-128
+    lazy, mixed 154-157 eager vs 148 lazy; B=8 N=128k: INT2 453 vs 466, mixed 604 vs
+    554-561)."""
 
     block_n_full: int = 64
     block_n_int4: int = 32
@@ -211,6 +216,7 @@ class DecodeConfig:
     int4_v_scales_by_dot: bool = True
     int4_scale_tile: bool = True
     int2_pipelined: bool = True
+    int2_lazy_rescale: bool | None = None
 
     def __post_init__(self) -> None:
         if self.int4_v_centred and self.int4_v_subnormal:
@@ -235,6 +241,13 @@ class DecodeConfig:
         int4 = has_int4 and self.int4_live_from_scales
         int2 = has_int2 and self.int2_fold and self.int2_pipelined
         return 3 if int4 or int2 else 2
+
+    def int2_lazy(self, has_int4: bool) -> bool:
+        """Whether a launch's folded INT2 split rescales lazily (None: only where the
+        launch also has INT4 segments, the H100 winner each way)."""
+        if self.int2_lazy_rescale is not None:
+            return self.int2_lazy_rescale
+        return has_int4
 
     def warps(self, has_int4: bool, has_int2: bool = False) -> int:
         """``num_warps`` of a launch (None: 1 with INT4 or folded INT2 segments, else 2)."""
@@ -1233,6 +1246,7 @@ def _decode_split_kernel(
     INT4_SCALE_STRIDE: tl.constexpr = 0,  # the INT4 scales' row stride (the wrapper passes it)
     INT4_SCALE_TILE: tl.constexpr = False,
     INT2_PIPELINED: tl.constexpr = False,
+    INT2_LAZY_RESCALE: tl.constexpr = False,
 ):
     NG: tl.constexpr = D // 32
     Q: tl.constexpr = D // 4
@@ -1310,7 +1324,7 @@ def _decode_split_kernel(
                 HAS_HEAD_MASK,
                 IEEE_F32,
                 USE_ASM,
-                LAZY_RESCALE,
+                INT2_LAZY_RESCALE,
                 INT2_V_WORDS,
                 PREFETCH,
                 INT2_PIPELINED,
@@ -2207,6 +2221,7 @@ def decode_attention(
         USE_ASM=not interpreting,
         PREFETCH=cfg.prefetch,
         INT2_PIPELINED=cfg.int2_pipelined,
+        INT2_LAZY_RESCALE=cfg.int2_lazy(m4 > 0),
         V_FOLD=v_fold,
         INT4_LEGACY=cfg.int4_legacy,
         STACKED=stacked or imma,

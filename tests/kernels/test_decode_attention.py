@@ -408,7 +408,7 @@ def test_int4_imma_and_lazy_rescale_within_1e3_of_reference(q_scale) -> None:
 
 INT2_CONFIGS = [
     ("fold", DecodeConfig(int2_fold=True)),  # the default
-    ("fold_eager", DecodeConfig(int2_fold=True, int4_lazy_rescale=False)),
+    ("fold_lazy", DecodeConfig(int2_fold=True, int2_lazy_rescale=True)),
     ("fold_w1", DecodeConfig(int2_fold=True, num_warps=1)),
     ("fold_v_words", DecodeConfig(int2_v_words=True)),
     ("fold_bytes", DecodeConfig(int2_v_words=False)),
@@ -416,8 +416,8 @@ INT2_CONFIGS = [
     ("fold_no_prefetch", DecodeConfig(int2_pipelined=False, prefetch=False)),
     ("fold_pipelined_2_stages", DecodeConfig(num_stages=2)),
     (
-        "fold_v_words_eager_w1",
-        DecodeConfig(int2_v_words=True, int4_lazy_rescale=False, num_warps=1),
+        "fold_v_words_lazy_hand_prefetch_w1",
+        DecodeConfig(int2_v_words=True, int2_lazy_rescale=True, int2_pipelined=False, num_warps=1),
     ),
     ("dequantizing", DecodeConfig(int2_fold=False)),  # the default before session 11
     ("dequantizing_no_prefetch", DecodeConfig(int2_fold=False, prefetch=False)),
@@ -460,7 +460,7 @@ def test_int2_folded_within_1e3_of_reference(q_scale) -> None:
     outs = []
     for cfg in (
         DecodeConfig(int2_fold=True),
-        DecodeConfig(int2_fold=True, int4_lazy_rescale=False),
+        DecodeConfig(int2_fold=True, int2_lazy_rescale=True),
         DecodeConfig(int2_pipelined=False),
     ):
         out, ref = _run(mb, torch.float16, split_len=128, config=cfg)
@@ -488,6 +488,10 @@ def test_launch_warps_and_stages_follow_the_segments() -> None:
     assert cfg.stages(has_int4=False, has_int2=False) == 2
     assert DecodeConfig(int2_pipelined=False).stages(has_int4=False, has_int2=True) == 2
     assert DecodeConfig(num_stages=4).stages(has_int4=False, has_int2=True) == 4
+    # the folded INT2 split's rescale: eager alone, lazy beside INT4 segments
+    assert not cfg.int2_lazy(has_int4=False)
+    assert cfg.int2_lazy(has_int4=True)
+    assert DecodeConfig(int2_lazy_rescale=False).int2_lazy(has_int4=True) is False
 
 
 def test_folded_splits_are_capped() -> None:
