@@ -10,7 +10,9 @@ of one call per variant at one shape (default B=8, N=32k, Hq=32, Hkv=8, D=128, e
 position live), and writes ``<out>/ncu.csv`` (ncu's raw per-metric rows) and
 ``<out>/ncu.json`` / ``<out>/ncu.md``: duration, DRAM throughput and bytes, achieved
 occupancy and its register limit, issue-slot use, warp instructions and the warp-stall
-breakdown (cycles per issued instruction by reason) of each variant.
+breakdown (cycles per issued instruction by reason) of each variant. The variants
+``int4 read-only probe`` / ``int2 read-only probe`` profile ``gather_roofline.py``'s probe
+(``_gather_probe``: the same rows read with the same grid, nothing computed) beside them.
 """
 
 from __future__ import annotations
@@ -43,9 +45,13 @@ VARIANTS: dict[str, tuple[str, dict]] = {
             int4_live_from_scales=False,
         ),
     ),
-    "int2 default: folded v-words w1": ("int2", {}),
+    "int2 default": ("int2", {}),
+    "int2 hand prefetch (session 13's default)": (
+        "int2",
+        dict(int2_pipelined=False, int2_lazy_rescale=True),
+    ),
     "int2 folded byte codes w1": ("int2", dict(int2_v_words=False)),
-    "int2 folded v-words no prefetch": ("int2", dict(prefetch=False)),
+    "int2 folded v-words no prefetch": ("int2", dict(int2_pipelined=False, prefetch=False)),
     "int2 folded v-words w2": ("int2", dict(num_warps=2)),
     "int2 dequantizing": ("int2", dict(int2_fold=False)),
     "int4 session-10 default": ("int4", dict(int4_live_from_scales=False)),
@@ -57,7 +63,11 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "int4 default, 184 registers": ("int4", dict(max_registers=184)),
     "int4 default, 5 stages": ("int4", dict(num_stages=5)),
     "int2 split-fastest grid": ("int2", dict(heads_fastest=False)),
+    # gather_roofline.py's read-only probe: the same rows read, nothing computed
+    "int4 read-only probe": ("probe", dict(layout="int4 pool")),
+    "int2 read-only probe": ("probe", dict(layout="int2 pages")),
 }
+KERNELS = ("_decode_split_kernel", "_gather_probe")
 
 METRICS = {
     "gpu__time_duration.sum": "duration_ns",
@@ -99,10 +109,16 @@ def child(b: int, n: int, names: list[str]) -> None:
     """Build the shape, compile every variant, then profile one call of each."""
     import torch
     from decode_attention import DecodeConfig, Shape, _ours
+    from gather_roofline import planned_split_len, probe_fn
 
     s = Shape(b, n)
     s.drop_sdpa_kv()
-    fns = [_ours(s, VARIANTS[k][0], False, DecodeConfig(**VARIANTS[k][1])) for k in names]
+    fns = [
+        probe_fn(VARIANTS[k][1]["layout"], b, n, True, planned_split_len(b, n))[0]
+        if VARIANTS[k][0] == "probe"
+        else _ours(s, VARIANTS[k][0], False, DecodeConfig(**VARIANTS[k][1]))
+        for k in names
+    ]
     for fn in fns:  # compile and warm outside the profiled range
         fn()
         fn()
@@ -118,7 +134,7 @@ def child(b: int, n: int, names: list[str]) -> None:
 def summarize(rows: list[dict], names: list[str]) -> list[dict]:
     """ncu's raw-page CSV rows (one per profiled kernel, a column per metric; the first row
     after the header holds the units) -> one dict per profiled variant, in launch order."""
-    kernels = [r for r in rows if "_decode_split_kernel" in r.get("Kernel Name", "")]
+    kernels = [r for r in rows if any(k in r.get("Kernel Name", "") for k in KERNELS)]
     out = []
     for name, met in zip(names, kernels, strict=False):
 
@@ -195,7 +211,7 @@ def main() -> None:
         "--profile-from-start",
         "off",
         "-k",
-        "regex:_decode_split_kernel",
+        "regex:" + "|".join(KERNELS),
         "--metrics",
         ",".join(metrics),
         "--csv",
@@ -234,7 +250,7 @@ def source_stalls(ncu: str, args: argparse.Namespace, names: list[str]) -> None:
     which instructions the warps wait at, and for what."""
     rep = args.out / "source"
     cmd = [ncu, "--clock-control", "none", "--profile-from-start", "off"]
-    cmd += ["-k", "regex:_decode_split_kernel", "--section", "SourceCounters"]
+    cmd += ["-k", "regex:" + "|".join(KERNELS), "--section", "SourceCounters"]
     cmd += ["--section", "WarpStateStats", "-f", "-o", str(rep), sys.executable, __file__]
     cmd += ["--child", "--batch", str(args.batch), "--tokens", str(args.tokens)]
     cmd += ["--variants", ";".join(names)]

@@ -114,7 +114,17 @@ LAYOUTS = {
 }
 
 
-def _probe(layout: str, batch: int, n: int, scatter: bool, split_len: int, stages: int):
+def planned_split_len(batch: int, n: int) -> int:
+    """Positions per program as the scale-folded INT4 / INT2 splits plan them (planned for
+    about 16 programs per SM, then capped)."""
+    cfg = DecodeConfig()
+    planned = plan_split_len(batch, HEADS, n, torch.device("cuda"), cfg)
+    return min(planned, cfg.folded_split_cap(n))
+
+
+def probe_fn(layout: str, batch: int, n: int, scatter: bool, split_len: int, stages: int = 3):
+    """(fn, useful bytes): one launch of the probe over fresh random rows of ``layout``
+    (``batch`` requests of ``n`` positions, 8 KV heads)."""
     dev = torch.device("cuda")
     spec = LAYOUTS[layout]
     tokens = batch * n
@@ -173,8 +183,12 @@ def _probe(layout: str, batch: int, n: int, scatter: bool, split_len: int, stage
             num_stages=stages,
         )
 
+    return fn, sum(spec[k][2] for k in "abc") * 4 * rows + tokens * 4 * HEADS
+
+
+def _probe(layout: str, batch: int, n: int, scatter: bool, split_len: int, stages: int):
+    fn, useful = probe_fn(layout, batch, n, scatter, split_len, stages)
     us = _kernel_us(fn)
-    useful = sum(spec[k][2] for k in "abc") * 4 * rows + tokens * 4 * HEADS
     return us, useful / us / 1e6
 
 
@@ -194,11 +208,7 @@ def main() -> None:
     rows = []
     for shape in args.shapes.split(";"):
         batch, n = (int(x) for x in shape.split(","))
-        split_len = args.split_len
-        if not split_len:  # as the scale-folded INT4 / INT2 splits: planned, then capped
-            cfg = DecodeConfig()
-            planned = plan_split_len(batch, HEADS, n, torch.device("cuda"), cfg)
-            split_len = min(planned, cfg.folded_split_cap(n))
+        split_len = args.split_len or planned_split_len(batch, n)
         for layout in LAYOUTS:
             for scatter in (True, False):
                 for stages in (int(x) for x in args.stages.split(",")):
