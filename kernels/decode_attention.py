@@ -815,6 +815,29 @@ def _int4_split_stacked(
 
 
 @triton.jit
+def _int2_page_rows(slot, live, int2_base, Hkv, h):
+    """A 32-position block's INT2 page row ``page * Hkv + head`` (from its live slots) and
+    each position's row in the page's rows (0 where not live)."""
+    j = tl.where(live, slot - int2_base, -1)
+    ph = (tl.maximum(tl.max(j, 0), 0) // 32) * Hkv + h
+    return ph, ph * 32 + tl.where(live, j % 32, 0)
+
+
+@triton.jit
+def _int2_key_planes(ks_ptr, kz_ptr, kc, Q: tl.constexpr):
+    """The page's key scales and zeros of channel planes 0..3 at offsets ``kc + kQ``."""
+    ks0 = tl.load(ks_ptr + kc)
+    ks1 = tl.load(ks_ptr + kc + Q)
+    ks2 = tl.load(ks_ptr + kc + 2 * Q)
+    ks3 = tl.load(ks_ptr + kc + 3 * Q)
+    kz0 = tl.load(kz_ptr + kc)
+    kz1 = tl.load(kz_ptr + kc + Q)
+    kz2 = tl.load(kz_ptr + kc + 2 * Q)
+    kz3 = tl.load(kz_ptr + kc + 3 * Q)
+    return ks0, ks1, ks2, ks3, kz0, kz1, kz2, kz3
+
+
+@triton.jit
 def _int2_fold_scales(
     slot, live, int2_base, Hkv, h, ks_ptr, kz_ptr, vs_ptr, vz_ptr, D: tl.constexpr
 ):
@@ -824,9 +847,7 @@ def _int2_fold_scales(
     ks0..ks3, kz0..kz3 [1, D // 4] (broadcast over the query rows at use). fp16."""
     NG: tl.constexpr = D // 32
     Q: tl.constexpr = D // 4
-    j = tl.where(live, slot - int2_base, -1)
-    ph = (tl.maximum(tl.max(j, 0), 0) // 32) * Hkv + h
-    row = ph * 32 + tl.where(live, j % 32, 0)
+    ph, row = _int2_page_rows(slot, live, int2_base, Hkv, h)
     so = row * NG
     vs0 = tl.load(vs_ptr + so + (0 * Q) // 32, mask=live, other=0.0)
     vs1 = tl.load(vs_ptr + so + (1 * Q) // 32, mask=live, other=0.0)
@@ -834,14 +855,7 @@ def _int2_fold_scales(
     vs3 = tl.load(vs_ptr + so + (3 * Q) // 32, mask=live, other=0.0)
     vz = tl.load(vz_ptr + so[:, None] + tl.arange(0, NG)[None, :], mask=live[:, None], other=0.0)
     kc = ph * D + tl.arange(0, Q)[None, :]
-    ks0 = tl.load(ks_ptr + kc)
-    ks1 = tl.load(ks_ptr + kc + Q)
-    ks2 = tl.load(ks_ptr + kc + 2 * Q)
-    ks3 = tl.load(ks_ptr + kc + 3 * Q)
-    kz0 = tl.load(kz_ptr + kc)
-    kz1 = tl.load(kz_ptr + kc + Q)
-    kz2 = tl.load(kz_ptr + kc + 2 * Q)
-    kz3 = tl.load(kz_ptr + kc + 3 * Q)
+    ks0, ks1, ks2, ks3, kz0, kz1, kz2, kz3 = _int2_key_planes(ks_ptr, kz_ptr, kc, Q)
     return row, vs0, vs1, vs2, vs3, vz, ks0, ks1, ks2, ks3, kz0, kz1, kz2, kz3
 
 
@@ -859,14 +873,13 @@ def _int2_fold_scale_tiles(
     BLOCK_HQ: tl.constexpr,
     D: tl.constexpr,
 ):
-    """As :func:`_int2_fold_scales`, every load a tile of at least 4 bytes per lane (a row's
-    value scales [32, D // 32], the page's key scales [4, D // 4]), which Triton's pipeliner
-    can copy ahead asynchronously; the planes are picked out of the tiles in registers."""
+    """As :func:`_int2_fold_scales`, every load a tile of at least 4 bytes per lane, which
+    Triton's pipeliner can copy ahead asynchronously: the rows' value scales as one
+    [32, D // 32] tile (each plane's group picked out in registers), the page's key scales
+    and zeros of each plane in the query rows' shape [BLOCK_HQ, D // 4]."""
     NG: tl.constexpr = D // 32
     Q: tl.constexpr = D // 4
-    j = tl.where(live, slot - int2_base, -1)
-    ph = (tl.maximum(tl.max(j, 0), 0) // 32) * Hkv + h
-    row = ph * 32 + tl.where(live, j % 32, 0)
+    ph, row = _int2_page_rows(slot, live, int2_base, Hkv, h)
     cng = tl.arange(0, NG)
     so = row[:, None] * NG + cng[None, :]
     vst = tl.load(vs_ptr + so, mask=live[:, None], other=0.0).to(tl.float32)
@@ -879,14 +892,7 @@ def _int2_fold_scale_tiles(
     vs1 = tl.sum(tl.where(cng[None, :] == (1 * Q) // 32, vst, 0.0), 1).to(tl.float16)
     vs2 = tl.sum(tl.where(cng[None, :] == (2 * Q) // 32, vst, 0.0), 1).to(tl.float16)
     vs3 = tl.sum(tl.where(cng[None, :] == (3 * Q) // 32, vst, 0.0), 1).to(tl.float16)
-    ks0 = tl.load(ks_ptr + kc)
-    ks1 = tl.load(ks_ptr + kc + Q)
-    ks2 = tl.load(ks_ptr + kc + 2 * Q)
-    ks3 = tl.load(ks_ptr + kc + 3 * Q)
-    kz0 = tl.load(kz_ptr + kc)
-    kz1 = tl.load(kz_ptr + kc + Q)
-    kz2 = tl.load(kz_ptr + kc + 2 * Q)
-    kz3 = tl.load(kz_ptr + kc + 3 * Q)
+    ks0, ks1, ks2, ks3, kz0, kz1, kz2, kz3 = _int2_key_planes(ks_ptr, kz_ptr, kc, Q)
     return row, vs0, vs1, vs2, vs3, vz, ks0, ks1, ks2, ks3, kz0, kz1, kz2, kz3
 
 
