@@ -171,11 +171,11 @@ class DecodeConfig:
     previous iteration. H100, session 13: the INT4 split kernel 3-10% faster (B=8 N=32k
     169 vs 178 µs, B=32 N=32k 664 vs 742 µs; 217 instead of 238 registers); the same
     interleaved layout read by the gathers was 4-11% slower than four separate tensors.
-    int2_pipelined (folded INT2): no prefetch by hand; every load of a page block (slot map,
-    code rows, the rows' value scales as one [32, D / 32] tile, the page's key scales
-    straight in the query rows' shape) is a tile of at least 4 bytes a lane, which Triton's
-    pipeliner copies ahead asynchronously (3 stages: the codes and scales one block ahead,
-    double-buffered in shared memory). The hand prefetch kept the codes synchronous (loaded
+    int2_pipelined (folded INT2): no prefetch by hand; the loads of a page block (code rows,
+    the rows' value scales as one [32, D / 32] tile, the page's key scales straight in the
+    query rows' shape) are tiles of at least 4 bytes a lane, which Triton's pipeliner
+    copies ahead asynchronously (3 stages: one block ahead, double-buffered in shared
+    memory). The hand prefetch kept the codes synchronous (loaded
     at the top of their iteration, their latency exposed every block) and made the loop one
     the pipeliner skips. H100, session 14: INT2 split kernel at B=8 N=32k 157 -> 129 µs
     (2.02x -> 2.67x SDPA's kernel time), B=32 N=4k 1.93x -> 2.39x, B=1 N=32k 1.81x ->
@@ -975,9 +975,9 @@ def _int2_split_folded(
     permute per byte and one ``and`` per code pair, no shift; 16 dots of N = Q / 4, the
     2**-2k undone at the store), made straight in the MMA operand layout.
 
-    PIPELINED (``int2_pipelined``): no prefetch by hand; every load of a block is a tile
-    Triton's pipeliner copies ahead asynchronously (``num_stages`` >= 3: the slot map two
-    blocks ahead, the codes and scales one)."""
+    PIPELINED (``int2_pipelined``): no prefetch by hand; the code and scale loads of a
+    block are tiles Triton's pipeliner copies ahead asynchronously (``num_stages`` >= 3:
+    one block ahead, double-buffered)."""
     NG: tl.constexpr = D // 32
     Q: tl.constexpr = D // 4
     QW: tl.constexpr = Q // 4
@@ -1019,11 +1019,10 @@ def _int2_split_folded(
     ar = tl.arange(0, 32)
     cw = tl.arange(0, QW)
     cng = tl.arange(0, NG)
-    if (
-        PREFETCH and not PIPELINED
-    ):  # the page's scales one block ahead, slots two (by hand); codes are loaded
-        # at the top of their iteration (double-buffering them too was slower on the H100:
-        # 243 registers, 195 vs 157 µs at B=8 N=32k)
+    # hand prefetch: the page's scales one block ahead, slots two; codes are loaded at the
+    # top of their iteration (double-buffering them too was slower on the H100: 243
+    # registers, 195 vs 157 µs at B=8 N=32k)
+    if PREFETCH and not PIPELINED:
         slot_c, live = _live_positions(slot_row, hm_row, start + ar, end, dead_id, HAS_HEAD_MASK)
         row, vs0, vs1, vs2, vs3, vz, ks0, ks1, ks2, ks3, kz0, kz1, kz2, kz3 = _int2_fold_scales(
             slot_c, live, int2_base, Hkv, h, ks_ptr, kz_ptr, vs_ptr, vz_ptr, D
