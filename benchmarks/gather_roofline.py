@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -122,25 +123,41 @@ def planned_split_len(batch: int, n: int) -> int:
     return min(planned, cfg.folded_split_cap(n))
 
 
-def probe_fn(layout: str, batch: int, n: int, scatter: bool, split_len: int, stages: int = 3):
-    """(fn, useful bytes): one launch of the probe over fresh random rows of ``layout``
-    (``batch`` requests of ``n`` positions, 8 KV heads)."""
-    dev = torch.device("cuda")
+@dataclass
+class ProbeInputs:
+    """One probe's rows: int32 streams a, b, c (``[rows * stride]``; c may be a) and the
+    slot map ``[batch, n]`` int32."""
+
+    layout: str
+    slot_map: torch.Tensor
+    a: torch.Tensor
+    b: torch.Tensor
+    c: torch.Tensor
+
+    @property
+    def useful_bytes(self) -> int:
+        """Bytes a kernel must read: every position's row words and its slot-map entry,
+        once per KV head."""
+        spec = LAYOUTS[self.layout]
+        rows = self.slot_map.numel() * HEADS
+        return sum(spec[k][2] for k in "abc") * 4 * rows + self.slot_map.numel() * 4 * HEADS
+
+
+def probe_inputs(
+    layout: str, batch: int, n: int, scatter: bool, device: torch.device | str = "cuda"
+) -> ProbeInputs:
+    """Random rows of ``layout`` for ``batch`` requests of ``n`` positions (8 KV heads); n
+    a multiple of 32 for the paged (INT2) layout."""
+    dev = torch.device(device)
     spec = LAYOUTS[layout]
     tokens = batch * n
     g = torch.Generator(device=dev).manual_seed(0)
     rows = tokens * HEADS
 
-    def stream(key):
+    def stream(key: str) -> torch.Tensor:
         stride, _, w = spec[key]
-        return torch.randint(
-            -(2**31),
-            2**31 - 1,
-            (rows * stride if w else 1,),
-            device=dev,
-            generator=g,
-            dtype=torch.int32,
-        )
+        size = (rows * stride if w else 1,)
+        return torch.randint(-(2**31), 2**31 - 1, size, device=dev, generator=g, dtype=torch.int32)
 
     a = stream("a")
     b = stream("b")
@@ -155,35 +172,72 @@ def probe_fn(layout: str, batch: int, n: int, scatter: bool, split_len: int, sta
         else torch.arange(units, device=dev)
     )
     slots = (order[:, None] * 32 + torch.arange(32, device=dev)).flatten() if paged else order
-    slot_map = slots.int().view(batch, n)
+    return ProbeInputs(layout, slots.int().view(batch, n), a, b, c)
+
+
+def probe_launch(
+    x: ProbeInputs, split_len: int, stages: int = 3, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """One launch of the probe: ``[batch * splits * 8]`` int32 (into ``out`` if given), the
+    xor of every row word a (request, split, KV head) program read."""
+    spec = LAYOUTS[x.layout]
+    batch, n = x.slot_map.shape
     splits = triton.cdiv(n, split_len)
-    out = torch.empty(batch * splits * HEADS, device=dev, dtype=torch.int32)
+    if out is None:
+        out = torch.empty(batch * splits * HEADS, device=x.a.device, dtype=torch.int32)
+    _gather_probe[(HEADS, splits, batch)](
+        x.slot_map,
+        x.a,
+        x.b,
+        x.c,
+        out,
+        n,
+        HEADS,
+        split_len,
+        BN=32,
+        A_STRIDE=spec["a"][0],
+        A_W=spec["a"][2],
+        B_STRIDE=spec["b"][0],
+        B_OFF=spec["b"][1],
+        B_W=spec["b"][2],
+        C_STRIDE=spec["c"][0],
+        C_OFF=spec["c"][1],
+        C_W=spec["c"][2],
+        PAGED=spec.get("paged", False),
+        num_warps=1,
+        num_stages=stages,
+    )
+    return out
 
-    def fn():
-        _gather_probe[(HEADS, splits, batch)](
-            slot_map,
-            a,
-            b,
-            c,
-            out,
-            n,
-            HEADS,
-            split_len,
-            BN=32,
-            A_STRIDE=spec["a"][0],
-            A_W=spec["a"][2],
-            B_STRIDE=spec["b"][0],
-            B_OFF=spec["b"][1],
-            B_W=spec["b"][2],
-            C_STRIDE=spec["c"][0],
-            C_OFF=spec["c"][1],
-            C_W=spec["c"][2],
-            PAGED=paged,
-            num_warps=1,
-            num_stages=stages,
-        )
 
-    return fn, sum(spec[k][2] for k in "abc") * 4 * rows + tokens * 4 * HEADS
+def probe_reference(x: ProbeInputs, split_len: int) -> torch.Tensor:
+    """:func:`probe_launch`'s output computed in torch (what the kernel must read)."""
+    spec = LAYOUTS[x.layout]
+    batch, n = x.slot_map.shape
+    splits = triton.cdiv(n, split_len)
+    slot = x.slot_map.long()
+    heads = torch.arange(HEADS, device=slot.device)
+    if spec.get("paged", False):
+        row = (slot[..., None] // 32 * HEADS + heads) * 32 + slot[..., None] % 32
+    else:
+        row = slot[..., None] * HEADS + heads  # [batch, n, heads]
+    acc = torch.zeros(batch, n, HEADS, dtype=torch.int32, device=slot.device)
+    for key, t in (("a", x.a), ("b", x.b), ("c", x.c)):
+        stride, off, w = spec[key]
+        for i in range(w):
+            acc ^= t[row * stride + off + i]
+    out = torch.zeros(batch, splits, HEADS, dtype=torch.int32, device=slot.device)
+    for p in range(n):
+        out[:, p // split_len] ^= acc[:, p]
+    return out.flatten()
+
+
+def probe_fn(layout: str, batch: int, n: int, scatter: bool, split_len: int, stages: int = 3):
+    """(fn, useful bytes): one launch of the probe over fresh random rows of ``layout``
+    (``batch`` requests of ``n`` positions, 8 KV heads) on the GPU."""
+    x = probe_inputs(layout, batch, n, scatter)
+    out = torch.empty(batch * triton.cdiv(n, split_len) * HEADS, device="cuda", dtype=torch.int32)
+    return (lambda: probe_launch(x, split_len, stages, out)), x.useful_bytes
 
 
 def _probe(layout: str, batch: int, n: int, scatter: bool, split_len: int, stages: int):
