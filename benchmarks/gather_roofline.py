@@ -3,9 +3,9 @@
 The quantized decode kernels read, per (position, KV head), a few short rows at a slot
 taken from the slot map: INT4 a 64-byte key row, a 64-byte value row and a 32-byte scale
 row from three tensors. This probe reads exactly those rows with the decode kernel's grid
-and pipelining (one program per (KV head, split, request), the splits the quantized splits
-plan, 1 warp, 32 positions per iteration, ``num_stages`` 3, the slot map read in the loop) and does nothing with them but
-xor them together, so its time is what the reads alone cost. Layouts (``useful`` bytes per
+and pipelining (one program per (KV head, split, request), the quantized splits' plan, 1
+warp, 32 positions per iteration, ``num_stages`` 3, the slot map read in the loop) and does
+nothing with them but xor them together, so its time is what the reads alone cost. Layouts (``useful`` bytes per
 (position, head) in brackets):
 
 - ``int4 pool``: the pool's three tensors (160 B);
@@ -102,8 +102,8 @@ def _gather_probe(
     tl.store(out_ptr + (r * tl.num_programs(1) + s) * Hkv + h, tl.reduce(acc, 0, _xor))
 
 
-#: layout -> streams (stride words, offset words, width words) of a, b, c; "tensors" says
-#: which streams share one tensor (fused rows)
+#: layout -> streams (stride words, offset words, width words) of a, b, c; "shared" names
+#: the streams that are one tensor (fused rows); "paged": rows laid out as INT2 pages
 LAYOUTS = {
     "int4 pool": dict(a=(16, 0, 16), b=(16, 0, 16), c=(8, 0, 8), shared=""),
     "int4 kv fused": dict(a=(32, 0, 32), b=(32, 0, 0), c=(8, 0, 8), shared=""),

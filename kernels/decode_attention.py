@@ -175,9 +175,9 @@ class DecodeConfig:
     the rows' value scales as one [32, D / 32] tile, the page's key scales straight in the
     query rows' shape) are tiles of at least 4 bytes a lane, which Triton's pipeliner
     copies ahead asynchronously (3 stages: one block ahead, double-buffered in shared
-    memory). The hand prefetch kept the codes synchronous (loaded
-    at the top of their iteration, their latency exposed every block) and made the loop one
-    the pipeliner skips. H100, session 14: INT2 split kernel at B=8 N=32k 157 -> 129 µs
+    memory). The hand prefetch kept the codes synchronous (loaded at the top of their
+    iteration, their latency exposed every block) and made the loop one the pipeliner
+    skips. H100, session 14: INT2 split kernel at B=8 N=32k 157 -> 129 µs
     (2.02x -> 2.67x SDPA's kernel time), B=32 N=4k 1.93x -> 2.39x, B=1 N=32k 1.81x ->
     2.39x, B=8 N=128k 2.25x -> 2.83x; errors unchanged. int2_lazy_rescale: the lazy
     rescale (see ``int4_lazy_rescale``) in the folded INT2 split; None: see
@@ -1031,50 +1031,32 @@ def _int2_split_folded(
             slot_row, hm_row, start + 32 + ar, end, dead_id, HAS_HEAD_MASK
         )
     for start_n in range(start, end, 32):
-        if PIPELINED:
+        if PREFETCH and not PIPELINED:
+            slot_nn, live_nn = _live_positions(
+                slot_row, hm_row, start_n + 64 + ar, end, dead_id, HAS_HEAD_MASK
+            )
+            (nrow, nvs0, nvs1, nvs2, nvs3, nvz, nks0, nks1, nks2, nks3, nkz0, nkz1, nkz2, nkz3) = (
+                _int2_fold_scales(
+                    slot_n, live_n, int2_base, Hkv, h, ks_ptr, kz_ptr, vs_ptr, vz_ptr, D
+                )
+            )
+        else:  # this block's slots and scales, loaded here (PIPELINED: copied ahead)
             slot_c, live = _live_positions(
                 slot_row, hm_row, start_n + ar, end, dead_id, HAS_HEAD_MASK
             )
-            (row, vs0, vs1, vs2, vs3, vz, ks0, ks1, ks2, ks3, kz0, kz1, kz2, kz3) = (
-                _int2_fold_scale_tiles(
-                    slot_c, live, int2_base, Hkv, h, ks_ptr, kz_ptr, vs_ptr, vz_ptr, BLOCK_HQ, D
+            if PIPELINED:
+                (row, vs0, vs1, vs2, vs3, vz, ks0, ks1, ks2, ks3, kz0, kz1, kz2, kz3) = (
+                    _int2_fold_scale_tiles(
+                        slot_c, live, int2_base, Hkv, h, ks_ptr, kz_ptr, vs_ptr, vz_ptr, BLOCK_HQ, D
+                    )
                 )
-            )
-            kb, vv = _int2_fold_codes(row, live, k_ptr, v_ptr, D, V_WORDS)
-        else:
-            if PREFETCH:
-                slot_nn, live_nn = _live_positions(
-                    slot_row, hm_row, start_n + 64 + ar, end, dead_id, HAS_HEAD_MASK
-                )
-                (
-                    nrow,
-                    nvs0,
-                    nvs1,
-                    nvs2,
-                    nvs3,
-                    nvz,
-                    nks0,
-                    nks1,
-                    nks2,
-                    nks3,
-                    nkz0,
-                    nkz1,
-                    nkz2,
-                    nkz3,
-                ) = _int2_fold_scales(
-                    slot_n, live_n, int2_base, Hkv, h, ks_ptr, kz_ptr, vs_ptr, vz_ptr, D
-                )
-                kb, vv = _int2_fold_codes(row, live, k_ptr, v_ptr, D, V_WORDS)
             else:
-                slot_c, live = _live_positions(
-                    slot_row, hm_row, start_n + ar, end, dead_id, HAS_HEAD_MASK
-                )
-                row, vs0, vs1, vs2, vs3, vz, ks0, ks1, ks2, ks3, kz0, kz1, kz2, kz3 = (
+                (row, vs0, vs1, vs2, vs3, vz, ks0, ks1, ks2, ks3, kz0, kz1, kz2, kz3) = (
                     _int2_fold_scales(
                         slot_c, live, int2_base, Hkv, h, ks_ptr, kz_ptr, vs_ptr, vz_ptr, D
                     )
                 )
-                kb, vv = _int2_fold_codes(row, live, k_ptr, v_ptr, D, V_WORDS)
+        kb, vv = _int2_fold_codes(row, live, k_ptr, v_ptr, D, V_WORDS)
         qz = tl.sum(
             qf0 * kz0.to(tl.float32)
             + qf1 * kz1.to(tl.float32)
