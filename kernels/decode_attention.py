@@ -409,6 +409,29 @@ def _int4_block(
 
 
 @triton.jit
+def _int2_page_rows(slot, live, int2_base, Hkv, h):
+    """A 32-position block's INT2 page row ``page * Hkv + head`` (from its live slots) and
+    each position's row in the page's rows (0 where not live)."""
+    j = tl.where(live, slot - int2_base, -1)
+    ph = (tl.maximum(tl.max(j, 0), 0) // 32) * Hkv + h
+    return ph, ph * 32 + tl.where(live, j % 32, 0)
+
+
+@triton.jit
+def _int2_key_planes(ks_ptr, kz_ptr, kc, Q: tl.constexpr):
+    """The page's key scales and zeros of channel planes 0..3 at offsets ``kc + kQ``."""
+    ks0 = tl.load(ks_ptr + kc)
+    ks1 = tl.load(ks_ptr + kc + Q)
+    ks2 = tl.load(ks_ptr + kc + 2 * Q)
+    ks3 = tl.load(ks_ptr + kc + 3 * Q)
+    kz0 = tl.load(kz_ptr + kc)
+    kz1 = tl.load(kz_ptr + kc + Q)
+    kz2 = tl.load(kz_ptr + kc + 2 * Q)
+    kz3 = tl.load(kz_ptr + kc + 3 * Q)
+    return ks0, ks1, ks2, ks3, kz0, kz1, kz2, kz3
+
+
+@triton.jit
 def _int2_page_loads(
     slot,
     live,
@@ -429,10 +452,7 @@ def _int2_page_loads(
     (ks_i, kz_i: [BLOCK_H, D // 4], rows identical, in the query's layout)."""
     NG: tl.constexpr = D // 32
     Q: tl.constexpr = D // 4
-    j = tl.where(live, slot - int2_base, -1)
-    page = tl.maximum(tl.max(j, 0), 0) // 32
-    ph = page * Hkv + h
-    row = ph * 32 + tl.where(live, j % 32, 0)
+    ph, row = _int2_page_rows(slot, live, int2_base, Hkv, h)
     co = row[:, None] * Q + tl.arange(0, Q)[None, :]
     kb = tl.load(k_ptr + co, mask=live[:, None], other=0)
     vb = tl.load(v_ptr + co, mask=live[:, None], other=0)
@@ -446,14 +466,7 @@ def _int2_page_loads(
     vs3 = tl.load(vs_ptr + so + (3 * Q) // 32, mask=live, other=0.0)
     vz3 = tl.load(vz_ptr + so + (3 * Q) // 32, mask=live, other=0.0)
     kc = ph * D + tl.arange(0, Q)[None, :]  # [1, Q]: broadcast over heads at use
-    ks0 = tl.load(ks_ptr + kc)
-    ks1 = tl.load(ks_ptr + kc + Q)
-    ks2 = tl.load(ks_ptr + kc + 2 * Q)
-    ks3 = tl.load(ks_ptr + kc + 3 * Q)
-    kz0 = tl.load(kz_ptr + kc)
-    kz1 = tl.load(kz_ptr + kc + Q)
-    kz2 = tl.load(kz_ptr + kc + 2 * Q)
-    kz3 = tl.load(kz_ptr + kc + 3 * Q)
+    ks0, ks1, ks2, ks3, kz0, kz1, kz2, kz3 = _int2_key_planes(ks_ptr, kz_ptr, kc, Q)
     return kb, vb, vs0, vz0, vs1, vz1, vs2, vz2, vs3, vz3, ks0, ks1, ks2, ks3, kz0, kz1, kz2, kz3
 
 
@@ -812,29 +825,6 @@ def _int4_split_stacked(
         out = tl.interleave(oe + z16, oo + z16) * inv[:, None]
         tl.store(po_ptr + row_q[:, None] * D + tl.arange(0, D)[None, :], out, mask=gmask[:, None])
     _store_lse(plse_ptr, row_q, m_i, l_i, gmask)
-
-
-@triton.jit
-def _int2_page_rows(slot, live, int2_base, Hkv, h):
-    """A 32-position block's INT2 page row ``page * Hkv + head`` (from its live slots) and
-    each position's row in the page's rows (0 where not live)."""
-    j = tl.where(live, slot - int2_base, -1)
-    ph = (tl.maximum(tl.max(j, 0), 0) // 32) * Hkv + h
-    return ph, ph * 32 + tl.where(live, j % 32, 0)
-
-
-@triton.jit
-def _int2_key_planes(ks_ptr, kz_ptr, kc, Q: tl.constexpr):
-    """The page's key scales and zeros of channel planes 0..3 at offsets ``kc + kQ``."""
-    ks0 = tl.load(ks_ptr + kc)
-    ks1 = tl.load(ks_ptr + kc + Q)
-    ks2 = tl.load(ks_ptr + kc + 2 * Q)
-    ks3 = tl.load(ks_ptr + kc + 3 * Q)
-    kz0 = tl.load(kz_ptr + kc)
-    kz1 = tl.load(kz_ptr + kc + Q)
-    kz2 = tl.load(kz_ptr + kc + 2 * Q)
-    kz3 = tl.load(kz_ptr + kc + 3 * Q)
-    return ks0, ks1, ks2, ks3, kz0, kz1, kz2, kz3
 
 
 @triton.jit
