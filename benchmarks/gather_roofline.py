@@ -38,7 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from decode_attention import _kernel_us, _warm_gpu  # noqa: E402
 
-from agentkv.kernels import DecodeConfig, plan_split_len  # noqa: E402
+from agentkv.kernels import DecodeConfig  # noqa: E402
+from agentkv.kernels.decode_attention import plan_wave_splits  # noqa: E402
 
 HEADS = 8
 
@@ -116,11 +117,16 @@ LAYOUTS = {
 
 
 def planned_split_len(batch: int, n: int) -> int:
-    """Positions per program as the scale-folded INT4 / INT2 splits plan them (planned for
-    about 16 programs per SM, then capped)."""
+    """Positions per program as the default config plans the scale-folded INT4 / INT2
+    splits on this GPU (``plan_wave_splits``: whole waves of 8 resident one-warp programs
+    per SM, capped)."""
     cfg = DecodeConfig()
-    planned = plan_split_len(batch, HEADS, n, torch.device("cuda"), cfg)
-    return min(planned, cfg.folded_split_cap(n))
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    cap = cfg.folded_split_cap(n)
+    (split,) = plan_wave_splits(
+        batch * HEADS, (n,), (cap,), sms * 8, cfg.min_split_len, cfg.program_overhead_len
+    )
+    return split
 
 
 @dataclass

@@ -217,6 +217,9 @@ class DecodeConfig:
     int4_scale_tile: bool = True
     int2_pipelined: bool = True
     int2_lazy_rescale: bool | None = None
+    wave_splits: bool = True
+    resident_programs: int | None = None
+    program_overhead_len: int = 128
 
     def __post_init__(self) -> None:
         if self.int4_v_centred and self.int4_v_subnormal:
@@ -1945,6 +1948,81 @@ def _split_len(
     return max(per, min_len)
 
 
+def resident_programs(
+    n_regs: int,
+    shared_bytes: int,
+    num_warps: int,
+    regs_per_sm: int = 65536,
+    smem_per_sm: int = 233472,
+) -> int:
+    """Programs of a compiled kernel that one SM holds at once (CUDA's occupancy rules).
+
+    Registers: a warp's come from one of the SM's four sub-partitions (a quarter of the
+    register file each), in units of 8 per thread; so at 215 registers a sub-partition
+    holds 2 one-warp programs: 8 per SM, not 65,536 / (216 x 32) = 9 (ncu's
+    ``launch__occupancy_limit_registers`` agrees on the H100), and 168 registers are needed
+    for 12. Shared memory: ``smem_per_sm`` (the largest carveout) over the program's bytes
+    plus the 1 KiB the driver reserves per block. At most 64 warps and 32 blocks per SM."""
+    per_warp = -(-max(1, n_regs) // 8) * 8 * 32
+    warps = 4 * ((regs_per_sm // 4) // per_warp)
+    by_regs = warps // num_warps
+    by_smem = smem_per_sm // (shared_bytes + 1024)
+    return max(1, min(by_regs, by_smem, 64 // num_warps, 32))
+
+
+#: resident programs per SM of each compiled split-kernel variant (see decode_attention)
+_RESIDENT_PROGRAMS: dict[tuple, int] = {}
+#: the split plan's guess before a variant is compiled, and on the CPU interpreter (the
+#: quantized splits' 1-warp programs at 200-240 registers: 8 per SM)
+_RESIDENT_GUESS = 8
+
+
+@functools.lru_cache(maxsize=1024)
+def plan_wave_splits(
+    heads: int,
+    lens: tuple[int, ...],
+    caps: tuple[int, ...],
+    slots: int,
+    min_len: int,
+    overhead: int,
+    max_waves: int = 16,
+) -> tuple[int, ...]:
+    """Positions per split of each segment (multiples of 64) so that the launch's programs
+    fill whole waves of the GPU's resident program slots.
+
+    heads: (request, KV head) pairs; lens: the segments' lengths (positions, 0 = absent);
+    caps: each segment's longest split (0: none); slots: programs the GPU runs at once (SMs
+    x :func:`resident_programs`); min_len: the shortest split; overhead: a program's fixed
+    cost (prologue, pipeline fill, partial store) in positions.
+
+    The programs of one split length run about equally long, so a launch takes about
+    ``waves x (longest split + overhead)``, where ``waves = ceil(programs / slots)``: a wave
+    that is a little over full costs a whole extra wave. For w = 1, 2, ... waves this tries
+    the shortest split that fits the programs into w waves (then the segment caps) and keeps
+    the cheapest; ties go to fewer waves (fewer programs and partial outputs). H100
+    (session 15): at B=32 N=4k, 4 splits of 1,024 (1,024 programs, one wave of 8 x 132) ran
+    the INT4 split kernel 11% faster than 8 of 512 (2,048 programs: two waves, the second
+    nearly full); 9 splits of 960 (1,152 programs: 96 in a second wave) 30% slower."""
+    total = sum(lens)
+    lo = -(-max(64, min_len) // 64) * 64
+    best: tuple[int, tuple[int, ...]] | None = None
+    for w in range(1, max_waves + 1):
+        per_head = max(1, w * slots // max(1, heads))
+        per_split = -(-max(1, total) // per_head)  # positions, before rounding to 64
+        split = max(lo, -(-per_split // 64) * 64)
+        ls = tuple(min(split, c) if c else split for c in caps)
+        present = [(m, sl) for m, sl in zip(lens, ls, strict=True) if m]
+        programs = heads * sum(-(-m // sl) for m, sl in present)
+        waves = -(-programs // max(1, slots))
+        cost = waves * (max((sl for _, sl in present), default=split) + overhead)
+        if best is None or cost < best[0]:
+            best = (cost, ls)
+        if split == lo:
+            break
+    assert best is not None
+    return best[1]
+
+
 def plan_split_len(
     batch: int,
     num_kv_heads: int,
@@ -2088,25 +2166,11 @@ def decode_attention(
     if stacked is None:  # stacked rows fit one 16-row MMA tile; else fp16-dequantized values
         stacked = block_hq * (d // 32) <= 16
         v_fold = v_fold and stacked
-    if split_len is None:
-        total, sms = m2 + m4 + mf, _num_sms(q.device)
-        sl2, sl4, slf = (
-            _split_len(b, hkv, total, sms, pps, cfg.min_split_len)
-            for pps in (cfg.programs_per_sm_int2, cfg.programs_per_sm_int4, cfg.programs_per_sm)
-        )
-    else:
-        sl2 = sl4 = slf = split_len
-    if sl2 % 64 or sl4 % 64 or slf % 64:
-        raise ValueError("split_len must be a multiple of 64")
     # the scale-folded splits' sums cancel: keep them short
     cap = cfg.folded_split_cap(m2 + m4 + mf)
-    if cap and cfg.int2_fold:
-        sl2 = min(sl2, cap)
     centred = cfg.int4_v_centred and stacked  # (__post_init__: never with subnormal codes)
-    if cap and not cfg.int4_legacy and (stacked or v_fold) and not centred:
-        sl4 = min(sl4, cap)
-    s2, s4, sf = (-(-m // sl) for m, sl in ((m2, sl2), (m4, sl4), (mf, slf)))
-    s_total = max(1, s2 + s4 + sf)
+    cap2 = cap if cfg.int2_fold else 0
+    cap4 = cap if not cfg.int4_legacy and (stacked or v_fold) and not centred else 0
 
     q = q if q.stride(-1) == 1 else q.contiguous()
     f, p4, p2 = pools.full, pools.int4, pools.int2
@@ -2140,49 +2204,11 @@ def decode_attention(
         seq_lens, n2, n4 = (t.contiguous() for t in (seq_lens, n2, n4))
         stride_lb, stride_lh = 1, 0
 
-    part_o = torch.empty(b, hq, s_total, d, dtype=torch.float32, device=q.device)
-    part_lse = torch.empty(b, hq, s_total, dtype=torch.float32, device=q.device)
-    out = torch.empty(b, hq, d, dtype=q.dtype, device=q.device)
     interpreting = triton_interpreting()
     imma = stacked if cfg.int4_imma is None else cfg.int4_imma  # int8 key dots where stacked
     scale_tile = cfg.int4_scale_tile and stacked and interleaved and not centred
     regs = None if interpreting else cfg.max_registers
-    grid = (hkv, s_total, b) if cfg.heads_fastest else (s_total, hkv, b)
-    _decode_split_kernel[grid](
-        q,
-        q.stride(0),
-        q.stride(1),
-        slot_map,
-        slot_map.stride(0),
-        slot_map.stride(1) if per_head else 0,
-        seq_lens,
-        n2,
-        n4,
-        stride_lb,
-        stride_lh,
-        hm,
-        hm.stride(0) if head_mask is not None else 0,
-        hm.stride(1) if head_mask is not None else 0,
-        f.k,
-        f.v,
-        f.k.stride(0),
-        f.k.stride(1),
-        *q4,
-        kcs if kcs is not None else dummy,
-        *q2,
-        part_o,
-        part_lse,
-        scale * _LOG2E,
-        dead_id,
-        pools.int4_base,
-        pools.int2_base,
-        hkv,
-        sl2,
-        sl4,
-        slf,
-        s2,
-        s4,
-        s_total,
+    consts = dict(
         G=g,
         BLOCK_H=max(16, g_pow2),
         BLOCK_HQ=block_hq,
@@ -2218,6 +2244,104 @@ def decode_attention(
         num_warps=cfg.warps(m4 > 0, m2 > 0),
         num_stages=cfg.stages(m4 > 0, m2 > 0),
         **({"maxnreg": regs} if regs else {}),
+    )
+
+    def split_args(sl2, sl4, slf, s2, s4, s_total, part_o, part_lse) -> tuple:
+        return (
+            q,
+            q.stride(0),
+            q.stride(1),
+            slot_map,
+            slot_map.stride(0),
+            slot_map.stride(1) if per_head else 0,
+            seq_lens,
+            n2,
+            n4,
+            stride_lb,
+            stride_lh,
+            hm,
+            hm.stride(0) if head_mask is not None else 0,
+            hm.stride(1) if head_mask is not None else 0,
+            f.k,
+            f.v,
+            f.k.stride(0),
+            f.k.stride(1),
+            *q4,
+            kcs if kcs is not None else dummy,
+            *q2,
+            part_o,
+            part_lse,
+            scale * _LOG2E,
+            dead_id,
+            pools.int4_base,
+            pools.int2_base,
+            hkv,
+            sl2,
+            sl4,
+            slf,
+            s2,
+            s4,
+            s_total,
+        )
+
+    if split_len is not None:
+        if split_len % 64:
+            raise ValueError("split_len must be a multiple of 64")
+        sl2, sl4, slf = (min(split_len, c) if c else split_len for c in (cap2, cap4, 0))
+    elif cfg.wave_splits:
+
+        def wave_plan(resident: int) -> tuple[int, ...]:
+            return plan_wave_splits(
+                b * hkv,
+                (m2, m4, mf),
+                (cap2, cap4, 0),
+                _num_sms(q.device) * resident,
+                cfg.min_split_len,
+                cfg.program_overhead_len,
+            )
+
+        key = (q.device, q.dtype, f.k.dtype, per_head, *consts.values())  # one dict literal
+        resident = cfg.resident_programs or _RESIDENT_PROGRAMS.get(key)
+        sl2, sl4, slf = wave_plan(resident or _RESIDENT_GUESS)
+        if resident is None and not interpreting:
+            # once per compiled variant: compile it (no launch; the guessed plan's arguments,
+            # so the launch below finds it compiled when the guess holds) and read its
+            # registers and shared memory
+            scratch = torch.empty(1, dtype=torch.float32, device=q.device)
+            counts = [-(-m // sl) for m, sl in ((m2, sl2), (m4, sl4), (mf, slf))]
+            kernel = _decode_split_kernel.warmup(
+                *split_args(
+                    sl2, sl4, slf, counts[0], counts[1], max(1, sum(counts)), scratch, scratch
+                ),
+                grid=(1,),
+                **consts,
+            )
+            kernel._init_handles()
+            props = torch.cuda.get_device_properties(q.device)
+            resident = resident_programs(
+                kernel.n_regs,
+                kernel.metadata.shared,
+                kernel.metadata.num_warps,
+                props.regs_per_multiprocessor,
+                props.shared_memory_per_multiprocessor,
+            )
+            _RESIDENT_PROGRAMS[key] = resident
+            sl2, sl4, slf = wave_plan(resident)
+    else:
+        total, sms = m2 + m4 + mf, _num_sms(q.device)
+        sl2, sl4, slf = (
+            _split_len(b, hkv, total, sms, pps, cfg.min_split_len)
+            for pps in (cfg.programs_per_sm_int2, cfg.programs_per_sm_int4, cfg.programs_per_sm)
+        )
+        sl2, sl4 = (min(sl, c) if c else sl for sl, c in ((sl2, cap2), (sl4, cap4)))
+    s2, s4, sf = (-(-m // sl) for m, sl in ((m2, sl2), (m4, sl4), (mf, slf)))
+    s_total = max(1, s2 + s4 + sf)
+    part_o = torch.empty(b, hq, s_total, d, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(b, hq, s_total, dtype=torch.float32, device=q.device)
+    out = torch.empty(b, hq, d, dtype=q.dtype, device=q.device)
+    grid = (hkv, s_total, b) if cfg.heads_fastest else (s_total, hkv, b)
+    _decode_split_kernel[grid](
+        *split_args(sl2, sl4, slf, s2, s4, s_total, part_o, part_lse), **consts
     )
     _merge_splits_kernel[(b * hq,)](
         part_o,

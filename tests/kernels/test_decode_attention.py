@@ -21,6 +21,7 @@ from agentkv.kernels import (
     plan_split_len,
     validate_decode_inputs,
 )
+from agentkv.kernels.decode_attention import plan_wave_splits, resident_programs
 
 # relative L2 error budget of the fused kernel against the fp32 reference; the CPU
 # interpreter truncates fp32 -> bf16 conversions (GPUs round to nearest), hence its margin
@@ -217,8 +218,11 @@ def test_all_dead_and_empty_requests_give_zeros() -> None:
 
 def test_head_mask_changes_only_masked_heads() -> None:
     mb = build_mixed_batch([(1, 40, 40)], hq=4, hkv=2, d=64, seed=8)
-    hm = torch.ones(1, 2, mb.slot_map.shape[1], dtype=torch.bool, device=mb.slot_map.device)
+    everyone = torch.ones(1, 2, mb.slot_map.shape[1], dtype=torch.bool, device=mb.slot_map.device)
+    hm = everyone.clone()
     hm[0, 1, ::2] = False
+    # the base run passes an all-True mask: the same compiled variant as the masked run (a
+    # launch without a mask compiles other code, whose rounding may differ on a GPU)
     base = decode_attention(
         mb.q,
         mb.pools,
@@ -226,6 +230,7 @@ def test_head_mask_changes_only_masked_heads() -> None:
         mb.seq_lens,
         int2_lens=mb.int2_lens,
         int4_lens=mb.int4_lens,
+        head_mask=everyone,
         split_len=64,
         backend="triton",
     )
@@ -242,6 +247,68 @@ def test_head_mask_changes_only_masked_heads() -> None:
     )
     assert torch.equal(base[:, :2], masked[:, :2])  # kv head 0 = query heads 0, 1
     assert not torch.allclose(base[:, 2:], masked[:, 2:])
+
+
+def test_resident_programs_follow_cuda_occupancy() -> None:
+    """Registers come from the SM's four sub-partitions: 215 registers hold 8 one-warp
+    programs (ncu's register limit on the H100, not 65,536 / (216 x 32) = 9), 168 hold 12;
+    the 2-warp full-precision split at 208 registers 4; shared memory (plus the 1 KiB
+    reserved per block) and the 32 blocks per SM bound the rest."""
+    assert resident_programs(215, 11008, 1) == 8
+    assert resident_programs(184, 9000, 1) == 8
+    assert resident_programs(168, 9000, 1) == 12
+    assert resident_programs(208, 38912, 2) == 4
+    assert resident_programs(64, 100_000, 1) == 2  # shared memory bound
+    assert resident_programs(16, 0, 1) == 32  # blocks per SM bound
+    assert resident_programs(255, 0, 4) == 2
+
+
+@pytest.mark.parametrize(
+    ("heads", "length", "cap", "expected"),
+    [
+        (256, 4096, 1024, 1024),  # B=32 N=4k: 1,024 programs (one wave), not 2,048 of 512
+        (64, 32768, 1024, 1024),  # B=8 N=32k: the cap binds; 2,048 programs (two waves)
+        (8, 32768, 1024, 256),  # B=1 N=32k: the shortest split; 1,024 programs
+        (128, 8192, 1024, 1024),  # B=16 N=8k: not 9 splits of 960 (1,152: two waves)
+        (32, 16384, 1024, 512),
+        (512, 2048, 1024, 1024),  # B=64 N=2k: not 5 splits of 448 (2,560: three waves)
+    ],
+)
+def test_wave_plan_fills_whole_waves(heads, length, cap, expected) -> None:
+    """The H100 (132 SMs x 8 resident programs) plans of the shapes measured in session 15."""
+    (split,) = plan_wave_splits(heads, (length,), (cap,), 132 * 8, 256, 128)
+    assert split == expected
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    heads=st.integers(1, 1024),
+    lens=st.tuples(st.integers(0, 200_000), st.integers(0, 200_000), st.integers(0, 200_000)),
+    caps=st.tuples(st.sampled_from([0, 256, 512, 1024]), st.sampled_from([0, 512, 1024])),
+    slots=st.integers(1, 4096),
+    min_len=st.sampled_from([64, 256, 300, 512]),
+)
+def test_wave_plan_is_valid_and_never_costs_more_than_one_split_per_wave(
+    heads, lens, caps, slots, min_len
+) -> None:
+    """Every split is a multiple of 64, at least ``min_len`` (rounded up to 64) unless a
+    cap is shorter, within its segment's cap; the plan's modelled cost (waves x (longest
+    split + overhead)) is no more than that of the split the w = 1 rule alone gives."""
+    caps3 = (*caps, 0)
+    plan = plan_wave_splits(heads, lens, caps3, slots, min_len, 128)
+    lo = -(-min_len // 64) * 64
+    for split, cap in zip(plan, caps3, strict=True):
+        assert split % 64 == 0 and split > 0
+        assert split <= cap if cap else split >= lo
+        assert split >= min(lo, cap) if cap else True
+
+    def cost(ls):
+        present = [(m, sl) for m, sl in zip(lens, ls, strict=True) if m]
+        waves = -(-heads * sum(-(-m // sl) for m, sl in present) // slots)
+        return waves * (max((sl for _, sl in present), default=0) + 128)
+
+    one = plan_wave_splits(heads, lens, caps3, slots, min_len, 128, max_waves=1)
+    assert cost(plan) <= cost(one)
 
 
 def test_host_hints_and_auto_split_agree() -> None:
