@@ -184,7 +184,19 @@ class DecodeConfig:
     :meth:`int2_lazy` (eager on INT2-only launches, lazy where INT4 segments share the
     launch: H100, session 14, split kernel at B=8 N=32k: INT2 118-125 µs eager vs 127-128
     lazy, mixed 154-157 eager vs 148 lazy; B=8 N=128k: INT2 453 vs 466, mixed 604 vs
-    554-561)."""
+    554-561).
+    wave_splits: the split lengths from :func:`plan_wave_splits`: the launch's programs fill
+    whole waves of the GPU's resident program slots (SMs x ``resident_programs``), the
+    folded caps and ``min_split_len`` kept; ``programs_per_sm*`` are then unused. Off: about
+    ``programs_per_sm*`` programs per SM (the plan before session 15, which launched e.g.
+    2,048 programs at B=32 N=4k where one H100 wave holds 1,056). resident_programs: one
+    SM's programs at once; None: :func:`resident_programs` of the compiled variant (its
+    registers and shared memory, read once per variant). program_overhead_len: a program's
+    fixed cost in positions (the planner's tie-break toward fewer, longer splits; about 10
+    µs per program on the H100 at B=8 N=32k, ~128 positions of the INT4 split). H100,
+    session 15, split kernel + merge vs the old plan: B=32 N=4k INT4 98 -> 89 µs (1.79x ->
+    1.99x SDPA), INT2 2.40x -> 2.60x; B=64 N=2k INT4 1.46x -> 1.92x; B=4 N=16k INT4 1.51x ->
+    1.80x; B=8 N=32k and B=1 N=32k unchanged (their plans are the same)."""
 
     block_n_full: int = 64
     block_n_int4: int = 32
