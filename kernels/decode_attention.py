@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -2321,22 +2322,30 @@ def decode_attention(
             # registers and shared memory
             scratch = torch.empty(1, dtype=torch.float32, device=q.device)
             counts = [-(-m // sl) for m, sl in ((m2, sl2), (m4, sl4), (mf, slf))]
-            kernel = _decode_split_kernel.warmup(
-                *split_args(
-                    sl2, sl4, slf, counts[0], counts[1], max(1, sum(counts)), scratch, scratch
-                ),
-                grid=(1,),
-                **consts,
-            )
-            kernel._init_handles()
-            props = torch.cuda.get_device_properties(q.device)
-            resident = resident_programs(
-                kernel.n_regs,
-                kernel.metadata.shared,
-                kernel.metadata.num_warps,
-                props.regs_per_multiprocessor,
-                props.shared_memory_per_multiprocessor,
-            )
+            try:
+                kernel = _decode_split_kernel.warmup(
+                    *split_args(
+                        sl2, sl4, slf, counts[0], counts[1], max(1, sum(counts)), scratch, scratch
+                    ),
+                    grid=(1,),
+                    **consts,
+                )
+                kernel._init_handles()  # loads it: its register count is known from here
+                props = torch.cuda.get_device_properties(q.device)
+                resident = resident_programs(
+                    kernel.n_regs,
+                    kernel.metadata.shared,
+                    kernel.metadata.num_warps,
+                    props.regs_per_multiprocessor,
+                    props.shared_memory_per_multiprocessor,
+                )
+            except (AttributeError, TypeError) as e:  # a Triton without these internals
+                warnings.warn(
+                    f"decode_attention: cannot read the compiled kernel's registers ({e}); "
+                    f"planning splits for {_RESIDENT_GUESS} programs per SM",
+                    stacklevel=2,
+                )
+                resident = _RESIDENT_GUESS
             _RESIDENT_PROGRAMS[key] = resident
             sl2, sl4, slf = wave_plan(resident)
     else:
