@@ -121,9 +121,13 @@ class StoreCache(Cache):
         key_states: torch.Tensor,
         value_states: torch.Tensor,
         layer_idx: int,
-        cache_kwargs: dict[str, Any] | None = None,
+        *args: Any,
+        **kwargs: Any,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``key_states``/``value_states`` ``[1, Hkv, n, D]`` -> attended K/V ``[1, Hkv, m, D]``."""
+        """``key_states``/``value_states`` ``[1, Hkv, n, D]`` -> attended K/V ``[1, Hkv, m, D]``.
+
+        The rest is ignored: ``cache_kwargs`` (transformers <= 5.23, positional) or the
+        attention layer's ``kwargs=`` (5.24 on), which hold nothing the store needs."""
         k_new = key_states[0].transpose(0, 1)
         v_new = value_states[0].transpose(0, 1)
         if self.kernel is not None:  # the kernel reads the pools: write, nothing to gather
