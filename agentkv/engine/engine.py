@@ -15,6 +15,7 @@ continuous batching). A request:
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import secrets
 import threading
 import time
@@ -247,6 +248,10 @@ class Engine:
         self.model, self.tokenizer = load_model(model, device, dtype)
         self.device = next(self.model.parameters()).device
         self.dtype = next(self.model.parameters()).dtype
+        # transformers 5.24 renamed the models' past_key_values argument to cache (the old
+        # name warns, and goes in 5.40); 5.17-5.23 know only past_key_values
+        forward_args = inspect.signature(self.model.forward).parameters
+        self._cache_arg = "cache" if "cache" in forward_args else "past_key_values"
         self.model_name = str(model) if model else "SmolLM2-135M-Instruct"
         cfg = self.model.config
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -608,10 +613,9 @@ class Engine:
             out = self.model(
                 input_ids=input_ids,
                 position_ids=positions.to(self.device)[None],
-                past_key_values=cache,
                 use_cache=True,
                 logits_to_keep=keep,
-                **{CACHE_KWARG: cache},
+                **{self._cache_arg: cache, CACHE_KWARG: cache},
             )
         return out.logits[0].float()
 
