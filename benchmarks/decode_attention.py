@@ -491,12 +491,13 @@ def tune_grid(impl: str) -> list[DecodeConfig]:
                 block_n_int4=bn,
                 num_warps=w,
                 programs_per_sm_int4=pps,
+                wave_splits=False,
             )
             for bn, w in ((32, 1), (64, 2))
             for pps in (16, 8)
         ]
         grid += [  # the slot map only addresses (int4_live_from_scales): pipeline depth
-            DecodeConfig(num_stages=st, programs_per_sm_int4=pps)
+            DecodeConfig(num_stages=st, programs_per_sm_int4=pps, wave_splits=False)
             for st, pps in ((4, 16), (3, 12), (2, 16))
         ]
         grid += [DecodeConfig(int4_live_from_scales=False, num_stages=2)]  # session 10's
@@ -516,11 +517,23 @@ def tune_grid(impl: str) -> list[DecodeConfig]:
             )
         ]
         grid += [  # the kernel before issue 10's recipe
-            DecodeConfig(int4_legacy=True, block_n_int4=32, num_warps=2, programs_per_sm_int4=pps)
+            DecodeConfig(
+                int4_legacy=True,
+                block_n_int4=32,
+                num_warps=2,
+                programs_per_sm_int4=pps,
+                wave_splits=False,
+            )
             for pps in (8, 16)
         ]
         grid += [  # (query head, channel group) pairs stacked as dot rows
-            DecodeConfig(int4_stacked=True, block_n_int4=bn, num_warps=w, programs_per_sm_int4=pps)
+            DecodeConfig(
+                int4_stacked=True,
+                block_n_int4=bn,
+                num_warps=w,
+                programs_per_sm_int4=pps,
+                wave_splits=False,
+            )
             for bn in (32, 64)
             for w in (1, 2, 4)
             for pps in (4, 8, 16)
@@ -532,6 +545,7 @@ def tune_grid(impl: str) -> list[DecodeConfig]:
                 num_warps=w,
                 int4_v_fold=vf,
                 programs_per_sm_int4=pps,
+                wave_splits=False,
             )
             for vf in (False, True)
             for bn in (32, 64)
@@ -540,7 +554,7 @@ def tune_grid(impl: str) -> list[DecodeConfig]:
         ]
         return grid
     if impl == "int2":
-        grid = [DecodeConfig(), DecodeConfig(programs_per_sm_int2=32)]
+        grid = [DecodeConfig(), DecodeConfig(programs_per_sm_int2=32, wave_splits=False)]
         grid += [  # the folded split without one of its pieces, or at 2 warps
             DecodeConfig(int2_v_words=False),
             DecodeConfig(int2_pipelined=False),
@@ -549,7 +563,8 @@ def tune_grid(impl: str) -> list[DecodeConfig]:
             DecodeConfig(max_registers=168),
         ]
         grid += [  # the dequantizing split (the default before session 11)
-            DecodeConfig(int2_fold=False, num_warps=2, programs_per_sm_int2=pps) for pps in (16, 32)
+            DecodeConfig(int2_fold=False, num_warps=2, programs_per_sm_int2=pps, wave_splits=False)
+            for pps in (16, 32)
         ]
         return grid
     return [DecodeConfig()]
@@ -571,6 +586,7 @@ def mixed_grid(best4: DecodeConfig, best2: DecodeConfig) -> list[DecodeConfig]:
             "int4_v_dots8",
             "int4_offsets32",
             "programs_per_sm_int4",
+            "wave_splits",
         )
     }
     int2_fields = {
