@@ -475,6 +475,12 @@ def _ref_errors(
     return res
 
 
+def old_plan4(programs_per_sm: int, **kw) -> DecodeConfig:
+    """A tuning candidate whose INT4 splits aim at ``programs_per_sm`` programs per SM (the
+    plan before session 15's wave plan, which ignores that knob)."""
+    return DecodeConfig(programs_per_sm_int4=programs_per_sm, wave_splits=False, **kw)
+
+
 def tune_grid(impl: str) -> list[DecodeConfig]:
     """Configs the ``--tune`` sweep tries for ``impl`` (the defaults first)."""
     if impl == "int4":
@@ -485,20 +491,18 @@ def tune_grid(impl: str) -> list[DecodeConfig]:
         # default's shape) to see what each one buys
         knobs = ("imma", "lazy_rescale", "v_subnormal", "v_dots8", "offsets32")
         grid += [
-            DecodeConfig(
+            old_plan4(
+                pps,
                 **{f"int4_{k}": True for k in knobs},
                 int4_stacked=True,
                 block_n_int4=bn,
                 num_warps=w,
-                programs_per_sm_int4=pps,
-                wave_splits=False,
             )
             for bn, w in ((32, 1), (64, 2))
             for pps in (16, 8)
         ]
         grid += [  # the slot map only addresses (int4_live_from_scales): pipeline depth
-            DecodeConfig(num_stages=st, programs_per_sm_int4=pps, wave_splits=False)
-            for st, pps in ((4, 16), (3, 12), (2, 16))
+            old_plan4(pps, num_stages=st) for st, pps in ((4, 16), (3, 12), (2, 16))
         ]
         grid += [DecodeConfig(int4_live_from_scales=False, num_stages=2)]  # session 10's
         grid += [
@@ -517,36 +521,16 @@ def tune_grid(impl: str) -> list[DecodeConfig]:
             )
         ]
         grid += [  # the kernel before issue 10's recipe
-            DecodeConfig(
-                int4_legacy=True,
-                block_n_int4=32,
-                num_warps=2,
-                programs_per_sm_int4=pps,
-                wave_splits=False,
-            )
-            for pps in (8, 16)
+            old_plan4(pps, int4_legacy=True, block_n_int4=32, num_warps=2) for pps in (8, 16)
         ]
         grid += [  # (query head, channel group) pairs stacked as dot rows
-            DecodeConfig(
-                int4_stacked=True,
-                block_n_int4=bn,
-                num_warps=w,
-                programs_per_sm_int4=pps,
-                wave_splits=False,
-            )
+            old_plan4(pps, int4_stacked=True, block_n_int4=bn, num_warps=w)
             for bn in (32, 64)
             for w in (1, 2, 4)
             for pps in (4, 8, 16)
         ]
         grid += [  # one pair of dots per channel group
-            DecodeConfig(
-                int4_stacked=False,
-                block_n_int4=bn,
-                num_warps=w,
-                int4_v_fold=vf,
-                programs_per_sm_int4=pps,
-                wave_splits=False,
-            )
+            old_plan4(pps, int4_stacked=False, block_n_int4=bn, num_warps=w, int4_v_fold=vf)
             for vf in (False, True)
             for bn in (32, 64)
             for w in (2, 4)
