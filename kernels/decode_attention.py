@@ -1990,6 +1990,41 @@ _RESIDENT_PROGRAMS: dict[tuple, int] = {}
 _RESIDENT_GUESS = 8
 
 
+def _variant_resident_programs(key: tuple, device: torch.device, compile_variant) -> int:
+    """:func:`resident_programs` of a compiled split-kernel variant, cached under ``key``;
+    ``compile_variant()`` returns it compiled (Triton's ``warmup``: no launch). Falls back to
+    the guess, with a warning, where a Triton build lacks the internals read here."""
+    resident = _RESIDENT_PROGRAMS.get(key)
+    if resident is not None:
+        return resident
+    try:
+        kernel = compile_variant()
+        kernel._init_handles()  # loads it: its register count is known from here
+        props = torch.cuda.get_device_properties(device)
+        resident = resident_programs(
+            kernel.n_regs,
+            kernel.metadata.shared,
+            kernel.metadata.num_warps,
+            props.regs_per_multiprocessor,
+            props.shared_memory_per_multiprocessor,
+        )
+    except (AttributeError, TypeError) as e:
+        warnings.warn(
+            f"decode_attention: cannot read the compiled kernel's registers ({e}); "
+            f"planning splits for {_RESIDENT_GUESS} programs per SM",
+            stacklevel=3,
+        )
+        resident = _RESIDENT_GUESS
+    _RESIDENT_PROGRAMS[key] = resident
+    return resident
+
+
+def _split_counts(lens: tuple[int, ...], splits: tuple[int, ...]) -> tuple[int, int, int]:
+    """(INT2 splits, INT4 splits, all splits) of segments ``lens`` cut into ``splits``."""
+    s2, s4, sf = (-(-m // sl) for m, sl in zip(lens, splits, strict=True))
+    return s2, s4, max(1, s2 + s4 + sf)
+
+
 @functools.lru_cache(maxsize=1024)
 def plan_wave_splits(
     heads: int,
@@ -2046,7 +2081,8 @@ def plan_split_len(
 ) -> int:
     """Positions per split (a multiple of 64, hence of the INT2 page): enough splits to give
     about ``programs_per_sm`` (default ``config.programs_per_sm``) programs per SM, none
-    shorter than ``min_split_len``."""
+    shorter than ``min_split_len``. This is the plan with ``wave_splits`` off; the default
+    plan is :func:`plan_wave_splits`'s."""
     return _split_len(
         batch,
         num_kv_heads,
@@ -2297,66 +2333,40 @@ def decode_attention(
             s_total,
         )
 
+    lens = (m2, m4, mf)
     if split_len is not None:
         if split_len % 64:
             raise ValueError("split_len must be a multiple of 64")
-        sl2, sl4, slf = (min(split_len, c) if c else split_len for c in (cap2, cap4, 0))
+        splits = (split_len,) * 3
     elif cfg.wave_splits:
 
         def wave_plan(resident: int) -> tuple[int, ...]:
+            slots = _num_sms(q.device) * resident
             return plan_wave_splits(
-                b * hkv,
-                (m2, m4, mf),
-                (cap2, cap4, 0),
-                _num_sms(q.device) * resident,
-                cfg.min_split_len,
-                cfg.program_overhead_len,
+                b * hkv, lens, (cap2, cap4, 0), slots, cfg.min_split_len, cfg.program_overhead_len
             )
 
         key = (q.device, q.dtype, f.k.dtype, per_head, *consts.values())  # one dict literal
         resident = cfg.resident_programs or _RESIDENT_PROGRAMS.get(key)
-        sl2, sl4, slf = wave_plan(resident or _RESIDENT_GUESS)
+        splits = wave_plan(resident or _RESIDENT_GUESS)
         if resident is None and not interpreting:
-            # once per compiled variant: compile it (no launch; the guessed plan's arguments,
-            # so the launch below finds it compiled when the guess holds) and read its
-            # registers and shared memory
+            # compile the variant with the guessed plan's arguments (no launch), so the launch
+            # below finds it compiled when the guess holds
             scratch = torch.empty(1, dtype=torch.float32, device=q.device)
-            counts = [-(-m // sl) for m, sl in ((m2, sl2), (m4, sl4), (mf, slf))]
-            try:
-                kernel = _decode_split_kernel.warmup(
-                    *split_args(
-                        sl2, sl4, slf, counts[0], counts[1], max(1, sum(counts)), scratch, scratch
-                    ),
-                    grid=(1,),
-                    **consts,
-                )
-                kernel._init_handles()  # loads it: its register count is known from here
-                props = torch.cuda.get_device_properties(q.device)
-                resident = resident_programs(
-                    kernel.n_regs,
-                    kernel.metadata.shared,
-                    kernel.metadata.num_warps,
-                    props.regs_per_multiprocessor,
-                    props.shared_memory_per_multiprocessor,
-                )
-            except (AttributeError, TypeError) as e:  # a Triton without these internals
-                warnings.warn(
-                    f"decode_attention: cannot read the compiled kernel's registers ({e}); "
-                    f"planning splits for {_RESIDENT_GUESS} programs per SM",
-                    stacklevel=2,
-                )
-                resident = _RESIDENT_GUESS
-            _RESIDENT_PROGRAMS[key] = resident
-            sl2, sl4, slf = wave_plan(resident)
+            args = split_args(*splits, *_split_counts(lens, splits), scratch, scratch)
+            resident = _variant_resident_programs(
+                key, q.device, lambda: _decode_split_kernel.warmup(*args, grid=(1,), **consts)
+            )
+            splits = wave_plan(resident)
     else:
         total, sms = m2 + m4 + mf, _num_sms(q.device)
-        sl2, sl4, slf = (
+        splits = tuple(
             _split_len(b, hkv, total, sms, pps, cfg.min_split_len)
             for pps in (cfg.programs_per_sm_int2, cfg.programs_per_sm_int4, cfg.programs_per_sm)
         )
-        sl2, sl4 = (min(sl, c) if c else sl for sl, c in ((sl2, cap2), (sl4, cap4)))
-    s2, s4, sf = (-(-m // sl) for m, sl in ((m2, sl2), (m4, sl4), (mf, slf)))
-    s_total = max(1, s2 + s4 + sf)
+    # the folded caps (the wave plan applied them already)
+    sl2, sl4, slf = (min(sl, c) if c else sl for sl, c in zip(splits, (cap2, cap4, 0), strict=True))
+    s2, s4, s_total = _split_counts(lens, (sl2, sl4, slf))
     part_o = torch.empty(b, hq, s_total, d, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(b, hq, s_total, dtype=torch.float32, device=q.device)
     out = torch.empty(b, hq, d, dtype=q.dtype, device=q.device)
