@@ -95,6 +95,14 @@ VARIANTS = {
         INT4_SCALE_TILE=True,
         stages=3,
     ),
+    "int4 default + chunked programs (session 16's default)": dict(
+        _stacked(32, 1, *KNOBS),
+        INT4_V_SCALES_BY_DOT=True,
+        INT4_SCALE_STRIDE=16,
+        INT4_SCALE_TILE=True,
+        INT4_CHUNKS=True,
+        stages=3,
+    ),
     "int4 session 10 default, maxnreg 168": dict(_stacked(32, 1, *KNOBS), maxnreg=168),
     "int4 session 10 default, maxnreg 128": dict(_stacked(32, 1, *KNOBS), maxnreg=128),
     "int4 imma lazy subnormal-V dots8-V bn64 w2": _stacked(64, 2, *KNOBS[:4]),
@@ -144,6 +152,7 @@ def compile_split(group: int, head_dim: int, segments: set[str], **knobs):
         INT4_SCALE_TILE=False,
         INT2_PIPELINED=False,
         INT2_LAZY_RESCALE=False,
+        INT4_CHUNKS=False,
         **dict.fromkeys(KNOBS, False),
     )
     consts.update(knobs)

@@ -119,7 +119,8 @@ LAYOUTS = {
 def planned_split_len(batch: int, n: int) -> int:
     """Positions per program as the default config plans the scale-folded INT4 / INT2
     splits on this GPU (``plan_wave_splits``: whole waves of 8 resident one-warp programs
-    per SM, capped)."""
+    per SM, capped; as INT2 and mixed launches plan them: an INT4-only launch may give a
+    program several chunks of the cap, ``DecodeConfig.chunked_splits``)."""
     cfg = DecodeConfig()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     cap = cfg.folded_split_cap(n)

@@ -197,7 +197,16 @@ class DecodeConfig:
     µs per program on the H100 at B=8 N=32k, ~128 positions of the INT4 split). H100,
     session 15, split kernel + merge vs the old plan: B=32 N=4k INT4 98 -> 89 µs (1.79x ->
     1.99x SDPA), INT2 2.40x -> 2.60x; B=64 N=2k INT4 1.46x -> 1.92x; B=4 N=16k INT4 1.51x ->
-    1.80x; B=8 N=32k and B=1 N=32k unchanged (their plans are the same)."""
+    1.80x; B=8 N=32k and B=1 N=32k unchanged (their plans are the same).
+    chunked_splits (stacked INT4 launches without INT2 segments): the wave plan may give an
+    INT4 program several chunks of the folded cap, each written to its own partial row with
+    a fresh softmax state (so no row sums more than the cap: the same error), one prologue
+    and one pipeline for all of them; the cap then no longer forces more programs than one
+    wave holds (B=8 N=32k: 1,024 programs of 2 x 1,024 positions, one wave, instead of 2,048
+    programs). Compiled as its own variant, only for launches that chunk. H100, session 16,
+    split kernel: B=8 N=128k 711 -> 672 us (-5.5%), B=32 N=32k 664 -> 647 (-2.7%), B=8
+    N=32k 169 -> 166 (-1.5%), B=32 N=128k 2,849 -> 2,823 (-1%); with INT2 segments in the
+    launch it was 1-2% slower, hence off there."""
 
     block_n_full: int = 64
     block_n_int4: int = 32
@@ -233,6 +242,7 @@ class DecodeConfig:
     wave_splits: bool = True
     resident_programs: int | None = None
     program_overhead_len: int = 128
+    chunked_splits: bool = True
 
     def __post_init__(self) -> None:
         if self.int4_v_centred and self.int4_v_subnormal:
@@ -544,6 +554,78 @@ def _spread_cols(x, grp):
 
 
 @triton.jit
+def _store_int4_stacked(
+    po_ptr,
+    plse_ptr,
+    b,
+    h,
+    s,
+    S_total,
+    Hkv,
+    m_i,
+    l_i,
+    zb,
+    acc_e,
+    acc_o,
+    a0,
+    a1,
+    a2,
+    a3,
+    a4,
+    a5,
+    a6,
+    a7,
+    G: tl.constexpr,
+    BLOCK_HQ: tl.constexpr,
+    D: tl.constexpr,
+    V_SUBNORMAL: tl.constexpr,
+    V_DOTS8: tl.constexpr,
+    SCALE_TILE: tl.constexpr,
+):
+    """Partial output row ``s`` of :func:`_int4_split_stacked` (each head's own-group rows
+    of the stacked accumulators, plus the zero part, over l) and its log2-sum-exp."""
+    NG: tl.constexpr = D // 32
+    R: tl.constexpr = BLOCK_HQ * NG
+    H2: tl.constexpr = D // 2
+    W: tl.constexpr = D // 8
+    rg = tl.arange(0, R) % NG
+    j = tl.arange(0, H2)
+    jw = tl.arange(0, W)
+    inv = 1.0 / tl.where(l_i > 0.0, l_i, 1.0)
+    offs_g = tl.arange(0, BLOCK_HQ)
+    gmask = offs_g < G
+    row_q = (b * (Hkv * G) + h * G + offs_g).to(tl.int64) * S_total + s
+    v_one = 16777216.0 if V_SUBNORMAL else 1.0
+    if V_DOTS8:
+        # accumulator k holds channel 8w + 2 (k % 4) + k // 4 in column w (group w // 4)
+        if SCALE_TILE:
+            z4 = _spread_cols(zb, 3 * NG + jw // 4)  # the tile's value-zero columns
+        else:
+            z4 = _bcast_groups(zb, BLOCK_HQ, NG, 4)
+        own8 = rg[:, None] == (jw // 4)[None, :]
+        prow = po_ptr + row_q[:, None] * D + 8 * jw[None, :]
+        _store_own(prow + 0, a0, own8, z4, inv, v_one, gmask, BLOCK_HQ, NG)
+        _store_own(prow + 2, a1, own8, z4, inv, v_one, gmask, BLOCK_HQ, NG)
+        _store_own(prow + 4, a2, own8, z4, inv, v_one, gmask, BLOCK_HQ, NG)
+        _store_own(prow + 6, a3, own8, z4, inv, v_one, gmask, BLOCK_HQ, NG)
+        _store_own(prow + 1, a4, own8, z4, inv, v_one, gmask, BLOCK_HQ, NG)
+        _store_own(prow + 3, a5, own8, z4, inv, v_one, gmask, BLOCK_HQ, NG)
+        _store_own(prow + 5, a6, own8, z4, inv, v_one, gmask, BLOCK_HQ, NG)
+        _store_own(prow + 7, a7, own8, z4, inv, v_one, gmask, BLOCK_HQ, NG)
+    else:
+        own = rg[:, None] == (j // 16)[None, :]
+        oe = tl.sum(tl.reshape(tl.where(own, acc_e, 0.0), [BLOCK_HQ, NG, H2]), 1) * v_one
+        oo = tl.sum(tl.reshape(tl.where(own, acc_o, 0.0), [BLOCK_HQ, NG, H2]), 1) * v_one
+        if SCALE_TILE:
+            z16 = _spread_cols(zb, 3 * NG + j // 16)
+        else:
+            z16 = _bcast_groups(zb, BLOCK_HQ, NG, 16)
+        out = tl.interleave(oe + z16, oo + z16) * inv[:, None]
+        tl.store(po_ptr + row_q[:, None] * D + tl.arange(0, D)[None, :], out, mask=gmask[:, None])
+    _store_lse(plse_ptr, row_q, m_i, l_i, gmask)
+
+
+@triton.jit
 def _int4_split_stacked(
     q_ptr,
     stride_qb,
@@ -569,6 +651,8 @@ def _int4_split_stacked(
     start,
     end,
     S_total,
+    chunk,
+    n_chunks,
     G: tl.constexpr,
     BLOCK_HQ: tl.constexpr,
     D: tl.constexpr,
@@ -587,6 +671,7 @@ def _int4_split_stacked(
     V_SCALES_BY_DOT: tl.constexpr,
     SS: tl.constexpr,
     SCALE_TILE: tl.constexpr,
+    CHUNKS: tl.constexpr,
 ):
     """One INT4 split with (query head, channel group) pairs stacked as the rows of one dot.
 
@@ -597,7 +682,12 @@ def _int4_split_stacked(
     carry ``p_t s_tg`` and each output channel takes its own group's row at the end
     (``sum_t (p_t s_tg) c_tc``), plus ``sum_t p_t z_tg`` from one small dot. V_CENTRED: the
     value codes enter as ``c - 8`` and the zeros as ``z + 8 s``, so neither sum grows
-    one-signed over the split (see ``DecodeConfig.int4_v_centred``)."""
+    one-signed over the split (see ``DecodeConfig.int4_v_centred``).
+
+    CHUNKS: the range [start, end) spans up to ``n_chunks`` chunks of ``chunk`` positions
+    (``DecodeConfig.chunked_splits``); each chunk's partial goes to its own row (``s``, ``s +
+    1``, ...) and the state restarts, so a row sums no more than ``chunk`` positions (the
+    folded sums' precision cap) while the program keeps one prologue and one pipeline."""
     NG: tl.constexpr = D // 32
     R: tl.constexpr = BLOCK_HQ * NG
     H2: tl.constexpr = D // 2
@@ -664,6 +754,8 @@ def _int4_split_stacked(
     else:
         acc_e = tl.zeros([R, H2], tl.float32)
         acc_o = tl.zeros([R, H2], tl.float32)
+        a0 = tl.zeros([R, 2], tl.float32)  # unused
+        a1, a2, a3, a4, a5, a6, a7 = a0, a0, a0, a0, a0, a0, a0
     zb = tl.zeros([BLOCK_HQ, NG], tl.float32)
     arn = tl.arange(0, BN)
     cng = tl.arange(0, NG)
@@ -678,6 +770,11 @@ def _int4_split_stacked(
         e_ks = (c16[None, :] == krg[:, None]).to(tl.float16)
         e_kz = (c16[None, :] == (NG + krg)[:, None]).to(tl.float16)
         e_vs = (c16[None, :] == (2 * NG + rg)[:, None]).to(tl.float16)
+    if CHUNKS:
+        s_first = s
+        chunk_end = start + chunk  # the current chunk's end
+        gmask0 = tl.arange(0, BLOCK_HQ) < G
+        row_q0 = (b * (Hkv * G) + h * G + tl.arange(0, BLOCK_HQ)).to(tl.int64) * S_total
     for start_n in range(start, end, BN):
         slot, live = _live_positions(slot_row, hm_row, start_n + arn, end, dead_id, HAS_HEAD_MASK)
         row = tl.where(live, slot - int4_base, 0) * Hkv + h
@@ -809,38 +906,88 @@ def _int4_split_stacked(
             vo = tl.reshape(tl.join(tl.join(h0, h2), tl.join(h1, h3)), [BN, H2])
             acc_e = _mma_acc(pst, ve, acc_e, IEEE_F32)
             acc_o = _mma_acc(pst, vo, acc_o, IEEE_F32)
-    inv = 1.0 / tl.where(l_i > 0.0, l_i, 1.0)
-    offs_g = tl.arange(0, BLOCK_HQ)
-    gmask = offs_g < G
-    row_q = (b * (Hkv * G) + h * G + offs_g).to(tl.int64) * S_total + s
-    v_one = 16777216.0 if V_SUBNORMAL else 1.0
-    if V_DOTS8:
-        # accumulator k holds channel 8w + 2 (k % 4) + k // 4 in column w (group w // 4)
-        if SCALE_TILE:
-            z4 = _spread_cols(zb, 3 * NG + jw // 4)  # the tile's value-zero columns
-        else:
-            z4 = _bcast_groups(zb, BLOCK_HQ, NG, 4)
-        own8 = rg[:, None] == (jw // 4)[None, :]
-        prow = po_ptr + row_q[:, None] * D + 8 * jw[None, :]
-        _store_own(prow + 0, a0, own8, z4, inv, v_one, gmask, BLOCK_HQ, NG)
-        _store_own(prow + 2, a1, own8, z4, inv, v_one, gmask, BLOCK_HQ, NG)
-        _store_own(prow + 4, a2, own8, z4, inv, v_one, gmask, BLOCK_HQ, NG)
-        _store_own(prow + 6, a3, own8, z4, inv, v_one, gmask, BLOCK_HQ, NG)
-        _store_own(prow + 1, a4, own8, z4, inv, v_one, gmask, BLOCK_HQ, NG)
-        _store_own(prow + 3, a5, own8, z4, inv, v_one, gmask, BLOCK_HQ, NG)
-        _store_own(prow + 5, a6, own8, z4, inv, v_one, gmask, BLOCK_HQ, NG)
-        _store_own(prow + 7, a7, own8, z4, inv, v_one, gmask, BLOCK_HQ, NG)
-    else:
-        own = rg[:, None] == (j // 16)[None, :]
-        oe = tl.sum(tl.reshape(tl.where(own, acc_e, 0.0), [BLOCK_HQ, NG, H2]), 1) * v_one
-        oo = tl.sum(tl.reshape(tl.where(own, acc_o, 0.0), [BLOCK_HQ, NG, H2]), 1) * v_one
-        if SCALE_TILE:
-            z16 = _spread_cols(zb, 3 * NG + j // 16)
-        else:
-            z16 = _bcast_groups(zb, BLOCK_HQ, NG, 16)
-        out = tl.interleave(oe + z16, oo + z16) * inv[:, None]
-        tl.store(po_ptr + row_q[:, None] * D + tl.arange(0, D)[None, :], out, mask=gmask[:, None])
-    _store_lse(plse_ptr, row_q, m_i, l_i, gmask)
+        # a chunk ends inside the range: its partial row, then a fresh state (constexpr guard
+        # outside, runtime branch inside)
+        if CHUNKS:  # noqa: SIM102
+            if (start_n + BN == chunk_end) & (chunk_end < end):
+                _store_int4_stacked(
+                    po_ptr,
+                    plse_ptr,
+                    b,
+                    h,
+                    s,
+                    S_total,
+                    Hkv,
+                    m_i,
+                    l_i,
+                    zb,
+                    acc_e,
+                    acc_o,
+                    a0,
+                    a1,
+                    a2,
+                    a3,
+                    a4,
+                    a5,
+                    a6,
+                    a7,
+                    G,
+                    BLOCK_HQ,
+                    D,
+                    V_SUBNORMAL,
+                    V_DOTS8,
+                    SCALE_TILE,
+                )
+                s += 1
+                chunk_end += chunk
+                m_i = tl.full([BLOCK_HQ], -1.0e30, tl.float32)
+                l_i = tl.zeros([BLOCK_HQ], tl.float32)
+                zb = tl.zeros_like(zb)
+                acc_e = tl.zeros_like(acc_e)
+                acc_o = tl.zeros_like(acc_o)
+                a0, a1, a2, a3 = (
+                    tl.zeros_like(a0),
+                    tl.zeros_like(a1),
+                    tl.zeros_like(a2),
+                    tl.zeros_like(a3),
+                )
+                a4, a5, a6, a7 = (
+                    tl.zeros_like(a4),
+                    tl.zeros_like(a5),
+                    tl.zeros_like(a6),
+                    tl.zeros_like(a7),
+                )
+    _store_int4_stacked(
+        po_ptr,
+        plse_ptr,
+        b,
+        h,
+        s,
+        S_total,
+        Hkv,
+        m_i,
+        l_i,
+        zb,
+        acc_e,
+        acc_o,
+        a0,
+        a1,
+        a2,
+        a3,
+        a4,
+        a5,
+        a6,
+        a7,
+        G,
+        BLOCK_HQ,
+        D,
+        V_SUBNORMAL,
+        V_DOTS8,
+        SCALE_TILE,
+    )
+    if CHUNKS:  # the chunks this program did not reach (its range ended early): empty rows
+        for r in range(s + 1, s_first + n_chunks):
+            _store_lse(plse_ptr, row_q0 + r, m_i, tl.zeros_like(l_i), gmask0)
 
 
 @triton.jit
@@ -1208,6 +1355,8 @@ def _decode_split_kernel(
     S2,
     S4,
     S_total,
+    P4,
+    K4,
     G: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_HQ: tl.constexpr,
@@ -1240,6 +1389,7 @@ def _decode_split_kernel(
     INT4_SCALE_TILE: tl.constexpr = False,
     INT2_PIPELINED: tl.constexpr = False,
     INT2_LAZY_RESCALE: tl.constexpr = False,
+    INT4_CHUNKS: tl.constexpr = False,
 ):
     NG: tl.constexpr = D // 32
     Q: tl.constexpr = D // 4
@@ -1259,14 +1409,17 @@ def _decode_split_kernel(
         n2 = tl.load(int2_lens_ptr + len_off)
     if HAS_INT4:
         n4 = tl.load(int4_lens_ptr + len_off)
+    # programs: S2 INT2 splits (a partial row each), P4 INT4 programs of K4 chunks of
+    # split_len4 positions (a partial row per chunk: S4 rows), then the full segment's splits
     is2 = s < S2
-    is4 = (s >= S2) & (s < S2 + S4)
+    is4 = (s >= S2) & (s < S2 + P4)
     seg_start = tl.where(is2, 0, tl.where(is4, n2, n2 + n4))
     seg_end = tl.where(is2, n2, tl.where(is4, n2 + n4, seq_len))
-    local = tl.where(is2, s, tl.where(is4, s - S2, s - S2 - S4))
-    split_len = tl.where(is2, split_len2, tl.where(is4, split_len4, split_lenf))
+    local = tl.where(is2, s, tl.where(is4, s - S2, s - S2 - P4))
+    split_len = tl.where(is2, split_len2, tl.where(is4, split_len4 * K4, split_lenf))
     start = seg_start + local * split_len
     end = tl.minimum(start + split_len, seg_end)
+    s = tl.where(is2, s, tl.where(is4, S2 + local * K4, S2 + S4 + local))  # its first row
 
     offs_h = tl.arange(0, BLOCK_H)
     hmask = offs_h < G
@@ -1662,6 +1815,8 @@ def _decode_split_kernel(
                         start,
                         end,
                         S_total,
+                        split_len4,
+                        tl.minimum(K4, S2 + S4 - s),  # the last program's rows may be fewer
                         G,
                         BLOCK_HQ,
                         D,
@@ -1680,6 +1835,7 @@ def _decode_split_kernel(
                         INT4_V_SCALES_BY_DOT,
                         INT4_SCALE_STRIDE,
                         INT4_SCALE_TILE,
+                        INT4_CHUNKS,
                     )
                 else:
                     # Scales folded out of the inner loop: per token t and 32-channel group g,
@@ -2019,10 +2175,35 @@ def _variant_resident_programs(key: tuple, device: torch.device, compile_variant
     return resident
 
 
-def _split_counts(lens: tuple[int, ...], splits: tuple[int, ...]) -> tuple[int, int, int]:
-    """(INT2 splits, INT4 splits, all splits) of segments ``lens`` cut into ``splits``."""
-    s2, s4, sf = (-(-m // sl) for m, sl in zip(lens, splits, strict=True))
-    return s2, s4, max(1, s2 + s4 + sf)
+@dataclass(frozen=True)
+class SplitGrid:
+    """A launch's partial rows and programs per (request, KV head).
+
+    rows: positions per partial row of the INT2, INT4 and full segments; k4: the INT4 rows
+    one program runs (chunks, ``DecodeConfig.chunked_splits``; every other program runs
+    one); s2 / s4 / s_total: the INT2, INT4 and all partial rows; p4 / programs: the INT4
+    and all programs. An empty launch still has one (empty) row and program."""
+
+    rows: tuple[int, int, int]
+    k4: int
+    s2: int
+    s4: int
+    s_total: int
+    p4: int
+    programs: int
+
+
+def _split_grid(
+    lens: tuple[int, ...], splits: tuple[int, ...], caps: tuple[int, ...], chunk4: bool
+) -> SplitGrid:
+    """A plan's positions per program of each segment ``lens`` (INT2, INT4, full) -> its
+    :class:`SplitGrid`: a capped segment's rows are at most its cap; with ``chunk4`` an INT4
+    program longer than its cap runs ``ceil(split / cap)`` rows of the cap."""
+    rows = tuple(min(sl, c) if c else sl for sl, c in zip(splits, caps, strict=True))
+    k4 = -(-splits[1] // caps[1]) if chunk4 and lens[1] and 0 < caps[1] < splits[1] else 1
+    s2, s4, sf = (-(-m // sl) for m, sl in zip(lens, rows, strict=True))
+    p4 = -(-s4 // k4)
+    return SplitGrid(rows, k4, s2, s4, max(1, s2 + s4 + sf), p4, max(1, s2 + p4 + sf))
 
 
 @functools.lru_cache(maxsize=1024)
@@ -2034,6 +2215,7 @@ def plan_wave_splits(
     min_len: int,
     overhead: int,
     max_waves: int = 16,
+    chunked: tuple[bool, ...] | None = None,
 ) -> tuple[int, ...]:
     """Positions per split of each segment (multiples of 64) so that the launch's programs
     fill whole waves of the GPU's resident program slots.
@@ -2041,7 +2223,10 @@ def plan_wave_splits(
     heads: (request, KV head) pairs; lens: the segments' lengths (positions, 0 = absent);
     caps: each segment's longest split (0: none); slots: programs the GPU runs at once (SMs
     x :func:`resident_programs`); min_len: the shortest split; overhead: a program's fixed
-    cost (prologue, pipeline fill, partial store) in positions.
+    cost (prologue, pipeline fill, partial store) in positions; chunked: per segment, whether
+    its programs may run several chunks of its cap (``DecodeConfig.chunked_splits``: a
+    partial output per chunk), so its split is a whole number of caps instead of at most one.
+    Returns positions per program of each segment.
 
     The programs of one split length run about equally long, so a launch takes about
     ``waves x (longest split + overhead)``, where ``waves = ceil(programs / slots)``: a wave
@@ -2052,13 +2237,17 @@ def plan_wave_splits(
     the INT4 split kernel 11% faster than 8 of 512 (2,048 programs: two waves, the second
     nearly full); 9 splits of 960 (1,152 programs: 96 in a second wave) 30% slower."""
     total = sum(lens)
+    chunked = chunked or (False,) * len(caps)
     lo = -(-max(64, min_len) // 64) * 64
     best: tuple[int, tuple[int, ...]] | None = None
     for w in range(1, max_waves + 1):
         per_head = max(1, w * slots // max(1, heads))
         per_split = -(-max(1, total) // per_head)  # positions, before rounding to 64
         split = max(lo, -(-per_split // 64) * 64)
-        ls = tuple(min(split, c) if c else split for c in caps)
+        ls = tuple(
+            split if not c or split <= c else -(-split // c) * c if ch else c
+            for c, ch in zip(caps, chunked, strict=True)
+        )
         present = [(m, sl) for m, sl in zip(lens, ls, strict=True) if m]
         programs = heads * sum(-(-m // sl) for m, sl in present)
         waves = -(-programs // max(1, slots))
@@ -2255,6 +2444,12 @@ def decode_attention(
 
     interpreting = triton_interpreting()
     imma = stacked if cfg.int4_imma is None else cfg.int4_imma  # int8 key dots where stacked
+    # the stacked INT4 split may run several capped chunks (a partial row each), in launches
+    # without INT2 segments (H100, session 16: beside INT2 segments 1-2% slower; the INT2
+    # split chunked too, -6% to +4% alone and 3-10% slower in mixed launches: not built)
+    chunk4 = (
+        cfg.chunked_splits and cap4 > 0 and m2 == 0 and (stacked or imma) and not cfg.int4_legacy
+    )
     scale_tile = cfg.int4_scale_tile and stacked and interleaved and not centred
     regs = None if interpreting else cfg.max_registers
     consts = dict(
@@ -2290,12 +2485,13 @@ def decode_attention(
         INT4_V_SCALES_BY_DOT=cfg.int4_v_scales_by_dot and stacked,
         INT4_SCALE_STRIDE=sstride,
         INT4_SCALE_TILE=scale_tile,
+        INT4_CHUNKS=False,  # set below where the plan gives INT4 programs several chunks
         num_warps=cfg.warps(m4 > 0, m2 > 0),
         num_stages=cfg.stages(m4 > 0, m2 > 0),
         **({"maxnreg": regs} if regs else {}),
     )
 
-    def split_args(sl2, sl4, slf, s2, s4, s_total, part_o, part_lse) -> tuple:
+    def split_args(grid: SplitGrid, part_o, part_lse) -> tuple:
         return (
             q,
             q.stride(0),
@@ -2325,15 +2521,16 @@ def decode_attention(
             pools.int4_base,
             pools.int2_base,
             hkv,
-            sl2,
-            sl4,
-            slf,
-            s2,
-            s4,
-            s_total,
+            *grid.rows,
+            grid.s2,
+            grid.s4,
+            grid.s_total,
+            grid.p4,
+            grid.k4,
         )
 
     lens = (m2, m4, mf)
+    caps = (cap2, cap4, 0)
     if split_len is not None:
         if split_len % 64:
             raise ValueError("split_len must be a multiple of 64")
@@ -2343,7 +2540,13 @@ def decode_attention(
         def wave_plan(resident: int) -> tuple[int, ...]:
             slots = _num_sms(q.device) * resident
             return plan_wave_splits(
-                b * hkv, lens, (cap2, cap4, 0), slots, cfg.min_split_len, cfg.program_overhead_len
+                b * hkv,
+                lens,
+                caps,
+                slots,
+                cfg.min_split_len,
+                cfg.program_overhead_len,
+                chunked=(False, chunk4, False),
             )
 
         key = (q.device, q.dtype, f.k.dtype, per_head, *consts.values())  # one dict literal
@@ -2353,7 +2556,7 @@ def decode_attention(
             # compile the variant with the guessed plan's arguments (no launch), so the launch
             # below finds it compiled when the guess holds
             scratch = torch.empty(1, dtype=torch.float32, device=q.device)
-            args = split_args(*splits, *_split_counts(lens, splits), scratch, scratch)
+            args = split_args(_split_grid(lens, splits, caps, chunk4), scratch, scratch)
             resident = _variant_resident_programs(
                 key, q.device, lambda: _decode_split_kernel.warmup(*args, grid=(1,), **consts)
             )
@@ -2364,16 +2567,16 @@ def decode_attention(
             _split_len(b, hkv, total, sms, pps, cfg.min_split_len)
             for pps in (cfg.programs_per_sm_int2, cfg.programs_per_sm_int4, cfg.programs_per_sm)
         )
-    # the folded caps (the wave plan applied them already)
-    sl2, sl4, slf = (min(sl, c) if c else sl for sl, c in zip(splits, (cap2, cap4, 0), strict=True))
-    s2, s4, s_total = _split_counts(lens, (sl2, sl4, slf))
+    # the folded caps: rows of at most the cap (chunked: several rows to a program)
+    grid = _split_grid(lens, splits, caps, chunk4)
+    s_total = grid.s_total
+    if grid.k4 > 1:  # its own variant: the chunk bookkeeping would cost launches that do not
+        consts = {**consts, "INT4_CHUNKS": True}
     part_o = torch.empty(b, hq, s_total, d, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(b, hq, s_total, dtype=torch.float32, device=q.device)
     out = torch.empty(b, hq, d, dtype=q.dtype, device=q.device)
-    grid = (hkv, s_total, b) if cfg.heads_fastest else (s_total, hkv, b)
-    _decode_split_kernel[grid](
-        *split_args(sl2, sl4, slf, s2, s4, s_total, part_o, part_lse), **consts
-    )
+    launch = (hkv, grid.programs, b) if cfg.heads_fastest else (grid.programs, hkv, b)
+    _decode_split_kernel[launch](*split_args(grid, part_o, part_lse), **consts)
     _merge_splits_kernel[(b * hq,)](
         part_o,
         part_lse,

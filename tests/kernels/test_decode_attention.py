@@ -3,6 +3,7 @@ reference (kernels/decode_attention_reference.py), and the reference against pla
 
 from __future__ import annotations
 
+import importlib
 import math
 
 import pytest
@@ -22,6 +23,9 @@ from agentkv.kernels import (
     validate_decode_inputs,
 )
 from agentkv.kernels.decode_attention import plan_wave_splits, resident_programs
+
+#: the module (``agentkv.kernels.decode_attention`` the attribute is the function)
+dattn = importlib.import_module("agentkv.kernels.decode_attention")
 
 # relative L2 error budget of the fused kernel against the fp32 reference; the CPU
 # interpreter truncates fp32 -> bf16 conversions (GPUs round to nearest), hence its margin
@@ -287,19 +291,24 @@ def test_wave_plan_fills_whole_waves(heads, length, cap, expected) -> None:
     caps=st.tuples(st.sampled_from([0, 256, 512, 1024]), st.sampled_from([0, 512, 1024])),
     slots=st.integers(1, 4096),
     min_len=st.sampled_from([64, 256, 300, 512]),
+    chunk4=st.booleans(),
 )
 def test_wave_plan_is_valid_and_never_costs_more_than_one_split_per_wave(
-    heads, lens, caps, slots, min_len
+    heads, lens, caps, slots, min_len, chunk4
 ) -> None:
     """Every split is a multiple of 64, at least ``min_len`` (rounded up to 64) unless a
     cap is shorter, within its segment's cap; the plan's modelled cost (waves x (longest
     split + overhead)) is no more than that of the split the w = 1 rule alone gives."""
     caps3 = (*caps, 0)
-    plan = plan_wave_splits(heads, lens, caps3, slots, min_len, 128)
+    chunked = (False, chunk4, False)
+    plan = plan_wave_splits(heads, lens, caps3, slots, min_len, 128, chunked=chunked)
     lo = -(-min_len // 64) * 64
-    for split, cap in zip(plan, caps3, strict=True):
+    for split, cap, ch in zip(plan, caps3, chunked, strict=True):
         assert split % 64 == 0 and split > 0
-        assert split <= cap if cap else split >= lo
+        if cap and ch and split > cap:  # a whole number of caps
+            assert split % cap == 0
+        else:
+            assert split <= cap if cap else split >= lo
         assert split >= min(lo, cap) if cap else True
 
     def cost(ls):
@@ -307,7 +316,7 @@ def test_wave_plan_is_valid_and_never_costs_more_than_one_split_per_wave(
         waves = -(-heads * sum(-(-m // sl) for m, sl in present) // slots)
         return waves * (max((sl for _, sl in present), default=0) + 128)
 
-    one = plan_wave_splits(heads, lens, caps3, slots, min_len, 128, max_waves=1)
+    one = plan_wave_splits(heads, lens, caps3, slots, min_len, 128, max_waves=1, chunked=chunked)
     assert cost(plan) <= cost(one)
 
 
@@ -575,6 +584,77 @@ def test_folded_splits_are_capped() -> None:
         mb, torch.float16, split_len=256, config=DecodeConfig(max_split_len_folded=0)
     )
     assert not torch.equal(short, uncapped)
+
+
+def _chunk_launch(mb, monkeypatch, **kw) -> tuple[torch.Tensor, list[int]]:
+    """The launch's output and its INT4 chunks per program (read from the host plan)."""
+    seen: list[int] = []
+    real = dattn._split_grid
+
+    def spy(*a):
+        grid = real(*a)
+        seen.append(grid.k4)
+        return grid
+
+    monkeypatch.setattr(dattn, "_split_grid", spy)
+    out, _ = _run(mb, torch.float16, **kw)
+    monkeypatch.setattr(dattn, "_split_grid", real)
+    return out, seen
+
+
+def test_chunked_int4_programs_give_the_one_program_per_chunk_output(monkeypatch) -> None:
+    """``chunked_splits``: an INT4 program longer than the cap runs its chunks one after the
+    other, each to its own partial row with a fresh softmax state, so a split of 256 at a
+    cap of 64 (4 chunks a program) gives bit for bit the launch with one program per chunk;
+    requests whose INT4 segment ends before a program's last chunk (and requests without
+    one) leave empty rows the merge skips, and the last program of a head, with fewer rows
+    than 4 left, writes no row of the next head. Off, the same split runs capped programs;
+    beside INT2 segments, too."""
+    mb = build_mixed_batch(
+        [(0, 300, 9), (0, 70, 5), (0, 0, 40), (0, 200, 0)],
+        hq=8,
+        hkv=2,
+        d=128,
+        dead_fraction=0.2,
+        dead_pattern="run",
+        seed=21,
+    )
+    cap = DecodeConfig(max_split_len_folded=64)
+    length = mb.slot_map.shape[-1]
+    no_int2 = SegmentMaxLens(int2=0, int4=length, full=length)  # the engine's host bounds
+    one, k_one = _chunk_launch(mb, monkeypatch, split_len=64, config=cap, max_lens=no_int2)
+    chunked, k_chunked = _chunk_launch(mb, monkeypatch, split_len=256, config=cap, max_lens=no_int2)
+    assert k_one == [1] and k_chunked == [4]
+    if one.is_cuda:  # two compiled variants (INT4_CHUNKS): the same sums, maybe other roundings
+        torch.testing.assert_close(chunked, one, atol=1e-3, rtol=1e-3)
+    else:
+        assert torch.equal(one, chunked)
+    off_cfg = DecodeConfig(max_split_len_folded=64, chunked_splits=False)
+    off, k_off = _chunk_launch(mb, monkeypatch, split_len=256, config=off_cfg, max_lens=no_int2)
+    assert k_off == [1]
+    torch.testing.assert_close(off, one, atol=1e-3, rtol=1e-3)
+    mixed = build_mixed_batch([(2, 300, 9)], hq=8, hkv=2, d=128, seed=22)
+    _, k_mixed = _chunk_launch(mixed, monkeypatch, split_len=256, config=cap)
+    assert k_mixed == [1]
+
+
+def test_chunked_wave_plan_runs_past_the_cap() -> None:
+    """With chunked INT4 programs the wave plan is not bound by the cap: B=8 N=32k on an
+    H100 (64 heads, 1,056 slots) fits one wave of 1,024 programs of 2 chunks of 1,024
+    instead of 2,048 capped programs (1.94 waves); an INT2 segment stays capped."""
+    slots = 132 * 8
+    assert plan_wave_splits(64, (0, 32768, 0), (0, 1024, 0), slots, 256, 128)[1] == 1024
+    chunked = (False, True, False)
+    plan = plan_wave_splits(64, (0, 32768, 0), (0, 1024, 0), slots, 256, 128, chunked=chunked)
+    assert plan[1] == 2048
+    # B=1 N=32k: one wave of the shortest split, below the cap, as without chunks
+    assert plan_wave_splits(8, (0, 32768, 0), (0, 1024, 0), slots, 256, 128, chunked=chunked) == (
+        256,
+        256,
+        256,
+    )
+    both = plan_wave_splits(64, (8192, 32768, 0), (1024, 1024, 0), slots, 256, 128, chunked=chunked)
+    assert both[0] <= 1024 and (both[1] <= 1024 or both[1] % 1024 == 0)
 
 
 def test_folded_split_cap_shrinks_with_length() -> None:
