@@ -557,33 +557,23 @@ def _spread_cols(x, grp):
 def _store_int4_stacked(
     po_ptr,
     plse_ptr,
-    b,
-    h,
-    s,
-    S_total,
-    Hkv,
+    row_q,
+    gmask,
     m_i,
     l_i,
     zb,
-    acc_e,
-    acc_o,
-    a0,
-    a1,
-    a2,
-    a3,
-    a4,
-    a5,
-    a6,
-    a7,
-    G: tl.constexpr,
-    BLOCK_HQ: tl.constexpr,
+    accs,
     D: tl.constexpr,
     V_SUBNORMAL: tl.constexpr,
     V_DOTS8: tl.constexpr,
     SCALE_TILE: tl.constexpr,
 ):
-    """Partial output row ``s`` of :func:`_int4_split_stacked` (each head's own-group rows
-    of the stacked accumulators, plus the zero part, over l) and its log2-sum-exp."""
+    """Partial output rows ``row_q`` ([BLOCK_HQ] int64, masked by ``gmask``) of
+    :func:`_int4_split_stacked`: each head's own-group rows of the stacked accumulators
+    ``accs`` = (acc_e, acc_o, a0, ..., a7), plus the zero part, over l; and the rows'
+    log2-sum-exp."""
+    acc_e, acc_o, a0, a1, a2, a3, a4, a5, a6, a7 = accs
+    BLOCK_HQ: tl.constexpr = m_i.shape[0]
     NG: tl.constexpr = D // 32
     R: tl.constexpr = BLOCK_HQ * NG
     H2: tl.constexpr = D // 2
@@ -592,9 +582,6 @@ def _store_int4_stacked(
     j = tl.arange(0, H2)
     jw = tl.arange(0, W)
     inv = 1.0 / tl.where(l_i > 0.0, l_i, 1.0)
-    offs_g = tl.arange(0, BLOCK_HQ)
-    gmask = offs_g < G
-    row_q = (b * (Hkv * G) + h * G + offs_g).to(tl.int64) * S_total + s
     v_one = 16777216.0 if V_SUBNORMAL else 1.0
     if V_DOTS8:
         # accumulator k holds channel 8w + 2 (k % 4) + k // 4 in column w (group w // 4)
@@ -770,11 +757,11 @@ def _int4_split_stacked(
         e_ks = (c16[None, :] == krg[:, None]).to(tl.float16)
         e_kz = (c16[None, :] == (NG + krg)[:, None]).to(tl.float16)
         e_vs = (c16[None, :] == (2 * NG + rg)[:, None]).to(tl.float16)
+    gmask0 = tl.arange(0, BLOCK_HQ) < G
+    row_q0 = (b * (Hkv * G) + h * G + tl.arange(0, BLOCK_HQ)).to(tl.int64) * S_total
     if CHUNKS:
         s_first = s
         chunk_end = start + chunk  # the current chunk's end
-        gmask0 = tl.arange(0, BLOCK_HQ) < G
-        row_q0 = (b * (Hkv * G) + h * G + tl.arange(0, BLOCK_HQ)).to(tl.int64) * S_total
     for start_n in range(start, end, BN):
         slot, live = _live_positions(slot_row, hm_row, start_n + arn, end, dead_id, HAS_HEAD_MASK)
         row = tl.where(live, slot - int4_base, 0) * Hkv + h
@@ -910,34 +897,8 @@ def _int4_split_stacked(
         # outside, runtime branch inside)
         if CHUNKS:  # noqa: SIM102
             if (start_n + BN == chunk_end) & (chunk_end < end):
-                _store_int4_stacked(
-                    po_ptr,
-                    plse_ptr,
-                    b,
-                    h,
-                    s,
-                    S_total,
-                    Hkv,
-                    m_i,
-                    l_i,
-                    zb,
-                    acc_e,
-                    acc_o,
-                    a0,
-                    a1,
-                    a2,
-                    a3,
-                    a4,
-                    a5,
-                    a6,
-                    a7,
-                    G,
-                    BLOCK_HQ,
-                    D,
-                    V_SUBNORMAL,
-                    V_DOTS8,
-                    SCALE_TILE,
-                )
+                accs = (acc_e, acc_o, a0, a1, a2, a3, a4, a5, a6, a7)
+                _store_int4_stacked(po_ptr, plse_ptr, row_q0 + s, gmask0, m_i, l_i, zb, accs, D, V_SUBNORMAL, V_DOTS8, SCALE_TILE)  # fmt: skip
                 s += 1
                 chunk_end += chunk
                 m_i = tl.full([BLOCK_HQ], -1.0e30, tl.float32)
@@ -957,34 +918,8 @@ def _int4_split_stacked(
                     tl.zeros_like(a6),
                     tl.zeros_like(a7),
                 )
-    _store_int4_stacked(
-        po_ptr,
-        plse_ptr,
-        b,
-        h,
-        s,
-        S_total,
-        Hkv,
-        m_i,
-        l_i,
-        zb,
-        acc_e,
-        acc_o,
-        a0,
-        a1,
-        a2,
-        a3,
-        a4,
-        a5,
-        a6,
-        a7,
-        G,
-        BLOCK_HQ,
-        D,
-        V_SUBNORMAL,
-        V_DOTS8,
-        SCALE_TILE,
-    )
+    accs = (acc_e, acc_o, a0, a1, a2, a3, a4, a5, a6, a7)
+    _store_int4_stacked(po_ptr, plse_ptr, row_q0 + s, gmask0, m_i, l_i, zb, accs, D, V_SUBNORMAL, V_DOTS8, SCALE_TILE)  # fmt: skip
     if CHUNKS:  # the chunks this program did not reach (its range ended early): empty rows
         for r in range(s + 1, s_first + n_chunks):
             _store_lse(plse_ptr, row_q0 + r, m_i, tl.zeros_like(l_i), gmask0)
