@@ -204,9 +204,9 @@ class DecodeConfig:
     and one pipeline for all of them; the cap then no longer forces more programs than one
     wave holds (B=8 N=32k: 1,024 programs of 2 x 1,024 positions, one wave, instead of 2,048
     programs). Compiled as its own variant, only for launches that chunk. H100, session 16,
-    split kernel: B=8 N=128k 711 -> 672 us (-5.5%), B=32 N=32k 664 -> 647 (-2.7%), B=8
-    N=32k 169 -> 166 (-1.5%), B=32 N=128k 2,849 -> 2,823 (-1%); with INT2 segments in the
-    launch it was 1-2% slower, hence off there."""
+    split kernel: B=8 N=128k 713 -> 671 us (-6%), B=32 N=32k 665 -> 644 (-3%), B=8 N=32k
+    169 -> 166 (-1.5%), B=32 N=128k 2,853 -> 2,824 (-1%); with INT2 segments in the launch
+    it was 0.5-2.5% slower, hence off there."""
 
     block_n_full: int = 64
     block_n_int4: int = 32
@@ -2380,8 +2380,9 @@ def decode_attention(
     interpreting = triton_interpreting()
     imma = stacked if cfg.int4_imma is None else cfg.int4_imma  # int8 key dots where stacked
     # the stacked INT4 split may run several capped chunks (a partial row each), in launches
-    # without INT2 segments (H100, session 16: beside INT2 segments 1-2% slower; the INT2
-    # split chunked too, -6% to +4% alone and 3-10% slower in mixed launches: not built)
+    # without INT2 segments (H100, session 16: beside INT2 segments 0.5-2.5% slower; the
+    # INT2 split chunked too was -6% to +4% alone and 4-10% slower in mixed launches: not
+    # kept)
     chunk4 = (
         cfg.chunked_splits and cap4 > 0 and m2 == 0 and (stacked or imma) and not cfg.int4_legacy
     )

@@ -297,8 +297,9 @@ def test_wave_plan_is_valid_and_never_costs_more_than_one_split_per_wave(
     heads, lens, caps, slots, min_len, chunk4
 ) -> None:
     """Every split is a multiple of 64, at least ``min_len`` (rounded up to 64) unless a
-    cap is shorter, within its segment's cap; the plan's modelled cost (waves x (longest
-    split + overhead)) is no more than that of the split the w = 1 rule alone gives."""
+    cap is shorter, within its segment's cap (or, for a chunked segment, a whole number of
+    caps); the plan's modelled cost (waves x (longest split + overhead)) is no more than that
+    of the split the w = 1 rule alone gives."""
     caps3 = (*caps, 0)
     chunked = (False, chunk4, False)
     plan = plan_wave_splits(heads, lens, caps3, slots, min_len, 128, chunked=chunked)
