@@ -10,6 +10,8 @@ from mixed_batch import KNOBS_ON, build_mixed_batch, int4_config
 
 from agentkv.kernels import (
     DEAD,
+    DecodeConfig,
+    SegmentMaxLens,
     decode_attention,
     decode_attention_ref,
     validate_decode_inputs,
@@ -93,6 +95,39 @@ def test_per_head_matches_reference(lens, hkv, group, dead, hm, dtype):
     assert out.shape == pb.q.shape and out.dtype == dtype
     assert bool(torch.isfinite(out).all())
     assert rel_err(out, ref) < TOL[dtype]
+
+
+def test_per_head_chunked_int4_programs_equal_one_program_per_chunk():
+    """Chunked INT4 programs (``DecodeConfig.chunked_splits``) with each head's own map and
+    INT4 length (300, 70, 0 and 200 positions): a head whose segment ends before its
+    programs' last chunk writes empty rows, bit for bit the launch of one program per chunk
+    on the CPU interpreter, and within the kernel's tolerance of the reference."""
+    pb = PerHeadBatch(
+        [[(0, 300, 9), (0, 70, 5)], [(0, 0, 40), (0, 200, 0)]], hkv=2, group=4, d=128, seed=5
+    )
+    length = pb.slot_map.shape[-1]
+    kw = dict(
+        config=DecodeConfig(max_split_len_folded=64),
+        max_lens=SegmentMaxLens(int2=0, int4=length, full=length),
+        head_mask=None,
+    )
+    one = pb.run(**kw)  # split_len=64: one chunk a program
+    chunked = decode_attention(
+        pb.q,
+        pb.pools,
+        pb.slot_map,
+        pb.seq_lens,
+        int2_lens=pb.int2_lens,
+        int4_lens=pb.int4_lens,
+        split_len=256,
+        backend="triton",
+        **kw,
+    )
+    assert rel_err(chunked, pb.ref()) < TOL[torch.float16]
+    if one.is_cuda:
+        torch.testing.assert_close(chunked, one, atol=1e-3, rtol=1e-3)
+    else:
+        assert torch.equal(chunked, one)
 
 
 def test_per_head_equals_the_shared_map_kernel_run_head_by_head():
