@@ -85,7 +85,11 @@ class DecodeConfig:
     INT4 segments, else 2), the H100 tuning winners (docs/benchmarks.md §3).
     programs_per_sm / _int4 / _int2: target programs per SM when choosing the split length
     of the full / INT4 / INT2 segments (more programs: more splits, shorter ones).
-    min_split_len: shortest split. min_block_hq: least query rows per program on the
+    min_split_len: shortest split (positions; 128 since session 16: where a request is short
+    and the batch small, shorter splits put more of the GPU's program slots to work. H100,
+    kernel time vs 256, geometric mean over B=1 N=4k / 8k / 16k, B=2 / 4 / 8 N=4k: INT4
+    28.5 -> 25.2 µs, INT2 18.6 -> 16.1, mixed 27.7 -> 23.4, bf16 31.5 -> 30.5; B=1 N=4k INT2
+    0.80x -> 1.07-1.16x SDPA; 64 was no better overall). min_block_hq: least query rows per program on the
     quantized paths (the GQA group is otherwise not padded to 16; the dot pads in hardware).
     int4_stacked: INT4 split as one dot over stacked (query head, channel group) rows; else
     one pair of dots per channel group (None: stacked when the stacked rows fit one 16-row
@@ -215,7 +219,7 @@ class DecodeConfig:
     programs_per_sm: int = 16
     programs_per_sm_int4: int = 16
     programs_per_sm_int2: int = 16
-    min_split_len: int = 256
+    min_split_len: int = 128
     min_block_hq: int = 1
     int4_v_fold: bool = True
     int4_legacy: bool = False
