@@ -53,7 +53,7 @@ class PerHeadBatch:
         g = torch.Generator().manual_seed(seed + 1)
         self.q = (torch.randn(b, hkv * group, d, generator=g) * 2.0).to(dtype).to(mb.q.device)
 
-    def run(self, backend="triton", **kw):
+    def run(self, backend="triton", split_len=64, **kw):
         kw.setdefault("head_mask", self.head_mask)
         return decode_attention(
             self.q,
@@ -62,7 +62,7 @@ class PerHeadBatch:
             self.seq_lens,
             int2_lens=self.int2_lens,
             int4_lens=self.int4_lens,
-            split_len=64,
+            split_len=split_len,
             backend=backend,
             **kw,
         )
@@ -111,18 +111,8 @@ def test_per_head_chunked_int4_programs_equal_one_program_per_chunk():
         max_lens=SegmentMaxLens(int2=0, int4=length, full=length),
         head_mask=None,
     )
-    one = pb.run(**kw)  # split_len=64: one chunk a program
-    chunked = decode_attention(
-        pb.q,
-        pb.pools,
-        pb.slot_map,
-        pb.seq_lens,
-        int2_lens=pb.int2_lens,
-        int4_lens=pb.int4_lens,
-        split_len=256,
-        backend="triton",
-        **kw,
-    )
+    one = pb.run(split_len=64, **kw)  # one chunk a program
+    chunked = pb.run(split_len=256, **kw)  # four
     assert rel_err(chunked, pb.ref()) < TOL[torch.float16]
     if one.is_cuda:
         torch.testing.assert_close(chunked, one, atol=1e-3, rtol=1e-3)
