@@ -95,7 +95,7 @@ VARIANTS = {
         INT4_SCALE_TILE=True,
         stages=3,
     ),
-    "int4 default + chunked programs (session 16's default)": dict(
+    "int4 default, chunked programs (INT4_CHUNKS: launches that chunk, session 16)": dict(
         _stacked(32, 1, *KNOBS),
         INT4_V_SCALES_BY_DOT=True,
         INT4_SCALE_STRIDE=16,
