@@ -574,9 +574,8 @@ def _store_int4_stacked(
 ):
     """Partial output rows ``row_q`` ([BLOCK_HQ] int64, masked by ``gmask``) of
     :func:`_int4_split_stacked`: each head's own-group rows of the stacked accumulators
-    ``accs`` = (acc_e, acc_o, a0, ..., a7), plus the zero part, over l; and the rows'
-    log2-sum-exp."""
-    acc_e, acc_o, a0, a1, a2, a3, a4, a5, a6, a7 = accs
+    ``accs`` (V_DOTS8: the eight (byte, nibble) accumulators a0..a7, else (acc_e, acc_o)),
+    plus the zero part, over l; and the rows' log2-sum-exp."""
     BLOCK_HQ: tl.constexpr = m_i.shape[0]
     NG: tl.constexpr = D // 32
     R: tl.constexpr = BLOCK_HQ * NG
@@ -593,6 +592,7 @@ def _store_int4_stacked(
             z4 = _spread_cols(zb, 3 * NG + jw // 4)  # the tile's value-zero columns
         else:
             z4 = _bcast_groups(zb, BLOCK_HQ, NG, 4)
+        a0, a1, a2, a3, a4, a5, a6, a7 = accs
         own8 = rg[:, None] == (jw // 4)[None, :]
         prow = po_ptr + row_q[:, None] * D + 8 * jw[None, :]
         _store_own(prow + 0, a0, own8, z4, inv, v_one, gmask, BLOCK_HQ, NG)
@@ -604,6 +604,7 @@ def _store_int4_stacked(
         _store_own(prow + 5, a6, own8, z4, inv, v_one, gmask, BLOCK_HQ, NG)
         _store_own(prow + 7, a7, own8, z4, inv, v_one, gmask, BLOCK_HQ, NG)
     else:
+        acc_e, acc_o = accs
         own = rg[:, None] == (j // 16)[None, :]
         oe = tl.sum(tl.reshape(tl.where(own, acc_e, 0.0), [BLOCK_HQ, NG, H2]), 1) * v_one
         oo = tl.sum(tl.reshape(tl.where(own, acc_o, 0.0), [BLOCK_HQ, NG, H2]), 1) * v_one
@@ -745,8 +746,6 @@ def _int4_split_stacked(
     else:
         acc_e = tl.zeros([R, H2], tl.float32)
         acc_o = tl.zeros([R, H2], tl.float32)
-        a0 = tl.zeros([R, 2], tl.float32)  # unused
-        a1, a2, a3, a4, a5, a6, a7 = a0, a0, a0, a0, a0, a0, a0
     zb = tl.zeros([BLOCK_HQ, NG], tl.float32)
     arn = tl.arange(0, BN)
     cng = tl.arange(0, NG)
@@ -901,28 +900,25 @@ def _int4_split_stacked(
         # outside, runtime branch inside)
         if CHUNKS:  # noqa: SIM102
             if (start_n + BN == chunk_end) & (chunk_end < end):
-                accs = (acc_e, acc_o, a0, a1, a2, a3, a4, a5, a6, a7)
+                if V_DOTS8:
+                    accs = (a0, a1, a2, a3, a4, a5, a6, a7)
+                else:
+                    accs = (acc_e, acc_o)
                 _store_int4_stacked(po_ptr, plse_ptr, row_q0 + s, gmask0, m_i, l_i, zb, accs, D, V_SUBNORMAL, V_DOTS8, SCALE_TILE)  # fmt: skip
                 s += 1
                 chunk_end += chunk
                 m_i = tl.full([BLOCK_HQ], -1.0e30, tl.float32)
                 l_i = tl.zeros([BLOCK_HQ], tl.float32)
                 zb = tl.zeros_like(zb)
-                acc_e = tl.zeros_like(acc_e)
-                acc_o = tl.zeros_like(acc_o)
-                a0, a1, a2, a3 = (
-                    tl.zeros_like(a0),
-                    tl.zeros_like(a1),
-                    tl.zeros_like(a2),
-                    tl.zeros_like(a3),
-                )
-                a4, a5, a6, a7 = (
-                    tl.zeros_like(a4),
-                    tl.zeros_like(a5),
-                    tl.zeros_like(a6),
-                    tl.zeros_like(a7),
-                )
-    accs = (acc_e, acc_o, a0, a1, a2, a3, a4, a5, a6, a7)
+                if V_DOTS8:
+                    z8 = tl.zeros_like(a0)
+                    a0, a1, a2, a3, a4, a5, a6, a7 = z8, z8, z8, z8, z8, z8, z8, z8
+                else:
+                    acc_e, acc_o = tl.zeros_like(acc_e), tl.zeros_like(acc_o)
+    if V_DOTS8:
+        accs = (a0, a1, a2, a3, a4, a5, a6, a7)
+    else:
+        accs = (acc_e, acc_o)
     _store_int4_stacked(po_ptr, plse_ptr, row_q0 + s, gmask0, m_i, l_i, zb, accs, D, V_SUBNORMAL, V_DOTS8, SCALE_TILE)  # fmt: skip
     if CHUNKS:  # the chunks this program did not reach (its range ended early): empty rows
         for r in range(s + 1, s_first + n_chunks):
@@ -2511,6 +2507,7 @@ def decode_attention(
     grid = _split_grid(lens, splits, caps, chunk4)
     s_total = grid.s_total
     if grid.k4 > 1:  # its own variant: the chunk bookkeeping would cost launches that do not
+        # (planned with the plain variant's residency: 214 vs 215 registers, 8 per SM alike)
         consts = {**consts, "INT4_CHUNKS": True}
     part_o = torch.empty(b, hq, s_total, d, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(b, hq, s_total, dtype=torch.float32, device=q.device)
