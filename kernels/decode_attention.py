@@ -45,6 +45,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .backend import Backend, resolve_backend, triton_interpreting
 from .decode_attention_reference import decode_attention_ref
@@ -210,7 +211,15 @@ class DecodeConfig:
     programs). Compiled as its own variant, only for launches that chunk. H100, session 16,
     split kernel: B=8 N=128k 713 -> 671 us (-6%), B=32 N=32k 665 -> 644 (-3%), B=8 N=32k
     169 -> 166 (-1.5%), B=32 N=128k 2,853 -> 2,824 (-1%); with INT2 segments in the launch
-    it was 0.5-2.5% slower, hence off there."""
+    it was 0.5-2.5% slower, hence off there.
+    pdl: launch the merge as a programmatic dependent launch (Hopper and newer): the split
+    kernel lets it launch as soon as its last programs have started, and the merge waits
+    in-kernel (``griddepcontrol.wait``) for the splits' stores, so the launch gap between
+    the two kernels (about 3 µs in a CUDA graph) overlaps the splits' tail. None: on for
+    CUDA devices of compute capability >= 9 (never under the interpreter).
+    merge_block_d: output channels per merge program (a power of two, 16 to head_dim; None:
+    head_dim when there are at least as many (request, query head) rows as SMs, else 32,
+    so a small batch's merge runs on more of the GPU)."""
 
     block_n_full: int = 64
     block_n_int4: int = 32
@@ -247,8 +256,13 @@ class DecodeConfig:
     resident_programs: int | None = None
     program_overhead_len: int = 128
     chunked_splits: bool = True
+    pdl: bool | None = None
+    merge_block_d: int | None = None
 
     def __post_init__(self) -> None:
+        bd = self.merge_block_d
+        if bd is not None and (bd < 16 or bd & (bd - 1)):
+            raise ValueError(f"merge_block_d must be a power of two >= 16, got {bd}")
         if self.int4_v_centred and self.int4_v_subnormal:
             raise ValueError(
                 "int4_v_centred needs int4_v_subnormal=False (the centred codes are made "
@@ -1325,9 +1339,12 @@ def _decode_split_kernel(
     INT2_PIPELINED: tl.constexpr = False,
     INT2_LAZY_RESCALE: tl.constexpr = False,
     INT4_CHUNKS: tl.constexpr = False,
+    LAUNCH_DEPENDENTS: tl.constexpr = False,
 ):
     NG: tl.constexpr = D // 32
     Q: tl.constexpr = D // 4
+    if LAUNCH_DEPENDENTS:  # the merge (a programmatic dependent launch) may start now
+        gdc_launch_dependents()
     if HEADS_FASTEST:
         h = tl.program_id(0)
         s = tl.program_id(1)
@@ -1999,16 +2016,24 @@ def _merge_splits_kernel(
     S_total,
     D: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr = 0,
+    GDC_WAIT: tl.constexpr = False,
 ):
-    """One program per (request, query head): log-sum-exp merge of the split partials."""
+    """Log-sum-exp merge of the split partials: grid (request x query head, D / BLOCK_D),
+    each program one query head's BLOCK_D output channels (0: all D).
+    GDC_WAIT: launched as a programmatic dependent of the split kernel, so it first waits
+    for that grid's completion and its stores (``griddepcontrol.wait``)."""
+    BD: tl.constexpr = D if BLOCK_D == 0 else BLOCK_D
     pid = tl.program_id(0)
     b = pid // Hq
     hq = pid % Hq
-    offs_d = tl.arange(0, D)
+    offs_d = tl.program_id(1) * BD + tl.arange(0, BD)
+    base = pid.to(tl.int64) * S_total
+    if GDC_WAIT:
+        gdc_wait()
     m = tl.full([1], -1.0e30, tl.float32)
     den = tl.zeros([1], tl.float32)
-    acc = tl.zeros([D], tl.float32)
-    base = pid.to(tl.int64) * S_total
+    acc = tl.zeros([BD], tl.float32)
     for s0 in range(0, S_total, BLOCK_S):
         offs_s = s0 + tl.arange(0, BLOCK_S)
         sm = offs_s < S_total
@@ -2031,6 +2056,19 @@ def _merge_splits_kernel(
 @functools.cache
 def _cuda_sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+@functools.cache
+def _cuda_capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def _pdl_capable(device: torch.device) -> bool:
+    """Whether ``device`` runs programmatic dependent launches (CUDA, compute capability
+    >= 9: Hopper and newer)."""
+    if device.type != "cuda":
+        return False
+    return _cuda_capability(device.index if device.index is not None else 0)[0] >= 9
 
 
 def _num_sms(device: torch.device) -> int:
@@ -2388,6 +2426,8 @@ def decode_attention(
     )
     scale_tile = cfg.int4_scale_tile and stacked and interleaved and not centred
     regs = None if interpreting else cfg.max_registers
+    # the merge as a programmatic dependent launch where the GPU has it (sm_90+)
+    pdl = cfg.pdl is not False and not interpreting and _pdl_capable(q.device)
     consts = dict(
         G=g,
         BLOCK_H=max(16, g_pow2),
@@ -2422,6 +2462,7 @@ def decode_attention(
         INT4_SCALE_STRIDE=sstride,
         INT4_SCALE_TILE=scale_tile,
         INT4_CHUNKS=False,  # set below where the plan gives INT4 programs several chunks
+        LAUNCH_DEPENDENTS=pdl,
         num_warps=cfg.warps(m4 > 0, m2 > 0),
         num_stages=cfg.stages(m4 > 0, m2 > 0),
         **({"maxnreg": regs} if regs else {}),
@@ -2514,7 +2555,12 @@ def decode_attention(
     out = torch.empty(b, hq, d, dtype=q.dtype, device=q.device)
     launch = (hkv, grid.programs, b) if cfg.heads_fastest else (grid.programs, hkv, b)
     _decode_split_kernel[launch](*split_args(grid, part_o, part_lse), **consts)
-    _merge_splits_kernel[(b * hq,)](
+    # few (request, query head) rows: more, narrower merge programs (a split of D)
+    block_d = cfg.merge_block_d
+    if block_d is None:
+        block_d = d if b * hq >= _num_sms(q.device) else 32
+    block_d = min(block_d, d)
+    _merge_splits_kernel[(b * hq, d // block_d)](
         part_o,
         part_lse,
         out,
@@ -2524,6 +2570,9 @@ def decode_attention(
         s_total,
         D=d,
         BLOCK_S=min(cfg.merge_block_s, max(16, 1 << (s_total - 1).bit_length())),
+        BLOCK_D=block_d,
+        GDC_WAIT=pdl,
         num_warps=4,
+        **({"launch_pdl": True} if pdl else {}),
     )
     return out

@@ -639,6 +639,38 @@ def test_chunked_int4_programs_give_the_one_program_per_chunk_output(monkeypatch
     assert k_mixed == [1]
 
 
+@pytest.mark.parametrize("block_d", [16, 32, 64])
+def test_merge_channel_blocks_give_the_whole_row_merge(block_d: int) -> None:
+    """``merge_block_d``: a merge program per (request, query head, channel block) gives
+    bit for bit the one-program-per-row merge (the same log-sum-exp weights, the same sums
+    per channel), over requests with empty and all-DEAD splits. pdl forced on: the same
+    bits (on Hopper the merge is a programmatic dependent launch that waits in-kernel for
+    the splits' stores; elsewhere, and interpreted, the plain two-kernel path)."""
+    mb = build_mixed_batch(
+        [(2, 150, 40), (0, 0, 0), (1, 0, 90)],
+        hq=8,
+        hkv=2,
+        d=128,
+        dead_fraction=0.3,
+        dead_pattern="run",
+        seed=31,
+    )
+    whole, _ = _run(mb, torch.float16, split_len=64, config=DecodeConfig(merge_block_d=128))
+    part, _ = _run(mb, torch.float16, split_len=64, config=DecodeConfig(merge_block_d=block_d))
+    assert torch.equal(whole, part)
+    assert bool((whole[1] == 0).all())  # nothing live: zeros
+    forced, _ = _run(
+        mb, torch.float16, split_len=64, config=DecodeConfig(merge_block_d=block_d, pdl=True)
+    )
+    assert torch.equal(forced, part)  # a dependent launch reads what the splits wrote
+
+
+@pytest.mark.parametrize("block_d", [0, 8, 48, 100])
+def test_merge_block_d_must_be_a_power_of_two_of_at_least_16(block_d: int) -> None:
+    with pytest.raises(ValueError, match="merge_block_d"):
+        DecodeConfig(merge_block_d=block_d)
+
+
 def test_chunked_wave_plan_runs_past_the_cap() -> None:
     """With chunked INT4 programs the wave plan is not bound by the cap: B=8 N=32k on an
     H100 (64 heads, 1,056 slots) fits one wave of 1,024 programs of 2 chunks of 1,024
