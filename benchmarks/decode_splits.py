@@ -14,7 +14,9 @@ as four tensors instead of the pool's interleaved buffer):
 - ``kernel_us``: the whole call (split kernel + merge) from a CUDA graph, L2 flushed, and its
   ratio to SDPA's on the same shape;
 - ``split_us`` / ``merge_us``: each kernel's own time (torch profiler, mean of 10 calls, L2
-  flushed before each);
+  flushed before each); with ``pdl`` (the default on Hopper) the merge starts while the
+  splits run and waits for them in-kernel, so its ``merge_us`` includes that wait: compare
+  ``kernel_us``;
 - ``rel_err_vs_ref`` / ``rel_err_fp16_vs_ref`` and their floors: the error against the
   float32 torch reference on the same quantized values with a bf16 and an fp16 query
   (``decode_attention.py``'s ``_ref_errors``; the fp16 output's rounding floor is 8x lower,
