@@ -2016,24 +2016,23 @@ def _merge_splits_kernel(
     S_total,
     D: tl.constexpr,
     BLOCK_S: tl.constexpr,
-    BLOCK_D: tl.constexpr = 0,
+    BLOCK_D: tl.constexpr,
     GDC_WAIT: tl.constexpr = False,
 ):
     """Log-sum-exp merge of the split partials: grid (request x query head, D / BLOCK_D),
-    each program one query head's BLOCK_D output channels (0: all D).
+    each program one query head's BLOCK_D output channels.
     GDC_WAIT: launched as a programmatic dependent of the split kernel, so it first waits
     for that grid's completion and its stores (``griddepcontrol.wait``)."""
-    BD: tl.constexpr = D if BLOCK_D == 0 else BLOCK_D
     pid = tl.program_id(0)
     b = pid // Hq
     hq = pid % Hq
-    offs_d = tl.program_id(1) * BD + tl.arange(0, BD)
+    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     base = pid.to(tl.int64) * S_total
     if GDC_WAIT:
         gdc_wait()
     m = tl.full([1], -1.0e30, tl.float32)
     den = tl.zeros([1], tl.float32)
-    acc = tl.zeros([BD], tl.float32)
+    acc = tl.zeros([BLOCK_D], tl.float32)
     for s0 in range(0, S_total, BLOCK_S):
         offs_s = s0 + tl.arange(0, BLOCK_S)
         sm = offs_s < S_total
@@ -2054,31 +2053,31 @@ def _merge_splits_kernel(
 
 
 @functools.cache
-def _cuda_sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
+def _cuda_properties(index: int):
+    return torch.cuda.get_device_properties(index)
 
 
-@functools.cache
-def _cuda_capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
+def _device_properties(device: torch.device):
+    """``device``'s CUDA properties (None off CUDA); cached per device, because
+    ``torch.cuda.get_device_properties`` is a Python call on every decode step's hot path."""
+    if device.type != "cuda":
+        return None
+    return _cuda_properties(
+        device.index if device.index is not None else torch.cuda.current_device()
+    )
 
 
 def _pdl_capable(device: torch.device) -> bool:
     """Whether ``device`` runs programmatic dependent launches (CUDA, compute capability
     >= 9: Hopper and newer)."""
-    if device.type != "cuda":
-        return False
-    return _cuda_capability(device.index if device.index is not None else 0)[0] >= 9
+    props = _device_properties(device)
+    return props is not None and props.major >= 9
 
 
 def _num_sms(device: torch.device) -> int:
-    """Streaming multiprocessors of ``device`` (4 off CUDA); cached per device, because
-    ``torch.cuda.get_device_properties`` is a Python call on every decode step's hot path."""
-    if device.type == "cuda":
-        return _cuda_sm_count(
-            device.index if device.index is not None else torch.cuda.current_device()
-        )
-    return 4
+    """Streaming multiprocessors of ``device`` (4 off CUDA)."""
+    props = _device_properties(device)
+    return props.multi_processor_count if props is not None else 4
 
 
 def _split_len(
@@ -2129,7 +2128,7 @@ def _variant_resident_programs(key: tuple, device: torch.device, compile_variant
     try:
         kernel = compile_variant()
         kernel._init_handles()  # loads it: its register count is known from here
-        props = torch.cuda.get_device_properties(device)
+        props = _device_properties(device)
         resident = resident_programs(
             kernel.n_regs,
             kernel.metadata.shared,
