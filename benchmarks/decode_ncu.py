@@ -48,12 +48,15 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "int2 default": ("int2", {}),
     "int2 hand prefetch (session 13's default)": (
         "int2",
-        dict(int2_pipelined=False, int2_lazy_rescale=True),
+        dict(int2_gluon=False, int2_pipelined=False, int2_lazy_rescale=True),
     ),
-    "int2 folded byte codes w1": ("int2", dict(int2_v_words=False)),
-    "int2 folded v-words no prefetch": ("int2", dict(int2_pipelined=False, prefetch=False)),
-    "int2 folded v-words w2": ("int2", dict(num_warps=2)),
-    "int2 dequantizing": ("int2", dict(int2_fold=False)),
+    "int2 folded byte codes w1": ("int2", dict(int2_gluon=False, int2_v_words=False)),
+    "int2 folded v-words no prefetch": (
+        "int2",
+        dict(int2_gluon=False, int2_pipelined=False, prefetch=False),
+    ),
+    "int2 folded v-words w2": ("int2", dict(int2_gluon=False, num_warps=2)),
+    "int2 dequantizing": ("int2", dict(int2_gluon=False, int2_fold=False)),
     "int4 session-10 default": ("int4", dict(int4_live_from_scales=False)),
     "int4 uncapped splits": ("int4", dict(max_split_len_folded=0)),
     "int4 split-fastest grid": ("int4", dict(heads_fastest=False)),
@@ -62,12 +65,13 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "int4 scales gathered (no row tile)": ("int4", dict(int4_scale_tile=False)),
     "int4 default, 184 registers": ("int4", dict(max_registers=184)),
     "int4 default, 5 stages": ("int4", dict(num_stages=5)),
-    "int2 split-fastest grid": ("int2", dict(heads_fastest=False)),
+    "int2 split-fastest grid": ("int2", dict(int2_gluon=False, heads_fastest=False)),
+    "int2 Triton split (the default before session 18)": ("int2", dict(int2_gluon=False)),
     # gather_roofline.py's read-only probe: the same rows read, nothing computed
     "int4 read-only probe": ("probe", dict(layout="int4 pool")),
     "int2 read-only probe": ("probe", dict(layout="int2 pages")),
 }
-KERNELS = ("_decode_split_kernel", "_gather_probe")
+KERNELS = ("_decode_split_kernel", "int2_split_gluon_kernel", "_gather_probe")
 
 METRICS = {
     "gpu__time_duration.sum": "duration_ns",

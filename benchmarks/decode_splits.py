@@ -47,7 +47,7 @@ from decode_attention import (  # noqa: E402
     _warm_gpu,
 )
 
-KERNELS = ("_decode_split_kernel", "_merge_splits_kernel")
+KERNELS = ("_decode_split_kernel", "_merge_splits_kernel", "int2_split_gluon_kernel")
 
 
 def kernel_means(fn, calls: int = 10) -> dict[str, float]:
@@ -77,7 +77,8 @@ def measure(s: Shape, impl: str, cfg: DecodeConfig, sdpa_us: float) -> dict:
     return {
         "kernel_us": us,
         "vs_sdpa": sdpa_us / us if us else None,
-        "split_us": per[KERNELS[0]],
+        "split_us": per[KERNELS[0]] + per[KERNELS[2]],  # the Triton and the Gluon splits
+        "gluon_split_us": per[KERNELS[2]],
         "merge_us": per[KERNELS[1]],
         **errs,
     }

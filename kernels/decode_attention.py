@@ -49,6 +49,12 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .backend import Backend, resolve_backend, triton_interpreting
 from .decode_attention_reference import decode_attention_ref
+from .decode_int2_gluon import (
+    gluon_int2_capable,
+    int2_split_gluon_args,
+    int2_split_gluon_consts,
+    int2_split_gluon_kernel,
+)
 from .packing import (
     INT4_CENTRE,
     dequant_int2_quads,
@@ -127,7 +133,8 @@ class DecodeConfig:
     subnormals: no per-element dequantization; its lazy rescale is ``int2_lazy_rescale``).
     max_registers: a cap on registers per thread (ptxas ``.maxnreg``): more programs per SM
     at the price of spills; None or 0: the compiler's choice (the H100 sweeps found every
-    cap slower: the spills cost more than the occupancy buys).
+    cap slower: the spills cost more than the occupancy buys), and 128 for the Gluon INT2
+    split (``int2_gluon``), which needs no more.
     int2_v_words (folded INT2): value codes read as int32 words, each (byte, bit pair) its
     own dot operand with the code left in place (``(n << 2k) 2**-24``: a byte permute per
     byte and an ``and`` per code pair, no shift), made straight in the MMA operand layout.
@@ -190,7 +197,9 @@ class DecodeConfig:
     :meth:`int2_lazy` (eager on INT2-only launches, lazy where INT4 segments share the
     launch: H100, session 14, split kernel at B=8 N=32k: INT2 118-125 µs eager vs 127-128
     lazy, mixed 154-157 eager vs 148 lazy; B=8 N=128k: INT2 453 vs 466, mixed 604 vs
-    554-561).
+    554-561). The Gluon INT2 split (``int2_gluon``) is eager unless this is True: it then
+    rescales only when a head's max moves at all, which keeps the running max's token at
+    p = 1 (unrounded) and was within noise of lazy on the H200.
     wave_splits: the split lengths from :func:`plan_wave_splits`: the launch's programs fill
     whole waves of the GPU's resident program slots (SMs x ``resident_programs``), the
     folded caps and ``min_split_len`` kept; ``programs_per_sm*`` are then unused. Off: about
@@ -219,7 +228,21 @@ class DecodeConfig:
     CUDA devices of compute capability >= 9 (never under the interpreter).
     merge_block_d: output channels per merge program (a power of two, 16 to head_dim; None:
     head_dim when there are at least as many (request, query head) rows as SMs, else 32,
-    so a small batch's merge runs on more of the GPU)."""
+    so a small batch's merge runs on more of the GPU).
+    int2_gluon: run the INT2 segment's splits on the Gluon kernel of
+    :mod:`.decode_int2_gluon` (swapped MMA operands, codes made in the operand layout,
+    ``movmatrix``; same math and partial rows), the other segments' splits on this module's
+    kernel in a second launch. None: on for CUDA devices of compute capability >= 9 where it
+    applies (head_dim 128, GQA group <= 8, int32 slot maps, ``int2_fold``; never under the
+    interpreter; in launches with INT4 or full segments too, only from
+    ``int2_gluon_mixed_positions`` INT2 positions x (request, KV head) pairs); True: also on
+    sm_80+ and in any launch, and a ValueError where it cannot run. H200, session 18, kernel
+    time (both kernels and the merge) vs the Triton INT2 split: INT2 at B=8 N=32k 87 vs 131
+    µs, B=1 N=32k 21.5 vs 23.1; mixed (3/4 INT2, 1/4 INT4) at B=8 N=32k 111 vs 155, B=32
+    N=4k 73 vs 88, but B=1 N=32k 38 vs 32 and B=2 N=4k 28 vs 23, where the two launches'
+    partly filled waves cost more than the faster INT2 split saves (docs/benchmarks.md §3).
+    int2_gluon_mixed_positions: see ``int2_gluon`` (2**19: between B=32 x 8 heads x 3,072
+    and B=1 x 8 x 24,576 INT2 positions)."""
 
     block_n_full: int = 64
     block_n_int4: int = 32
@@ -258,6 +281,8 @@ class DecodeConfig:
     chunked_splits: bool = True
     pdl: bool | None = None
     merge_block_d: int | None = None
+    int2_gluon: bool | None = None
+    int2_gluon_mixed_positions: int = 1 << 19
 
     def __post_init__(self) -> None:
         bd = self.merge_block_d
@@ -1306,6 +1331,7 @@ def _decode_split_kernel(
     S_total,
     P4,
     K4,
+    s_first,
     G: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_HQ: tl.constexpr,
@@ -1340,6 +1366,7 @@ def _decode_split_kernel(
     INT2_LAZY_RESCALE: tl.constexpr = False,
     INT4_CHUNKS: tl.constexpr = False,
     LAUNCH_DEPENDENTS: tl.constexpr = False,
+    INT2_ELSEWHERE: tl.constexpr = False,
 ):
     NG: tl.constexpr = D // 32
     Q: tl.constexpr = D // 4
@@ -1352,12 +1379,13 @@ def _decode_split_kernel(
         s = tl.program_id(0)
         h = tl.program_id(1)
     b = tl.program_id(2)
+    s += s_first  # the launch's first program (past the INT2 splits when those run elsewhere)
 
     len_off = b * stride_lb + h * stride_lh
     seq_len = tl.load(seq_lens_ptr + len_off)
     n2 = 0
     n4 = 0
-    if HAS_INT2:
+    if HAS_INT2 or INT2_ELSEWHERE:  # INT2_ELSEWHERE: the segment's splits are another launch's
         n2 = tl.load(int2_lens_ptr + len_off)
     if HAS_INT4:
         n4 = tl.load(int4_lens_ptr + len_off)
@@ -2080,6 +2108,33 @@ def _num_sms(device: torch.device) -> int:
     return props.multi_processor_count if props is not None else 4
 
 
+def _use_gluon_int2(
+    cfg: DecodeConfig,
+    device: torch.device,
+    head_dim: int,
+    group: int,
+    slot_dtype: torch.dtype,
+    interpreting: bool,
+) -> bool:
+    """Whether a launch's INT2 splits run on the Gluon kernel (``DecodeConfig.int2_gluon``)."""
+    if cfg.int2_gluon is False or interpreting:
+        return False
+    why = None
+    if not gluon_int2_capable(device):
+        why = "a CUDA device of compute capability >= 8.0 and a Triton with Gluon"
+    elif head_dim != 128 or group > 8:
+        why = f"head_dim 128 and a GQA group <= 8 (got {head_dim}, {group})"
+    elif slot_dtype != torch.int32:
+        why = f"an int32 slot map (got {slot_dtype})"
+    elif not cfg.int2_fold:
+        why = "int2_fold (the Gluon kernel is the folded INT2 split)"
+    if why is not None:
+        if cfg.int2_gluon:
+            raise ValueError(f"int2_gluon=True needs {why}")
+        return False
+    return bool(cfg.int2_gluon) or _device_properties(device).major >= 9
+
+
 def _split_len(
     batch: int, num_kv_heads: int, total_len: int, sms: int, programs_per_sm: int, min_len: int
 ) -> int:
@@ -2415,6 +2470,11 @@ def decode_attention(
         stride_lb, stride_lh = 1, 0
 
     interpreting = triton_interpreting()
+    # the INT2 splits on the Gluon kernel (its own launch), the other segments' here
+    gluon2 = m2 > 0 and _use_gluon_int2(cfg, q.device, d, g, slot_map.dtype, interpreting)
+    if gluon2 and cfg.int2_gluon is None and (m4 or mf):  # two launches: only where it pays
+        gluon2 = b * hkv * m2 >= cfg.int2_gluon_mixed_positions
+    t2 = m2 > 0 and not gluon2  # INT2 splits in this module's kernel
     imma = stacked if cfg.int4_imma is None else cfg.int4_imma  # int8 key dots where stacked
     # the stacked INT4 split may run several capped chunks (a partial row each), in launches
     # without INT2 segments (H100, session 16: beside INT2 segments 0.5-2.5% slower; the
@@ -2436,7 +2496,7 @@ def decode_attention(
         BN_INT4=cfg.block_n_int4,
         HAS_FULL=mf > 0,
         HAS_INT4=m4 > 0,
-        HAS_INT2=m2 > 0,
+        HAS_INT2=t2,
         HAS_HEAD_MASK=head_mask is not None,
         HAS_KCS=kcs is not None,
         IEEE_F32=interpreting,
@@ -2462,12 +2522,13 @@ def decode_attention(
         INT4_SCALE_TILE=scale_tile,
         INT4_CHUNKS=False,  # set below where the plan gives INT4 programs several chunks
         LAUNCH_DEPENDENTS=pdl,
-        num_warps=cfg.warps(m4 > 0, m2 > 0),
-        num_stages=cfg.stages(m4 > 0, m2 > 0),
+        INT2_ELSEWHERE=gluon2,
+        num_warps=cfg.warps(m4 > 0, t2),
+        num_stages=cfg.stages(m4 > 0, t2),
         **({"maxnreg": regs} if regs else {}),
     )
 
-    def split_args(grid: SplitGrid, part_o, part_lse) -> tuple:
+    def split_args(grid: SplitGrid, part_o, part_lse, s_first: int = 0) -> tuple:
         return (
             q,
             q.stride(0),
@@ -2503,7 +2564,31 @@ def decode_attention(
             grid.s_total,
             grid.p4,
             grid.k4,
+            s_first,
         )
+
+    def gluon_args(grid: SplitGrid, part_o, part_lse) -> tuple:
+        return int2_split_gluon_args(
+            q,
+            slot_map,
+            n2,
+            stride_lb,
+            stride_lh,
+            hm if head_mask is not None else None,
+            p2,
+            part_o,
+            part_lse,
+            scale * _LOG2E,
+            dead_id,
+            pools.int2_base,
+            grid.rows[0],
+            grid.s_total,
+        )
+
+    # the Gluon split's softmax: exact max (p <= 1) unless lazy is asked for (H200: within
+    # noise of lazy, and the dominant token's p * vs is not rounded)
+    lazy2 = cfg.int2_lazy_rescale is True
+    gconsts = int2_split_gluon_consts(g, d, head_mask is not None, regs, lazy2)
 
     lens = (m2, m4, mf)
     caps = (cap2, cap4, 0)
@@ -2513,11 +2598,11 @@ def decode_attention(
         splits = (split_len,) * 3
     elif cfg.wave_splits:
 
-        def wave_plan(resident: int) -> tuple[int, ...]:
+        def wave_plan(resident: int, seg: tuple[int, ...]) -> tuple[int, ...]:
             slots = _num_sms(q.device) * resident
             return plan_wave_splits(
                 b * hkv,
-                lens,
+                seg,
                 caps,
                 slots,
                 cfg.min_split_len,
@@ -2525,18 +2610,34 @@ def decode_attention(
                 chunked=(False, chunk4, False),
             )
 
-        key = (q.device, q.dtype, f.k.dtype, per_head, *consts.values())  # one dict literal
-        resident = cfg.resident_programs or _RESIDENT_PROGRAMS.get(key)
-        splits = wave_plan(resident or _RESIDENT_GUESS)
-        if resident is None and not interpreting:
-            # compile the variant with the guessed plan's arguments (no launch), so the launch
-            # below finds it compiled when the guess holds
-            scratch = torch.empty(1, dtype=torch.float32, device=q.device)
-            args = split_args(_split_grid(lens, splits, caps, chunk4), scratch, scratch)
-            resident = _variant_resident_programs(
-                key, q.device, lambda: _decode_split_kernel.warmup(*args, grid=(1,), **consts)
-            )
-            splits = wave_plan(resident)
+        scratch = torch.empty(1, dtype=torch.float32, device=q.device)
+        # this module's kernel: every segment, or those past the INT2 one when Gluon runs it
+        tri = (0, m4, mf) if gluon2 else lens
+        splits = (cfg.min_split_len,) * 3  # (a segment that is absent: no program)
+        if any(tri):
+            key = (q.device, q.dtype, f.k.dtype, per_head, *consts.values())  # one dict literal
+            resident = cfg.resident_programs or _RESIDENT_PROGRAMS.get(key)
+            splits = wave_plan(resident or _RESIDENT_GUESS, tri)
+            if resident is None and not interpreting:
+                # compile the variant with the guessed plan's arguments (no launch), so the
+                # launch below finds it compiled when the guess holds
+                args = split_args(_split_grid(lens, splits, caps, chunk4), scratch, scratch)
+                resident = _variant_resident_programs(
+                    key, q.device, lambda: _decode_split_kernel.warmup(*args, grid=(1,), **consts)
+                )
+                splits = wave_plan(resident, tri)
+        if gluon2:  # the INT2 splits planned for the Gluon kernel's own residency
+            key = (q.device, q.dtype, "gluon-int2", per_head, *gconsts.values())
+            resident = cfg.resident_programs or _RESIDENT_PROGRAMS.get(key)
+            if resident is None:
+                gl_grid = _split_grid(lens, (cfg.min_split_len,) * 3, caps, False)
+                args = gluon_args(gl_grid, scratch, scratch)
+                resident = _variant_resident_programs(
+                    key,
+                    q.device,
+                    lambda: int2_split_gluon_kernel.warmup(*args, grid=(1,), **gconsts),
+                )
+            splits = (wave_plan(resident, (m2, 0, 0))[0], *splits[1:])
     else:
         total, sms = m2 + m4 + mf, _num_sms(q.device)
         splits = tuple(
@@ -2552,8 +2653,15 @@ def decode_attention(
     part_o = torch.empty(b, hq, s_total, d, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(b, hq, s_total, dtype=torch.float32, device=q.device)
     out = torch.empty(b, hq, d, dtype=q.dtype, device=q.device)
-    launch = (hkv, grid.programs, b) if cfg.heads_fastest else (grid.programs, hkv, b)
-    _decode_split_kernel[launch](*split_args(grid, part_o, part_lse), **consts)
+    if gluon2:
+        int2_split_gluon_kernel[(hkv, grid.s2, b)](*gluon_args(grid, part_o, part_lse), **gconsts)
+    programs = grid.programs - grid.s2 if gluon2 else grid.programs
+    if programs > 0:
+        launch = (hkv, programs, b) if cfg.heads_fastest else (programs, hkv, b)
+        s_first = grid.s2 if gluon2 else 0
+        _decode_split_kernel[launch](*split_args(grid, part_o, part_lse, s_first), **consts)
+    else:  # the Gluon kernel ran alone: the merge waits for it the plain way
+        pdl = False
     # few (request, query head) rows: more, narrower merge programs (a split of D)
     block_d = cfg.merge_block_d
     if block_d is None:

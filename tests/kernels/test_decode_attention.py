@@ -484,20 +484,32 @@ def test_int4_imma_and_lazy_rescale_within_1e3_of_reference(q_scale) -> None:
 
 
 INT2_CONFIGS = [
-    ("fold", DecodeConfig(int2_fold=True)),  # the default
-    ("fold_lazy", DecodeConfig(int2_fold=True, int2_lazy_rescale=True)),
-    ("fold_w1", DecodeConfig(int2_fold=True, num_warps=1)),
-    ("fold_v_words", DecodeConfig(int2_v_words=True)),
-    ("fold_bytes", DecodeConfig(int2_v_words=False)),
-    ("fold_hand_prefetch", DecodeConfig(int2_pipelined=False)),  # the default before session 14
-    ("fold_no_prefetch", DecodeConfig(int2_pipelined=False, prefetch=False)),
-    ("fold_pipelined_2_stages", DecodeConfig(num_stages=2)),
+    ("fold", DecodeConfig(int2_fold=True)),  # the default (on a GPU: the Gluon split, see below)
+    ("fold_lazy", DecodeConfig(int2_gluon=False, int2_fold=True, int2_lazy_rescale=True)),
+    ("fold_w1", DecodeConfig(int2_gluon=False, int2_fold=True, num_warps=1)),
+    ("fold_v_words", DecodeConfig(int2_gluon=False, int2_v_words=True)),
+    ("fold_bytes", DecodeConfig(int2_gluon=False, int2_v_words=False)),
+    (
+        "fold_hand_prefetch",
+        DecodeConfig(int2_gluon=False, int2_pipelined=False),
+    ),  # the default before session 14
+    ("fold_no_prefetch", DecodeConfig(int2_gluon=False, int2_pipelined=False, prefetch=False)),
+    ("fold_pipelined_2_stages", DecodeConfig(int2_gluon=False, num_stages=2)),
     (
         "fold_v_words_lazy_hand_prefetch_w1",
-        DecodeConfig(int2_v_words=True, int2_lazy_rescale=True, int2_pipelined=False, num_warps=1),
+        DecodeConfig(
+            int2_gluon=False,
+            int2_v_words=True,
+            int2_lazy_rescale=True,
+            int2_pipelined=False,
+            num_warps=1,
+        ),
     ),
-    ("dequantizing", DecodeConfig(int2_fold=False)),  # the default before session 11
-    ("dequantizing_no_prefetch", DecodeConfig(int2_fold=False, prefetch=False)),
+    (
+        "dequantizing",
+        DecodeConfig(int2_gluon=False, int2_fold=False),
+    ),  # the default before session 11
+    ("dequantizing_no_prefetch", DecodeConfig(int2_gluon=False, int2_fold=False, prefetch=False)),
 ]
 
 
@@ -535,10 +547,10 @@ def test_int2_folded_within_1e3_of_reference(q_scale) -> None:
     )
     mb.q = (mb.q.float() * q_scale).to(torch.float16)
     outs = []
-    for cfg in (
-        DecodeConfig(int2_fold=True),
-        DecodeConfig(int2_fold=True, int2_lazy_rescale=True),
-        DecodeConfig(int2_pipelined=False),
+    for cfg in (  # this module's folded split (the Gluon one: test_decode_int2_gluon.py)
+        DecodeConfig(int2_gluon=False, int2_fold=True),
+        DecodeConfig(int2_gluon=False, int2_fold=True, int2_lazy_rescale=True),
+        DecodeConfig(int2_gluon=False, int2_pipelined=False),
     ):
         out, ref = _run(mb, torch.float16, split_len=128, config=cfg)
         rel = float((out.float() - ref.float()).norm() / ref.float().norm())

@@ -1,0 +1,596 @@
+"""The INT2 decode split as a Gluon kernel with explicit register layouts (issue 10).
+
+Same contract, same math and the same partial outputs as the folded INT2 split of
+:mod:`.decode_attention` (keys ``(q * ks) . code + q . kz`` per page, values
+``sum_t (p_t vs_tg) code_t + sum_t p_t vz_tg``, codes entering the tensor cores as exact fp16
+subnormals), for INT2-only launches with head_dim 128 and a GQA group of at most 8. What
+Triton's layout inference could not give, Gluon's explicit layouts do:
+
+* **Swapped operands.** Scores are ``S^T = codes @ (q * ks)^T`` (tokens as the 16 MMA rows,
+  the GQA group padded to 8 columns, not 16 rows) and values ``O^T = codes^T @ (p * vs)^T``
+  (channels as rows): half the MMAs of the row-padded form.
+* **Codes made in the operand layout.** Each thread loads exactly the code words its MMA
+  fragments hold (``LKW`` / ``LVW``) and turns them into fp16 subnormals in place (a byte
+  permute and one ``and`` per pair of codes); the reshapes and permutes that follow only
+  rename registers (every ``convert_layout`` here is asserted trivial). The key channels
+  enter the dot in a permuted order (``k`` below) that the query and the page scales follow.
+* **Scores to the value operand in registers.** ``movmatrix`` transposes each 8 x 8 block of
+  the fp16 ``p`` (the score tile's accumulator layout) into the value dot's B operand.
+* **The page's live rows from one reduction.** Lane ``l`` reads position ``l``'s slot;
+  ``redux.sync`` ORs the live rows into a 32-bit mask and takes the page. The block's rows
+  (page-contiguous: 1 KiB of key codes, 1 KiB of value codes) are copied to shared memory
+  with ``cp.async`` (``NS`` stages, rows that no position maps to are not read), and the
+  slot map is read two blocks ahead of its use.
+* **Zeros by the tensor cores.** ``q . kz`` is one more dot (the page's zeros as 16 equal
+  rows against the query) whose result seeds the score accumulator; ``sum p vz`` is a dot of
+  the block's ``[vs | vz]`` tile (transposed) against ``p``.
+
+One warp per program, grid (KV head, split, request) like the Triton split. Triton's
+interpreter does not run Gluon: the CPU tests run the Triton split, this kernel is tested
+against the torch reference on a GPU (``tests/kernels/test_decode_int2_gluon.py``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy as _cp
+    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+except ImportError:  # a Triton without Gluon: the Triton split serves every launch
+    gluon = None
+
+GLUON_AVAILABLE = gluon is not None
+#: cp.async stages (3: one block in compute, two in flight; 4 measured slower on the H200)
+STAGES = 3
+#: registers per thread: 128 (no spills on sm_90) lets an SM hold 16 one-warp programs
+#: (shared memory: 13 KiB each) where the compiler's 158 would give 12
+MAX_REGISTERS = 128
+
+if GLUON_AVAILABLE:
+    # Triton 3.6 names the cp.async copy async_copy_global_to_shared, later ones async_load
+    _cp_load = getattr(_cp, "async_load", None) or _cp.async_copy_global_to_shared
+
+    MMA = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
+    DA = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+    DB = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+    # Lane (gid, tig) = (lane // 4, lane % 4), the MMA fragments' coordinates.
+    # key half-words [32 tokens, 16]: tokens gid + 8 j, half-words 4 tig + 2 wsel + e
+    LKW = gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [0, 2], [8, 0], [16, 0]],
+        lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]],
+        warp_bases=[],
+        block_bases=[],
+        shape=[32, 16],
+    )
+    # value words [32 tokens, 8]: word gid of tokens 2 tig + e + 8 hf + 16 kt
+    LVW = gl.DistributedLinearLayout(
+        reg_bases=[[1, 0], [8, 0], [16, 0]],
+        lane_bases=[[2, 0], [4, 0], [0, 1], [0, 2], [0, 4]],
+        warp_bases=[],
+        block_bases=[],
+        shape=[32, 8],
+    )
+    # the page's key scales [128 channels] in channel order: channels 8 tig + [0, 8) + 32 plane
+    LKS = gl.DistributedLinearLayout(
+        reg_bases=[[1], [2], [4], [32], [64]],
+        lane_bases=[[8], [16], [0], [0], [0]],
+        warp_bases=[],
+        block_bases=[],
+        shape=[128],
+    )
+    # value scales [32 tokens, 4 groups]: tokens gid + 8 j, all four groups
+    LVS = gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [0, 2], [8, 0], [16, 0]],
+        lane_bases=[[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]],
+        warp_bases=[],
+        block_bases=[],
+        shape=[32, 4],
+    )
+    # cp.async tiles: 16-byte copies of code rows, 8-byte value-scale rows, 8-byte scale runs
+    CK = gl.BlockedLayout([1, 8], [16, 2], [1, 1], [1, 0])  # [32, 16] int16
+    CV = gl.BlockedLayout([1, 4], [16, 2], [1, 1], [1, 0])  # [32, 8] int32
+    CS = gl.BlockedLayout([1, 4], [32, 1], [1, 1], [1, 0])  # [32, 4] fp16
+    CP = gl.BlockedLayout([4], [32], [1], [0])  # [128] fp16
+    SH2 = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
+    SH1 = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+
+    # Key words (two int16 elements a, b of one 32-bit word): output x*4 + k holds, as fp16
+    # subnormals left in place ((n << 2k) 2**-24), bit pair k of byte 2x (low half) and of
+    # byte 2x + 1 (high half): channels 4 w + 2 x + e + 32 k.
+    KEY_ASM = gl.constexpr(
+        """{
+.reg .b32 t, u;
+prmt.b32 u, $8, 0, 0x4140;
+prmt.b32 t, $8, 0, 0x4342;
+and.b32 $0, u, 0x00030003;
+and.b32 $1, u, 0x000C000C;
+and.b32 $2, u, 0x00300030;
+and.b32 $3, u, 0x00C000C0;
+and.b32 $4, t, 0x00030003;
+and.b32 $5, t, 0x000C000C;
+and.b32 $6, t, 0x00300030;
+and.b32 $7, t, 0x00C000C0;
+}"""
+    )
+
+    def _val_asm() -> str:
+        # $16, $17: one word of two consecutive tokens; output 4 i + k: bit pair k of byte i
+        # of each (the first token in the low half), left in place
+        lines = ["{", ".reg .b32 t;"]
+        for i in range(4):
+            sel = i | (i << 4) | ((4 + i) << 8) | ((4 + i) << 12)
+            lines.append(f"prmt.b32 t, $16, $17, {sel:#06x};")
+            for k in range(4):
+                lines.append(f"and.b32 ${4 * i + k}, t, {(3 << (2 * k)) * 0x00010001:#010x};")
+        lines.append("}")
+        return "\n".join(lines)
+
+    VAL_ASM = gl.constexpr(_val_asm())
+
+    # this lane's slot-map entry of the block at $2 (DEAD past the end $3, or where the
+    # head mask byte at $6 + position is 0 when $7 != 0)
+    SLOT_ASM = gl.constexpr(
+        """{
+.reg .u32 ln;
+.reg .s32 pos;
+.reg .u64 a;
+.reg .u16 m;
+.reg .pred p, z;
+mov.u32 ln, %laneid;
+add.s32 pos, $2, ln;
+setp.lt.s32 p, pos, $3;
+mov.b32 $0, $4;
+mul.wide.s32 a, pos, 4;
+add.u64 a, a, $1;
+@p ld.global.nc.b32 $0, [a];
+setp.ne.and.s32 p, $6, 0, p;
+cvt.s64.s32 a, pos;
+add.u64 a, a, $5;
+mov.u16 m, 1;
+@p ld.global.nc.u8 m, [a];
+setp.eq.s16 z, m, 0;
+@z mov.b32 $0, $4;
+}"""
+    )
+
+    # (live rows: bit r set where a position maps to page row r, the page) of one block
+    MASK_ASM = gl.constexpr(
+        """{
+.reg .s32 j, b, pg;
+.reg .pred p;
+setp.ne.s32 p, $2, $3;
+sub.s32 j, $2, $4;
+and.b32 b, j, 31;
+shl.b32 b, 1, b;
+selp.b32 b, b, 0, p;
+shr.s32 pg, j, 5;
+selp.b32 pg, pg, -1, p;
+redux.sync.or.b32 $0, b, 0xffffffff;
+redux.sync.max.s32 $1, pg, 0xffffffff;
+}"""
+    )
+
+    @gluon.jit
+    def _slot_of_lane(slot_row, hm_row, start_n, end, dead_id, has_hm):
+        return gl.inline_asm_elementwise(
+            SLOT_ASM,
+            "=r,l,r,r,r,l,r",
+            [slot_row, start_n, end, dead_id, hm_row.to(gl.pointer_type(gl.int32)), has_hm],
+            dtype=gl.int32,
+            is_pure=False,
+            pack=1,
+        )
+
+    @gluon.jit
+    def _mask_page(slot, dead_id, int2_base):
+        return gl.inline_asm_elementwise(
+            MASK_ASM,
+            "=r,=r,r,r,r",
+            [slot, dead_id, int2_base],
+            dtype=(gl.int32, gl.int32),
+            is_pure=False,
+            pack=1,
+        )
+
+    @gluon.jit
+    def _issue(k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, sk, sv, sks, skz, svsz, st, mask,
+               page, Hkv, h, D: gl.constexpr):  # fmt: skip
+        """cp.async one block's live page rows and the page's key scales into stage ``st``
+        (one commit group)."""
+        ph = (gl.maximum(page, 0) * Hkv + h).to(gl.int64)  # the page's row of this head
+        rk = gl.arange(0, 32, layout=gl.SliceLayout(1, CK))
+        ck = gl.arange(0, 16, layout=gl.SliceLayout(0, CK))
+        kp = k_ptr.to(gl.pointer_type(gl.int16)) + ph * (4 * D) + rk[:, None] * (D // 8)
+        _cp_load(sk.index(st), kp + ck[None, :], mask=(((mask >> rk) & 1) != 0)[:, None])
+        rv = gl.arange(0, 32, layout=gl.SliceLayout(1, CV))
+        cv = gl.arange(0, 8, layout=gl.SliceLayout(0, CV))
+        vp = v_ptr.to(gl.pointer_type(gl.int32)) + ph * (2 * D) + rv[:, None] * (D // 16)
+        _cp_load(sv.index(st), vp + cv[None, :], mask=(((mask >> rv) & 1) != 0)[:, None])
+        rs = gl.arange(0, 32, layout=gl.SliceLayout(1, CS))
+        cs = gl.arange(0, 4, layout=gl.SliceLayout(0, CS))
+        so = ph * D + rs[:, None] * (D // 32) + cs[None, :]
+        ls = (((mask >> rs) & 1) != 0)[:, None]
+        _cp_load(svsz.index(st).slice(0, 4, dim=1), vs_ptr + so, mask=ls)
+        _cp_load(svsz.index(st).slice(4, 4, dim=1), vz_ptr + so, mask=ls)
+        cc = gl.arange(0, D, layout=CP)
+        lp = (cc >= 0) & (mask != 0)
+        _cp_load(sks.index(st), ks_ptr + ph * D + cc, mask=lp)
+        _cp_load(skz.index(st), kz_ptr + ph * D + cc, mask=lp)
+        _cp.commit_group()
+
+    @gluon.jit
+    def _k_order(x):
+        """[128] channel order ``c = 32 k + 8 tig + 4 wsel + 2 x + e`` -> the key dot's order
+        ``32 k + 16 wsel + 8 x + 2 tig + e`` (a register renaming)."""
+        x = gl.reshape(x, [4, 4, 2, 2, 2])
+        return gl.reshape(gl.permute(x, (0, 2, 3, 1, 4)), [128])
+
+    @gluon.jit
+    def _movm(x):
+        """[16, 8] fp16 in the accumulator layout -> the same values as a B operand tile."""
+        t = gl.inline_asm_elementwise(
+            "movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;",
+            "=r,r",
+            [x],
+            dtype=gl.float16,
+            is_pure=True,
+            pack=2,
+        )
+        return gl.reshape(gl.permute(gl.reshape(t, [2, 8, 8]), (0, 2, 1)), [16, 8])
+
+    @gluon.jit
+    def _cat_tokens(t0, t1):
+        """Two [16, 8] B tiles (tokens 0-15, 16-31) -> the [32, 8] B operand."""
+        x = gl.reshape(gl.permute(gl.join(t0, t1), (2, 0, 1)), [32, 8])
+        return gl.convert_layout(x, DB, assert_trivial=True)
+
+    @gluon.jit
+    def _key_tiles(kw):
+        """[32, 16] int16 key half-words (LKW) -> the A tiles [16 tokens, 128] of tokens 0-15
+        and 16-31, channels in the key dot's order."""
+        o00, o01, o02, o03, o10, o11, o12, o13 = gl.inline_asm_elementwise(
+            KEY_ASM, "=r," * 8 + "r", [kw], dtype=(gl.float16,) * 8, is_pure=True, pack=2
+        )
+        b0 = gl.join(gl.join(o00, o01), gl.join(o02, o03))  # t, hw, k0, k1
+        b1 = gl.join(gl.join(o10, o11), gl.join(o12, o13))
+        x = gl.reshape(gl.join(b0, b1), [32, 4, 2, 2, 2, 2, 2])  # t, tig, wsel, e, k0, k1, x
+        x = gl.permute(x, (0, 5, 4, 2, 6, 1, 3))  # t, k1, k0, wsel, x, tig, e
+        a0, a1 = gl.split(gl.permute(gl.reshape(x, [2, 16, 128]), (1, 2, 0)))
+        return (
+            gl.convert_layout(a0, DA, assert_trivial=True),
+            gl.convert_layout(a1, DA, assert_trivial=True),
+        )
+
+    @gluon.jit
+    def _val_tile(oa, ob):
+        """Two [32 t, 8 w] code tensors (bytes i, i + 1 of one plane) -> A tile [16, 32]:
+        row ``8 j + w`` is channel ``32 k + 4 w + i + j``."""
+        x = gl.reshape(gl.permute(gl.join(oa, ob), (2, 1, 0)), [16, 32])
+        return gl.convert_layout(x, DA, assert_trivial=True)
+
+    @gluon.jit
+    def _group_scales(vsv):
+        """[32 tokens, 4] value scales (LVS) -> group g, token tile m: [16] in the MMA rows
+        (returned g0m0, g0m1, g1m0, ...)."""
+        x = gl.permute(gl.reshape(vsv, [2, 16, 2, 2]), (1, 2, 3, 0))  # r, g1, g0, m
+        x0, x1 = gl.split(x)
+        a, b = gl.split(x0)
+        g00, g20 = gl.split(a)
+        g10, g30 = gl.split(b)
+        a, b = gl.split(x1)
+        g01, g21 = gl.split(a)
+        g11, g31 = gl.split(b)
+        R: gl.constexpr = gl.SliceLayout(1, MMA)
+        return (
+            gl.convert_layout(g00, R, assert_trivial=True),
+            gl.convert_layout(g01, R, assert_trivial=True),
+            gl.convert_layout(g10, R, assert_trivial=True),
+            gl.convert_layout(g11, R, assert_trivial=True),
+            gl.convert_layout(g20, R, assert_trivial=True),
+            gl.convert_layout(g21, R, assert_trivial=True),
+            gl.convert_layout(g30, R, assert_trivial=True),
+            gl.convert_layout(g31, R, assert_trivial=True),
+        )
+
+    @gluon.jit
+    def _pv_plane(p0h, p1h, va, vb, vc, vd, oa, ob, s0, s1):
+        """One plane's two channel tiles: oa, ob += codes @ (p * vs)^T (s0, s1: the group's
+        value scales of tokens 0-15 and 16-31)."""
+        bg = _cat_tokens(_movm(p0h * s0[:, None]), _movm(p1h * s1[:, None]))
+        oa = mma_v2(_val_tile(va, vb), bg, oa)
+        ob = mma_v2(_val_tile(vc, vd), bg, ob)
+        return oa, ob
+
+    @gluon.jit
+    def _head_rows(x):
+        """[8] per head (the accumulator's columns) -> [16] per row (heads 0-7, then ones)."""
+        y = gl.reshape(gl.permute(gl.join(x, gl.full_like(x, 1.0)), (1, 0)), [16])
+        return gl.convert_layout(y, gl.SliceLayout(1, MMA))
+
+    @gluon.jit
+    def _head_cols(x):
+        """[16] per row (heads 0-7, then padding) -> [8] per head (the columns)."""
+        a, _ = gl.split(gl.permute(gl.reshape(x, [2, 8]), (1, 0)))
+        return gl.convert_layout(a, gl.SliceLayout(0, MMA))
+
+    @gluon.jit
+    def _store_tile(po_ptr, prow, hmask, o, z, inv, mt: gl.constexpr):
+        """Partial output of channel tile mt (plane mt // 2): (o 2**(24 - 2k) + z) / l."""
+        r = gl.arange(0, 16, layout=gl.SliceLayout(1, MMA))
+        c = 32 * (mt // 2) + 4 * (r % 8) + 2 * (mt % 2) + r // 8
+        scale: gl.constexpr = 16777216.0 / (4.0 ** (mt // 2))
+        val = (o * scale + z[None, :]) * inv[None, :]
+        gl.store(po_ptr + prow[None, :] + c[:, None], val, mask=hmask[None, :])
+
+    @gluon.jit
+    def int2_split_gluon_kernel(
+        q_ptr, stride_qb, stride_qh, slot_ptr, stride_sb, stride_sh, lens_ptr, stride_lb,
+        stride_lh, hm_ptr, stride_mb, stride_mh, k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr,
+        po_ptr, plse_ptr, qk_scale, dead_id, int2_base, Hkv, split_len, S_total,
+        G: gl.constexpr, D: gl.constexpr, NS: gl.constexpr, HAS_HEAD_MASK: gl.constexpr,
+        RESCALE_SLACK: gl.constexpr,
+    ):  # fmt: skip
+        """One INT2 split: positions [s split_len, (s + 1) split_len) of the INT2 segment
+        (``lens``: its length per request, or per request and KV head) of request b, KV head
+        h. Writes the G query heads' partial rows ``(b Hq + h G + i) S_total + s`` of po
+        ([rows, D] fp32, normalised) and plse (log2-sum-exp, -inf where nothing was live)."""
+        h = gl.program_id(0)
+        s = gl.program_id(1)
+        b = gl.program_id(2)
+        seg = gl.load(lens_ptr + b * stride_lb + h * stride_lh)
+        start = s * split_len
+        end = gl.minimum(start + split_len, seg)
+        slot_row = slot_ptr + b.to(gl.int64) * stride_sb + h * stride_sh
+        hm_row = hm_ptr + b.to(gl.int64) * stride_mb + h * stride_mh
+        has_hm = 1 if HAS_HEAD_MASK else 0
+
+        sk = gl.allocate_shared_memory(gl.int16, [NS, 32, 16], SH2)
+        sv = gl.allocate_shared_memory(gl.int32, [NS, 32, 8], SH2)
+        # [vs | vz] per row: the B operand of the zero dot
+        svsz = gl.allocate_shared_memory(gl.float16, [NS, 32, 8], SH2)
+        sks = gl.allocate_shared_memory(gl.float16, [NS, 128], SH1)
+        skz = gl.allocate_shared_memory(gl.float16, [NS, 128], SH1)
+
+        # the query as the key dot's B operand [128 (dot order), 8]: qf with plane k's
+        # 2**-2k folded in (the key codes stay in place), qu plain (for q . kz)
+        kk = gl.arange(0, 128, layout=gl.SliceLayout(1, DB))
+        hh = gl.arange(0, 8, layout=gl.SliceLayout(0, DB))
+        plane = kk // 32
+        cc = 32 * plane + 8 * ((kk // 2) % 4) + 4 * ((kk // 16) % 2) + 2 * ((kk // 8) % 2)
+        cc = cc + kk % 2
+        qp = q_ptr + b * stride_qb + (h * G + hh)[None, :] * stride_qh + cc[:, None]
+        qv = gl.load(qp, mask=(hh < G)[None, :], other=0.0).to(gl.float32)
+        pf = gl.where(plane == 0, 1.0, gl.where(plane == 1, 0.25, gl.where(plane == 2, 0.0625, 0.015625)))  # fmt: skip
+        # kept in shared memory (two ldmatrix per block), not in 32 registers
+        sq = gl.allocate_shared_memory(gl.float16, [2, 128, 8], SH2)
+        sq.index(0).store((qv * pf[:, None]).to(gl.float16))
+        sq.index(1).store(qv.to(gl.float16))
+
+        m_i = gl.full([8], -1.0e30, gl.float32, gl.SliceLayout(0, MMA))
+        lsum = gl.full([16, 8], 0.0, gl.float32, MMA)
+        zacc = gl.full([16, 8], 0.0, gl.float32, MMA)
+        o0 = gl.full([16, 8], 0.0, gl.float32, MMA)
+        o1 = gl.full([16, 8], 0.0, gl.float32, MMA)
+        o2 = gl.full([16, 8], 0.0, gl.float32, MMA)
+        o3 = gl.full([16, 8], 0.0, gl.float32, MMA)
+        o4 = gl.full([16, 8], 0.0, gl.float32, MMA)
+        o5 = gl.full([16, 8], 0.0, gl.float32, MMA)
+        o6 = gl.full([16, 8], 0.0, gl.float32, MMA)
+        o7 = gl.full([16, 8], 0.0, gl.float32, MMA)
+        key_one = qk_scale * 16777216.0
+        tok = gl.arange(0, 16, layout=gl.SliceLayout(1, MMA))
+
+        n_blocks = gl.cdiv(end - start, 32)
+        # prologue: blocks 0 .. NS - 2 in flight; mk0 .. their live-row masks (NS <= 4)
+        sl = _slot_of_lane(slot_row, hm_row, start, end, dead_id, has_hm)
+        mk0, pg = _mask_page(sl, dead_id, int2_base)
+        _issue(k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, sk, sv, sks, skz, svsz, 0, mk0, pg, Hkv, h, D)  # fmt: skip
+        sl = _slot_of_lane(slot_row, hm_row, start + 32, end, dead_id, has_hm)
+        mk1, pg = _mask_page(sl, dead_id, int2_base)
+        _issue(k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, sk, sv, sks, skz, svsz, 1, mk1, pg, Hkv, h, D)  # fmt: skip
+        mk2 = mk1
+        if NS == 4:
+            sl = _slot_of_lane(slot_row, hm_row, start + 64, end, dead_id, has_hm)
+            mk2, pg = _mask_page(sl, dead_id, int2_base)
+            _issue(k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, sk, sv, sks, skz, svsz, 2, mk2, pg, Hkv, h, D)  # fmt: skip
+        # the slots of blocks n + NS - 1 and n + NS, read ahead of their use
+        sl_a = _slot_of_lane(slot_row, hm_row, start + 32 * (NS - 1), end, dead_id, has_hm)
+        sl_b = _slot_of_lane(slot_row, hm_row, start + 32 * NS, end, dead_id, has_hm)
+        for n in range(0, n_blocks):
+            gl.thread_barrier()  # every lane is done with the stage the next copy overwrites
+            mk_a, pg_a = _mask_page(sl_a, dead_id, int2_base)
+            _issue(k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, sk, sv, sks, skz, svsz, (n + NS - 1) % NS, mk_a, pg_a, Hkv, h, D)  # fmt: skip
+            sl_a = sl_b
+            sl_b = _slot_of_lane(slot_row, hm_row, start + 32 * (n + NS + 1), end, dead_id, has_hm)  # fmt: skip
+            _cp.wait_group(NS - 1)
+            gl.thread_barrier()
+            st = n % NS
+            mask = mk0
+            mk0 = mk1
+            if NS == 4:
+                mk1 = mk2
+                mk2 = mk_a
+            else:
+                mk1 = mk_a
+            # scores of tokens 0-15 and 16-31 for the 8 (padded) query heads, plus q . kz (all
+            # 16 rows of that product are equal)
+            a0, a1 = _key_tiles(sk.index(st).load(LKW))
+            ks = _k_order(sks.index(st).load(LKS))
+            kz = _k_order(skz.index(st).load(LKS))
+            ks = gl.convert_layout(ks, gl.SliceLayout(1, DB), assert_trivial=True)
+            kz = gl.convert_layout(kz, gl.SliceLayout(0, DA), assert_trivial=True)
+            bk = sq.index(0).load(DB) * ks[:, None]
+            kza = gl.broadcast(kz[None, :], a0)[0]
+            # (added after the code dots, not as their seed: q . kz can dwarf them, and the
+            # tensor cores truncate each product they add to a large accumulator)
+            acc0 = gl.full([16, 8], 0.0, gl.float32, MMA)
+            qz = mma_v2(kza, sq.index(1).load(DB), acc0) * qk_scale
+            s0 = mma_v2(a0, bk, acc0) * key_one + qz
+            s1 = mma_v2(a1, bk, acc0) * key_one + qz
+            s0 = gl.where((((mask >> tok) & 1) != 0)[:, None], s0, float("-inf"))
+            s1 = gl.where((((mask >> (tok + 16)) & 1) != 0)[:, None], s1, float("-inf"))
+            # online softmax, rescaled only when some head's max moves by more than
+            # RESCALE_SLACK: 0 keeps p <= 1 (the running max's token exactly 1: no rounding
+            # of the dominant term), 4 (lazy) skips more rescales at p <= 16
+            m_new = gl.maximum(m_i, gl.maximum(gl.max(s0, 0), gl.max(s1, 0)))
+            if gl.max(m_new - m_i, 0) > RESCALE_SLACK:
+                alpha = gl.exp2(m_i - m_new)
+                al = alpha[None, :]
+                lsum = lsum * al
+                zacc = zacc * _head_rows(alpha)[:, None]
+                o0 = o0 * al
+                o1 = o1 * al
+                o2 = o2 * al
+                o3 = o3 * al
+                o4 = o4 * al
+                o5 = o5 * al
+                o6 = o6 * al
+                o7 = o7 * al
+                m_i = m_new
+            p0 = gl.exp2(s0 - m_i[None, :])
+            p1 = gl.exp2(s1 - m_i[None, :])
+            lsum = lsum + (p0 + p1)
+            p0h = p0.to(gl.float16)
+            p1h = p1.to(gl.float16)
+            # value zeros: columns 4..7 of p @ [vs | vz] (p's rows: the heads, 8 of 16 used)
+            pu = _cat_tokens(_movm(p0h), _movm(p1h))
+            pt = gl.permute(pu, (1, 0))
+            pa = gl.reshape(gl.permute(gl.join(pt, gl.zeros_like(pt)), (2, 0, 1)), [16, 32])
+            pa = gl.convert_layout(pa, DA, assert_trivial=True)
+            zacc = mma_v2(pa, svsz.index(st).load(DB), zacc)
+            # values: plane k (channels 32k..32k+31, value group k) in two channel tiles
+            g00, g01, g10, g11, g20, g21, g30, g31 = _group_scales(
+                svsz.index(st).slice(0, 4, dim=1).load(LVS)
+            )
+            (w00, w01, w02, w03, w10, w11, w12, w13, w20, w21, w22, w23, w30, w31, w32, w33) = (
+                gl.inline_asm_elementwise(
+                    VAL_ASM,
+                    "=r," * 16 + "r,r",
+                    [sv.index(st).load(LVW)],
+                    dtype=(gl.float16,) * 16,
+                    is_pure=True,
+                    pack=2,
+                )
+            )
+            o0, o1 = _pv_plane(p0h, p1h, w00, w10, w20, w30, o0, o1, g00, g01)
+            o2, o3 = _pv_plane(p0h, p1h, w01, w11, w21, w31, o2, o3, g10, g11)
+            o4, o5 = _pv_plane(p0h, p1h, w02, w12, w22, w32, o4, o5, g20, g21)
+            o6, o7 = _pv_plane(p0h, p1h, w03, w13, w23, w33, o6, o7, g30, g31)
+        _cp.wait_group(0)
+        l_i = gl.sum(lsum, 0)
+        inv = 1.0 / gl.where(l_i > 0.0, l_i, 1.0)
+        zc = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
+        z0 = _head_cols(gl.sum(gl.where((zc == 4)[None, :], zacc, 0.0), 1))
+        z1 = _head_cols(gl.sum(gl.where((zc == 5)[None, :], zacc, 0.0), 1))
+        z2 = _head_cols(gl.sum(gl.where((zc == 6)[None, :], zacc, 0.0), 1))
+        z3 = _head_cols(gl.sum(gl.where((zc == 7)[None, :], zacc, 0.0), 1))
+        hq = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
+        hmask = hq < G
+        row_o = (b * (Hkv * G) + h * G + hq).to(gl.int64) * S_total + s
+        prow = row_o * D
+        _store_tile(po_ptr, prow, hmask, o0, z0, inv, 0)
+        _store_tile(po_ptr, prow, hmask, o1, z0, inv, 1)
+        _store_tile(po_ptr, prow, hmask, o2, z1, inv, 2)
+        _store_tile(po_ptr, prow, hmask, o3, z1, inv, 3)
+        _store_tile(po_ptr, prow, hmask, o4, z2, inv, 4)
+        _store_tile(po_ptr, prow, hmask, o5, z2, inv, 5)
+        _store_tile(po_ptr, prow, hmask, o6, z3, inv, 6)
+        _store_tile(po_ptr, prow, hmask, o7, z3, inv, 7)
+        has = l_i > 0.0
+        lse = gl.where(has, m_i + gl.log2(gl.where(has, l_i, 1.0)), float("-inf"))
+        gl.store(plse_ptr + row_o, lse, mask=hmask)
+
+else:
+    int2_split_gluon_kernel = None
+
+
+def gluon_int2_capable(device: torch.device) -> bool:
+    """Whether the Gluon INT2 split can run on ``device`` (CUDA sm_80+: cp.async, redux.sync,
+    movmatrix; and a Triton with Gluon)."""
+    if not GLUON_AVAILABLE or device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    return torch.cuda.get_device_capability(device) >= (8, 0)
+
+
+def int2_split_gluon_args(
+    q: torch.Tensor,
+    slot_map: torch.Tensor,
+    int2_lens: torch.Tensor,
+    stride_lb: int,
+    stride_lh: int,
+    head_mask: torch.Tensor | None,
+    int2,
+    part_o: torch.Tensor,
+    part_lse: torch.Tensor,
+    qk_scale: float,
+    dead_id: int,
+    int2_base: int,
+    split_len: int,
+    s_total: int,
+) -> tuple:
+    """The kernel's positional arguments (``slot_map`` [B, L] or [B, Hkv, L]; ``head_mask``
+    None or uint8 [B, Hkv, L]; ``int2``: the :class:`~.pools.Int2Pool`)."""
+    per_head = slot_map.dim() == 3
+    hm = head_mask if head_mask is not None else slot_map
+    return (
+        q,
+        q.stride(0),
+        q.stride(1),
+        slot_map,
+        slot_map.stride(0),
+        slot_map.stride(1) if per_head else 0,
+        int2_lens,
+        stride_lb,
+        stride_lh,
+        hm,
+        hm.stride(0) if head_mask is not None else 0,
+        hm.stride(1) if head_mask is not None else 0,
+        int2.k,
+        int2.v,
+        int2.k_scale,
+        int2.k_zero,
+        int2.v_scale,
+        int2.v_zero,
+        part_o,
+        part_lse,
+        qk_scale,
+        dead_id,
+        int2_base,
+        int2.k.shape[1],
+        split_len,
+        s_total,
+    )
+
+
+def int2_split_gluon_consts(
+    group: int,
+    head_dim: int,
+    has_head_mask: bool,
+    max_registers: int | None = None,
+    lazy_rescale: bool = False,
+) -> dict:
+    """Constexprs and launch options of the kernel (``max_registers``: None =
+    :data:`MAX_REGISTERS`; ``lazy_rescale``: the running max moves only by more than 2**4)."""
+    return dict(
+        G=group,
+        D=head_dim,
+        NS=STAGES,
+        HAS_HEAD_MASK=has_head_mask,
+        RESCALE_SLACK=4.0 if lazy_rescale else 0.0,
+        num_warps=1,
+        maxnreg=max_registers or MAX_REGISTERS,
+    )
+
+
+__all__ = [
+    "GLUON_AVAILABLE",
+    "MAX_REGISTERS",
+    "STAGES",
+    "gluon_int2_capable",
+    "int2_split_gluon_args",
+    "int2_split_gluon_consts",
+    "int2_split_gluon_kernel",
+]
