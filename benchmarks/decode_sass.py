@@ -10,7 +10,7 @@ the GPU (3.6 on the H100 machine) for numbers that match what runs there; the va
 ``benchmarks/decode_attention.py`` on the GPU)::
 
     python benchmarks/decode_sass.py                      # the INT4 variants at Hq/Hkv=4, D=128
-    python benchmarks/decode_sass.py --segments int2      # the INT2 path
+    python benchmarks/decode_sass.py --segments int2      # the INT2 splits (Triton, Gluon)
 """
 
 from __future__ import annotations
@@ -169,6 +169,36 @@ def compile_split(group: int, head_dim: int, segments: set[str], **knobs):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
+def compile_gluon_int2(group: int, head_dim: int = 128, **knobs):
+    """The Gluon INT2 split (``agentkv.kernels.decode_int2_gluon``) compiled for sm_90 with
+    the launch's constexprs and options (``knobs`` override them, e.g. ``maxnreg``)."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    mod = importlib.import_module("agentkv.kernels.decode_int2_gluon")
+    fn = mod.int2_split_gluon_kernel
+    consts = mod.int2_split_gluon_consts(group, head_dim, has_head_mask=False)
+    consts.update(knobs)
+    options = {k: consts.pop(k) for k in ("num_warps", "maxnreg") if k in consts}
+    ptrs = {
+        "q_ptr": "*bf16",
+        "slot_ptr": "*i32",
+        "lens_ptr": "*i32",
+        "hm_ptr": "*u8",
+        **dict.fromkeys(("k_ptr", "v_ptr"), "*u8"),
+        **dict.fromkeys(("ks_ptr", "kz_ptr", "vs_ptr", "vz_ptr"), "*fp16"),
+        **dict.fromkeys(("po_ptr", "plse_ptr"), "*fp32"),
+        "qk_scale": "fp32",
+    }
+    sig = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in fn.arg_names}
+    attrs = {
+        (i,): [["tt.divisibility", 16]]
+        for i, n in enumerate(fn.arg_names)
+        if sig[n].startswith("*") or n in {"stride_qb", "stride_qh", "stride_sb", "split_len"}
+    }
+    src = GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+
+
 def _tool(name: str) -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
 
@@ -267,6 +297,18 @@ def main() -> None:
             f"{st['lane_instructions_per_token_skipping']:7.0f}  {st['top_ops'][:5]}",
             flush=True,
         )
+    if args.segments == "int2" and args.head_dim == 128 and args.group <= 8:
+        for name, knobs in [
+            ("int2 Gluon split (session 18's default)", {}),
+            ("int2 Gluon split, compiler's registers", dict(maxnreg=None)),
+        ]:
+            st = sass_stats(compile_gluon_int2(args.group, **knobs), 32, 1)
+            print(
+                f"{name:50s} regs {st['regs']:>3} spill {st['spill_stack_bytes']:>4} B  "
+                f"loop {st['loop_instructions']:>5}  skipping branches "
+                f"{st['lane_instructions_per_token_skipping']:7.0f}  {st['top_ops'][:5]}",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -197,9 +197,9 @@ class DecodeConfig:
     :meth:`int2_lazy` (eager on INT2-only launches, lazy where INT4 segments share the
     launch: H100, session 14, split kernel at B=8 N=32k: INT2 118-125 µs eager vs 127-128
     lazy, mixed 154-157 eager vs 148 lazy; B=8 N=128k: INT2 453 vs 466, mixed 604 vs
-    554-561). The Gluon INT2 split (``int2_gluon``) is eager unless this is True: it then
-    rescales only when a head's max moves at all, which keeps the running max's token at
-    p = 1 (unrounded) and was within noise of lazy on the H200.
+    554-561). The Gluon INT2 split (``int2_gluon``) moves its running max whenever a head's
+    max grows (so p <= 1 and the running max's token is not rounded; within noise of lazy
+    on the H200) unless this is True (then only by more than 2**4).
     wave_splits: the split lengths from :func:`plan_wave_splits`: the launch's programs fill
     whole waves of the GPU's resident program slots (SMs x ``resident_programs``), the
     folded caps and ``min_split_len`` kept; ``programs_per_sm*`` are then unused. Off: about
@@ -237,10 +237,11 @@ class DecodeConfig:
     interpreter; in launches with INT4 or full segments too, only from
     ``int2_gluon_mixed_positions`` INT2 positions x (request, KV head) pairs); True: also on
     sm_80+ and in any launch, and a ValueError where it cannot run. H200, session 18, kernel
-    time (both kernels and the merge) vs the Triton INT2 split: INT2 at B=8 N=32k 87 vs 131
-    µs, B=1 N=32k 21.5 vs 23.1; mixed (3/4 INT2, 1/4 INT4) at B=8 N=32k 111 vs 155, B=32
-    N=4k 73 vs 88, but B=1 N=32k 38 vs 32 and B=2 N=4k 28 vs 23, where the two launches'
-    partly filled waves cost more than the faster INT2 split saves (docs/benchmarks.md §3).
+    time (the splits and the merge) vs the Triton INT2 split: INT2 at B=8 N=32k 90 vs 144
+    µs, B=8 N=128k 295 vs 476, B=1 N=32k 23.7 vs 24.8; mixed (3/4 INT2, 1/4 INT4) at B=8
+    N=32k 114 vs 164, B=32 N=4k 74 vs 84, but (Gluon forced) B=1 N=32k 38 vs 32 and B=2 N=4k
+    28 vs 23, where the two launches' partly filled waves cost more than the faster INT2
+    split saves (docs/benchmarks.md §3).
     int2_gluon_mixed_positions: see ``int2_gluon`` (2**19: between B=32 x 8 heads x 3,072
     and B=1 x 8 x 24,576 INT2 positions)."""
 
@@ -2610,7 +2611,6 @@ def decode_attention(
                 chunked=(False, chunk4, False),
             )
 
-        scratch = torch.empty(1, dtype=torch.float32, device=q.device)
         # this module's kernel: every segment, or those past the INT2 one when Gluon runs it
         tri = (0, m4, mf) if gluon2 else lens
         splits = (cfg.min_split_len,) * 3  # (a segment that is absent: no program)
@@ -2621,6 +2621,7 @@ def decode_attention(
             if resident is None and not interpreting:
                 # compile the variant with the guessed plan's arguments (no launch), so the
                 # launch below finds it compiled when the guess holds
+                scratch = torch.empty(1, dtype=torch.float32, device=q.device)
                 args = split_args(_split_grid(lens, splits, caps, chunk4), scratch, scratch)
                 resident = _variant_resident_programs(
                     key, q.device, lambda: _decode_split_kernel.warmup(*args, grid=(1,), **consts)
@@ -2630,6 +2631,7 @@ def decode_attention(
             key = (q.device, q.dtype, "gluon-int2", per_head, *gconsts.values())
             resident = cfg.resident_programs or _RESIDENT_PROGRAMS.get(key)
             if resident is None:
+                scratch = torch.empty(1, dtype=torch.float32, device=q.device)
                 gl_grid = _split_grid(lens, (cfg.min_split_len,) * 3, caps, False)
                 args = gluon_args(gl_grid, scratch, scratch)
                 resident = _variant_resident_programs(
