@@ -127,7 +127,8 @@ def test_gluon_split_from_flat_to_sharp_softmax(q_scale, tol) -> None:
     """From near-uniform attention to one dominant token, long and short splits: fp16 output
     within 1e-3 of the reference. At 16x the query (scores spread over ~100 log2 units: one
     token takes nearly all the weight) the fp16 rounding of ``q * ks`` that both folded INT2
-    splits make shows: 1.27e-3 measured on the H200 at 128-position splits, hence 2e-3."""
+    splits make shows: 1.27e-3 measured on the H200 at 128-position splits, reproduced on
+    the CPU by benchmarks/int2_fold_rounding.py, hence 2e-3."""
     mb = build_mixed_batch([(40, 0, 0), (23, 0, 0)], hq=8, hkv=2, d=128, dead_fraction=0.2, seed=3)
     mb.q = (mb.q.float() * q_scale).to(torch.float16)
     ref = decode_attention_ref(mb.q, mb.pools, mb.slot_map, mb.seq_lens)
