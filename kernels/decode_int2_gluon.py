@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import torch
 
+from .packing import INT2_WORD_PLANES
+
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -116,19 +118,9 @@ and.b32 $7, t, 0x00C000C0;
 }"""
     )
 
-    def _val_asm() -> str:
-        # $16, $17: one word of two consecutive tokens; output 4 i + k: bit pair k of byte i
-        # of each (the first token in the low half), left in place
-        lines = ["{", ".reg .b32 t;"]
-        for i in range(4):
-            sel = i | (i << 4) | ((4 + i) << 8) | ((4 + i) << 12)
-            lines.append(f"prmt.b32 t, $16, $17, {sel:#06x};")
-            for k in range(4):
-                lines.append(f"and.b32 ${4 * i + k}, t, {(3 << (2 * k)) * 0x00010001:#010x};")
-        lines.append("}")
-        return "\n".join(lines)
-
-    VAL_ASM = gl.constexpr(_val_asm())
+    # value words: one word of two consecutive tokens -> output 4 i + k: bit pair k of byte i
+    # of each (the first token in the low half), left in place (the Triton split's asm)
+    VAL_ASM = gl.constexpr(INT2_WORD_PLANES.value)
 
     # this lane's slot-map entry of the block at $2 (DEAD past the end $3, or where the
     # head mask byte at $6 + position is 0 when $7 != 0)
