@@ -52,8 +52,10 @@ STAGES = 3
 MAX_REGISTERS = 128
 
 if GLUON_AVAILABLE:
-    # Triton 3.6 names the cp.async copy async_copy_global_to_shared, later ones async_load
+    # Triton 3.6 names the cp.async copy async_copy_global_to_shared and the CTA barrier
+    # thread_barrier; later ones async_load and barrier
     _cp_load = getattr(_cp, "async_load", None) or _cp.async_copy_global_to_shared
+    _barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
     MMA = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
     DA = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
@@ -392,13 +394,13 @@ redux.sync.max.s32 $1, pg, 0xffffffff;
         sl_a = _slot_of_lane(slot_row, hm_row, start + 32 * (NS - 1), end, dead_id, has_hm)
         sl_b = _slot_of_lane(slot_row, hm_row, start + 32 * NS, end, dead_id, has_hm)
         for n in range(0, n_blocks):
-            gl.thread_barrier()  # every lane is done with the stage the next copy overwrites
+            _barrier()  # every lane is done with the stage the next copy overwrites
             mk_a, pg_a = _mask_page(sl_a, dead_id, int2_base)
             _issue(k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, sk, sv, sks, skz, svsz, (n + NS - 1) % NS, mk_a, pg_a, Hkv, h, D)  # fmt: skip
             sl_a = sl_b
             sl_b = _slot_of_lane(slot_row, hm_row, start + 32 * (n + NS + 1), end, dead_id, has_hm)  # fmt: skip
             _cp.wait_group(NS - 1)
-            gl.thread_barrier()
+            _barrier()
             st = n % NS
             mask = mk0
             mk0 = mk1
