@@ -3,8 +3,9 @@
 Same contract, same math and the same partial outputs as the folded INT2 split of
 :mod:`.decode_attention` (keys ``(q * ks) . code + q . kz`` per page, values
 ``sum_t (p_t vs_tg) code_t + sum_t p_t vz_tg``, codes entering the tensor cores as exact fp16
-subnormals), for INT2-only launches with head_dim 128 and a GQA group of at most 8. What
-Triton's layout inference could not give, Gluon's explicit layouts do:
+subnormals), for the INT2 segment's splits (head_dim 128, a GQA group of at most 8; the
+other segments of a launch run on that module's kernel). What Triton's layout inference
+could not give, Gluon's explicit layouts do:
 
 * **Swapped operands.** Scores are ``S^T = codes @ (q * ks)^T`` (tokens as the 16 MMA rows,
   the GQA group padded to 8 columns, not 16 rows) and values ``O^T = codes^T @ (p * vs)^T``
@@ -22,12 +23,15 @@ Triton's layout inference could not give, Gluon's explicit layouts do:
   with ``cp.async`` (``NS`` stages, rows that no position maps to are not read), and the
   slot map is read two blocks ahead of its use.
 * **Zeros by the tensor cores.** ``q . kz`` is one more dot (the page's zeros as 16 equal
-  rows against the query) whose result seeds the score accumulator; ``sum p vz`` is a dot of
-  the block's ``[vs | vz]`` tile (transposed) against ``p``.
+  rows against the query), added to the scores after their dot; ``sum p vz`` is a dot of
+  ``p`` (the heads as rows) against the block's ``[vs | vz]`` rows.
+* **16 programs per SM.** The query waits in shared memory (two ``ldmatrix`` per block) and
+  ``maxnreg`` is 128, without spills.
 
 One warp per program, grid (KV head, split, request) like the Triton split. Triton's
 interpreter does not run Gluon: the CPU tests run the Triton split, this kernel is tested
-against the torch reference on a GPU (``tests/kernels/test_decode_int2_gluon.py``).
+against the torch reference on a GPU (``tests/kernels/test_decode_int2_gluon.py``) and
+compiled for sm_90 on the CPU (``tests/bench/test_decode_sass.py``).
 """
 
 from __future__ import annotations
