@@ -50,7 +50,8 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from .backend import Backend, resolve_backend, triton_interpreting
 from .decode_attention_reference import decode_attention_ref
 from .decode_int2_gluon import (
-    gluon_int2_capable,
+    GLUON_AVAILABLE,
+    MIN_CAPABILITY,
     int2_split_gluon_args,
     int2_split_gluon_consts,
     int2_split_gluon_kernel,
@@ -2121,7 +2122,8 @@ def _use_gluon_int2(
     if cfg.int2_gluon is False or interpreting:
         return False
     why = None
-    if not gluon_int2_capable(device):
+    props = _device_properties(device)  # cached: this runs on every decode step
+    if not GLUON_AVAILABLE or props is None or (props.major, props.minor) < MIN_CAPABILITY:
         why = "a CUDA device of compute capability >= 8.0 and a Triton with Gluon"
     elif head_dim != 128 or group > 8:
         why = f"head_dim 128 and a GQA group <= 8 (got {head_dim}, {group})"
@@ -2133,7 +2135,7 @@ def _use_gluon_int2(
         if cfg.int2_gluon:
             raise ValueError(f"int2_gluon=True needs {why}")
         return False
-    return bool(cfg.int2_gluon) or _device_properties(device).major >= 9
+    return bool(cfg.int2_gluon) or props.major >= 9
 
 
 def _split_len(
@@ -2589,7 +2591,7 @@ def decode_attention(
     # the Gluon split's softmax: exact max (p <= 1) unless lazy is asked for (H200: within
     # noise of lazy, and the dominant token's p * vs is not rounded)
     lazy2 = cfg.int2_lazy_rescale is True
-    gconsts = int2_split_gluon_consts(g, d, head_mask is not None, regs, lazy2)
+    gconsts = int2_split_gluon_consts(g, d, head_mask is not None, regs, lazy2) if gluon2 else {}
 
     lens = (m2, m4, mf)
     caps = (cap2, cap4, 0)

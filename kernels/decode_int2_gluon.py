@@ -49,7 +49,7 @@ except ImportError:  # a Triton without Gluon: the Triton split serves every lau
     gluon = None
 
 GLUON_AVAILABLE = gluon is not None
-#: cp.async stages (3: one block in compute, two in flight; 4 measured slower on the H200)
+#: cp.async stages: one block in compute, two in flight (4 measured 6-15% slower on the H200)
 STAGES = 3
 #: registers per thread: 128 (no spills on sm_90) lets an SM hold 16 one-warp programs
 #: (shared memory: 13 KiB each) where the compiler's 158 would give 12
@@ -382,18 +382,14 @@ redux.sync.max.s32 $1, pg, 0xffffffff;
         tok = gl.arange(0, 16, layout=gl.SliceLayout(1, MMA))
 
         n_blocks = gl.cdiv(end - start, 32)
-        # prologue: blocks 0 .. NS - 2 in flight; mk0 .. their live-row masks (NS <= 4)
+        gl.static_assert(NS == 3, "the mask FIFO below holds the two blocks in flight")
+        # prologue: blocks 0 and 1 in flight; mk0, mk1: their live-row masks
         sl = _slot_of_lane(slot_row, hm_row, start, end, dead_id, has_hm)
         mk0, pg = _mask_page(sl, dead_id, int2_base)
         _issue(k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, sk, sv, sks, skz, svsz, 0, mk0, pg, Hkv, h, D)  # fmt: skip
         sl = _slot_of_lane(slot_row, hm_row, start + 32, end, dead_id, has_hm)
         mk1, pg = _mask_page(sl, dead_id, int2_base)
         _issue(k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, sk, sv, sks, skz, svsz, 1, mk1, pg, Hkv, h, D)  # fmt: skip
-        mk2 = mk1
-        if NS == 4:
-            sl = _slot_of_lane(slot_row, hm_row, start + 64, end, dead_id, has_hm)
-            mk2, pg = _mask_page(sl, dead_id, int2_base)
-            _issue(k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, sk, sv, sks, skz, svsz, 2, mk2, pg, Hkv, h, D)  # fmt: skip
         # the slots of blocks n + NS - 1 and n + NS, read ahead of their use
         sl_a = _slot_of_lane(slot_row, hm_row, start + 32 * (NS - 1), end, dead_id, has_hm)
         sl_b = _slot_of_lane(slot_row, hm_row, start + 32 * NS, end, dead_id, has_hm)
@@ -408,11 +404,7 @@ redux.sync.max.s32 $1, pg, 0xffffffff;
             st = n % NS
             mask = mk0
             mk0 = mk1
-            if NS == 4:
-                mk1 = mk2
-                mk2 = mk_a
-            else:
-                mk1 = mk_a
+            mk1 = mk_a
             # scores of tokens 0-15 and 16-31 for the 8 (padded) query heads, plus q . kz (all
             # 16 rows of that product are equal)
             a0, a1 = _key_tiles(sk.index(st).load(LKW))
@@ -505,12 +497,8 @@ else:
     int2_split_gluon_kernel = None
 
 
-def gluon_int2_capable(device: torch.device) -> bool:
-    """Whether the Gluon INT2 split can run on ``device`` (CUDA sm_80+: cp.async, redux.sync,
-    movmatrix; and a Triton with Gluon)."""
-    if not GLUON_AVAILABLE or device.type != "cuda" or not torch.cuda.is_available():
-        return False
-    return torch.cuda.get_device_capability(device) >= (8, 0)
+#: the oldest compute capability the kernel's PTX runs on (cp.async, redux.sync, movmatrix)
+MIN_CAPABILITY = (8, 0)
 
 
 def int2_split_gluon_args(
@@ -586,8 +574,8 @@ def int2_split_gluon_consts(
 __all__ = [
     "GLUON_AVAILABLE",
     "MAX_REGISTERS",
+    "MIN_CAPABILITY",
     "STAGES",
-    "gluon_int2_capable",
     "int2_split_gluon_args",
     "int2_split_gluon_consts",
     "int2_split_gluon_kernel",

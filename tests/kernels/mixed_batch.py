@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from agentkv.kernels import KVPools, write_int2_pages, write_int4
+from agentkv.kernels import KVPools, decode_attention, write_int2_pages, write_int4
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -28,6 +28,20 @@ class MixedBatch:
     int2_lens: torch.Tensor
     int4_lens: torch.Tensor
     head_mask: torch.Tensor | None
+
+    def decode(self, **kw) -> torch.Tensor:
+        """The Triton ``decode_attention`` of the batch (``kw``: its keyword arguments)."""
+        return decode_attention(
+            self.q,
+            self.pools,
+            self.slot_map,
+            self.seq_lens,
+            int2_lens=self.int2_lens,
+            int4_lens=self.int4_lens,
+            head_mask=self.head_mask,
+            backend="triton",
+            **kw,
+        )
 
 
 def _dead_mask(n: int, fraction: float, pattern: str, gen: torch.Generator) -> torch.Tensor:

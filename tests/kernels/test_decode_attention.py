@@ -33,17 +33,7 @@ TOL = {torch.float16: 3e-3, torch.bfloat16: 3e-2 if torch.cuda.is_available() el
 
 
 def _run(mb, dtype, **kw) -> tuple[torch.Tensor, torch.Tensor]:
-    out = decode_attention(
-        mb.q,
-        mb.pools,
-        mb.slot_map,
-        mb.seq_lens,
-        int2_lens=mb.int2_lens,
-        int4_lens=mb.int4_lens,
-        head_mask=mb.head_mask,
-        backend="triton",
-        **kw,
-    )
+    out = mb.decode(**kw)
     ref = decode_attention_ref(mb.q, mb.pools, mb.slot_map, mb.seq_lens, mb.head_mask)
     assert out.shape == mb.q.shape and out.dtype == mb.q.dtype
     assert bool(torch.isfinite(out).all())

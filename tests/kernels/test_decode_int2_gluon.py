@@ -13,14 +13,18 @@ import torch
 from mixed_batch import build_mixed_batch
 
 from agentkv.kernels import DecodeConfig, SegmentMaxLens, decode_attention, decode_attention_ref
-from agentkv.kernels.decode_int2_gluon import gluon_int2_capable
+from agentkv.kernels.decode_int2_gluon import GLUON_AVAILABLE, MIN_CAPABILITY
 
 dattn = importlib.import_module("agentkv.kernels.decode_attention")
 
 CUDA = torch.device("cuda")
+GLUON_GPU = (
+    GLUON_AVAILABLE
+    and torch.cuda.is_available()
+    and torch.cuda.get_device_capability() >= MIN_CAPABILITY
+)
 needs_gluon_gpu = pytest.mark.skipif(
-    not (torch.cuda.is_available() and gluon_int2_capable(CUDA)),
-    reason="the Gluon INT2 split needs a CUDA GPU of compute capability >= 8.0",
+    not GLUON_GPU, reason="the Gluon INT2 split needs a CUDA GPU of compute capability >= 8.0"
 )
 
 
@@ -29,18 +33,7 @@ def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def _decode(mb, cfg: DecodeConfig, **kw) -> torch.Tensor:
-    return decode_attention(
-        mb.q,
-        mb.pools,
-        mb.slot_map,
-        mb.seq_lens,
-        int2_lens=mb.int2_lens,
-        int4_lens=mb.int4_lens,
-        head_mask=mb.head_mask,
-        backend="triton",
-        config=cfg,
-        **kw,
-    )
+    return mb.decode(config=cfg, **kw)
 
 
 def test_dispatch_off_where_it_cannot_run() -> None:
@@ -55,7 +48,7 @@ def test_dispatch_off_where_it_cannot_run() -> None:
     assert not use(off, cpu, 128, 4, torch.int32, interpreting=False)
     with pytest.raises(ValueError, match="compute capability"):
         use(on, cpu, 128, 4, torch.int32, interpreting=False)
-    if torch.cuda.is_available() and gluon_int2_capable(CUDA):
+    if GLUON_GPU:
         for d, g, dt, fold, what in [
             (64, 4, torch.int32, True, "head_dim 128"),
             (128, 16, torch.int32, True, "group <= 8"),
