@@ -11,6 +11,7 @@ the GPU (3.6 on the H100 machine) for numbers that match what runs there; the va
 
     python benchmarks/decode_sass.py                      # the INT4 variants at Hq/Hkv=4, D=128
     python benchmarks/decode_sass.py --segments int2      # the INT2 splits (Triton, Gluon)
+    python benchmarks/decode_sass.py --segments int4      # the INT4 splits (Triton, Gluon)
 """
 
 from __future__ import annotations
@@ -169,34 +170,59 @@ def compile_split(group: int, head_dim: int, segments: set[str], **knobs):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
-def compile_gluon_int2(group: int, head_dim: int = 128, **knobs):
-    """The Gluon INT2 split (``agentkv.kernels.decode_int2_gluon``) compiled for sm_90 with
-    the launch's constexprs and options (``knobs`` override them, e.g. ``maxnreg``)."""
+def _compile_gluon(fn, consts: dict, unaligned: tuple[str, ...] = ()):
+    """A Gluon decode split compiled for sm_90 with the launch's constexprs and options
+    (``consts``: the module's ``*_consts`` dict, launch options included); every pointer
+    is 16-byte aligned as the launch's are, except those named in ``unaligned``."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    mod = importlib.import_module("agentkv.kernels.decode_int2_gluon")
-    fn = mod.int2_split_gluon_kernel
-    consts = mod.int2_split_gluon_consts(group, head_dim, has_head_mask=False)
-    consts.update(knobs)
+    consts = dict(consts)
     options = {k: consts.pop(k) for k in ("num_warps", "maxnreg") if k in consts}
     ptrs = {
         "q_ptr": "*bf16",
-        "slot_ptr": "*i32",
-        "lens_ptr": "*i32",
+        **dict.fromkeys(("slot_ptr", "lens_ptr", "lens2_ptr", "lens4_ptr"), "*i32"),
         "hm_ptr": "*u8",
         **dict.fromkeys(("k_ptr", "v_ptr"), "*u8"),
         **dict.fromkeys(("ks_ptr", "kz_ptr", "vs_ptr", "vz_ptr"), "*fp16"),
-        **dict.fromkeys(("po_ptr", "plse_ptr"), "*fp32"),
+        **dict.fromkeys(("kcs_ptr", "po_ptr", "plse_ptr"), "*fp32"),
         "qk_scale": "fp32",
     }
     sig = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in fn.arg_names}
+    aligned = {"stride_qb", "stride_qh", "stride_sb", "split_len"}
     attrs = {
         (i,): [["tt.divisibility", 16]]
         for i, n in enumerate(fn.arg_names)
-        if sig[n].startswith("*") or n in {"stride_qb", "stride_qh", "stride_sb", "split_len"}
+        if (sig[n].startswith("*") and n not in unaligned) or n in aligned
     }
     src = GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def compile_gluon_int2(group: int, head_dim: int = 128, **knobs):
+    """The Gluon INT2 split (``agentkv.kernels.decode_int2_gluon``) compiled for sm_90 with
+    the launch's constexprs and options (``knobs`` override them, e.g. ``maxnreg``)."""
+    mod = importlib.import_module("agentkv.kernels.decode_int2_gluon")
+    consts = mod.int2_split_gluon_consts(group, head_dim, has_head_mask=False)
+    return _compile_gluon(mod.int2_split_gluon_kernel, {**consts, **knobs})
+
+
+def compile_gluon_int4(group: int, head_dim: int = 128, interleaved: bool = True, **knobs):
+    """The Gluon INT4 split (``agentkv.kernels.decode_int4_gluon``) compiled for sm_90 with
+    the launch's constexprs and options (``interleaved``: the pool's one scale buffer, whose
+    ``kz`` / ``vs`` / ``vz`` views start 8, 16, 24 bytes in; else four scale tensors;
+    ``knobs`` override the constexprs, e.g. ``HAS_KCS``, and ``maxnreg``)."""
+    mod = importlib.import_module("agentkv.kernels.decode_int4_gluon")
+    consts = mod.int4_split_gluon_consts(
+        group,
+        head_dim,
+        scale_stride=4 * head_dim // 32 if interleaved else head_dim // 32,
+        interleaved=interleaved,
+        has_int2=True,
+        has_head_mask=False,
+        has_key_channel_scale=False,
+    )
+    unaligned = ("kz_ptr", "vs_ptr", "vz_ptr") if interleaved else ()
+    return _compile_gluon(mod.int4_split_gluon_kernel, {**consts, **knobs}, unaligned)
 
 
 def _tool(name: str) -> str:
@@ -297,18 +323,30 @@ def main() -> None:
             f"{st['lane_instructions_per_token_skipping']:7.0f}  {st['top_ops'][:5]}",
             flush=True,
         )
-    if args.segments == "int2" and args.head_dim == 128 and args.group <= 8:
-        for name, knobs in [
-            ("int2 Gluon split (session 18's default)", {}),
-            ("int2 Gluon split, compiler's registers", dict(maxnreg=None)),
-        ]:
-            st = sass_stats(compile_gluon_int2(args.group, **knobs), 32, 1)
-            print(
-                f"{name:50s} regs {st['regs']:>3} spill {st['spill_stack_bytes']:>4} B  "
-                f"loop {st['loop_instructions']:>5}  skipping branches "
-                f"{st['lane_instructions_per_token_skipping']:7.0f}  {st['top_ops'][:5]}",
-                flush=True,
-            )
+    gluon = []
+    if args.head_dim == 128 and args.group <= 8 and args.segments == "int2":
+        gluon = [
+            ("int2 Gluon split (session 18's default)", compile_gluon_int2, {}),
+            ("int2 Gluon split, compiler's registers", compile_gluon_int2, dict(maxnreg=None)),
+        ]
+    elif args.head_dim == 128 and args.group <= 8 and args.segments == "int4":
+        gluon = [
+            ("int4 Gluon split (session 19's default)", compile_gluon_int4, {}),
+            (
+                "int4 Gluon split, separate scale tensors",
+                compile_gluon_int4,
+                dict(interleaved=False),
+            ),
+            ("int4 Gluon split, compiler's registers", compile_gluon_int4, dict(maxnreg=None)),
+        ]
+    for name, compile_fn, knobs in gluon:
+        st = sass_stats(compile_fn(args.group, **knobs), 32, 1)
+        print(
+            f"{name:50s} regs {st['regs']:>3} spill {st['spill_stack_bytes']:>4} B  "
+            f"loop {st['loop_instructions']:>5}  skipping branches "
+            f"{st['lane_instructions_per_token_skipping']:7.0f}  {st['top_ops'][:5]}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

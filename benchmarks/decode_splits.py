@@ -47,11 +47,16 @@ from decode_attention import (  # noqa: E402
     _warm_gpu,
 )
 
-KERNELS = ("_decode_split_kernel", "_merge_splits_kernel", "int2_split_gluon_kernel")
+KERNELS = (
+    "_decode_split_kernel",
+    "_merge_splits_kernel",
+    "int2_split_gluon_kernel",
+    "int4_split_gluon_kernel",
+)
 
 
 def kernel_means(fn, calls: int = 10) -> dict[str, float]:
-    """Mean device time per call of each of the two decode kernels, microseconds."""
+    """Mean device time per call of each decode kernel (the splits, the merge), microseconds."""
     flush = _flush_buffer()
     fn()
     torch.cuda.synchronize()
@@ -77,8 +82,9 @@ def measure(s: Shape, impl: str, cfg: DecodeConfig, sdpa_us: float) -> dict:
     return {
         "kernel_us": us,
         "vs_sdpa": sdpa_us / us if us else None,
-        "split_us": per[KERNELS[0]] + per[KERNELS[2]],  # the Triton and the Gluon splits
-        "gluon_split_us": per[KERNELS[2]],
+        # the Triton and the Gluon splits
+        "split_us": per[KERNELS[0]] + per[KERNELS[2]] + per[KERNELS[3]],
+        "gluon_split_us": per[KERNELS[2]] + per[KERNELS[3]],
         "merge_us": per[KERNELS[1]],
         **errs,
     }

@@ -56,6 +56,11 @@ from .decode_int2_gluon import (
     int2_split_gluon_consts,
     int2_split_gluon_kernel,
 )
+from .decode_int4_gluon import (
+    int4_split_gluon_args,
+    int4_split_gluon_consts,
+    int4_split_gluon_kernel,
+)
 from .packing import (
     INT4_CENTRE,
     dequant_int2_quads,
@@ -244,7 +249,23 @@ class DecodeConfig:
     28 vs 23, where the two launches' partly filled waves cost more than the faster INT2
     split saves (docs/benchmarks.md §3).
     int2_gluon_mixed_positions: see ``int2_gluon`` (2**19: between B=32 x 8 heads x 3,072
-    and B=1 x 8 x 24,576 INT2 positions)."""
+    and B=1 x 8 x 24,576 INT2 positions).
+    int4_gluon: the same for the INT4 segment's splits, on the Gluon kernel of
+    :mod:`.decode_int4_gluon` (per channel group a key dot with swapped operands, the
+    token's scales applied to its accumulator row in fp32; codes as fp16 subnormals made
+    in the operand layout from ``ldmatrix`` / ``ldmatrix.trans``; token rows gathered by
+    ``cp.async``, four lanes to a row). None: on for CUDA sm_90+ where it applies (head_dim
+    128, GQA group <= 8, int32 slot maps, 16-byte aligned pool tensors, not
+    ``int4_legacy``; and for now only the pool's interleaved scales without a per-channel
+    key scale, the layouts its GPU tests have covered), in launches with full segments too
+    from ``int4_gluon_mixed_positions`` INT4 positions x (request, KV head) pairs, and
+    beside an INT2 segment only if that runs on the Gluon INT2 split too (the Triton launch
+    then takes the full segment's splits alone); True: also on sm_80+, the other layouts
+    and any launch, and a ValueError where it cannot run. H200, session 19, kernel time vs
+    the Triton INT4 split: B=8 N=32k 132 vs 160 µs (1.87x vs 1.55x SDPA), B=1 N=32k 29 vs
+    35, B=32 N=4k 70 vs 89, B=8 N=128k 518 vs 648 (docs/benchmarks.md §3).
+    int4_gluon_mixed_positions: see ``int4_gluon`` (2**19 like INT2's; not measured for
+    INT4 on its own)."""
 
     block_n_full: int = 64
     block_n_int4: int = 32
@@ -285,6 +306,8 @@ class DecodeConfig:
     merge_block_d: int | None = None
     int2_gluon: bool | None = None
     int2_gluon_mixed_positions: int = 1 << 19
+    int4_gluon: bool | None = None
+    int4_gluon_mixed_positions: int = 1 << 19
 
     def __post_init__(self) -> None:
         bd = self.merge_block_d
@@ -1369,6 +1392,7 @@ def _decode_split_kernel(
     INT4_CHUNKS: tl.constexpr = False,
     LAUNCH_DEPENDENTS: tl.constexpr = False,
     INT2_ELSEWHERE: tl.constexpr = False,
+    INT4_ELSEWHERE: tl.constexpr = False,
 ):
     NG: tl.constexpr = D // 32
     Q: tl.constexpr = D // 4
@@ -1381,7 +1405,7 @@ def _decode_split_kernel(
         s = tl.program_id(0)
         h = tl.program_id(1)
     b = tl.program_id(2)
-    s += s_first  # the launch's first program (past the INT2 splits when those run elsewhere)
+    s += s_first  # the launch's first program (past the splits that run elsewhere)
 
     len_off = b * stride_lb + h * stride_lh
     seq_len = tl.load(seq_lens_ptr + len_off)
@@ -1389,7 +1413,7 @@ def _decode_split_kernel(
     n4 = 0
     if HAS_INT2 or INT2_ELSEWHERE:  # INT2_ELSEWHERE: the segment's splits are another launch's
         n2 = tl.load(int2_lens_ptr + len_off)
-    if HAS_INT4:
+    if HAS_INT4 or INT4_ELSEWHERE:
         n4 = tl.load(int4_lens_ptr + len_off)
     # programs: S2 INT2 splits (a partial row each), P4 INT4 programs of K4 chunks of
     # split_len4 positions (a partial row per chunk: S4 rows), then the full segment's splits
@@ -2110,16 +2134,20 @@ def _num_sms(device: torch.device) -> int:
     return props.multi_processor_count if props is not None else 4
 
 
-def _use_gluon_int2(
-    cfg: DecodeConfig,
+def _use_gluon(
+    wanted: bool | None,
+    name: str,
     device: torch.device,
     head_dim: int,
     group: int,
     slot_dtype: torch.dtype,
     interpreting: bool,
+    config_why: str | None = None,
 ) -> bool:
-    """Whether a launch's INT2 splits run on the Gluon kernel (``DecodeConfig.int2_gluon``)."""
-    if cfg.int2_gluon is False or interpreting:
+    """Whether a launch's INT2 / INT4 splits run on their Gluon kernel (``wanted``:
+    ``DecodeConfig.int2_gluon`` / ``int4_gluon``, named ``name``; ``config_why``: what the
+    config lacks for it, None if nothing)."""
+    if wanted is False or interpreting:
         return False
     why = None
     props = _device_properties(device)  # cached: this runs on every decode step
@@ -2129,13 +2157,61 @@ def _use_gluon_int2(
         why = f"head_dim 128 and a GQA group <= 8 (got {head_dim}, {group})"
     elif slot_dtype != torch.int32:
         why = f"an int32 slot map (got {slot_dtype})"
-    elif not cfg.int2_fold:
-        why = "int2_fold (the Gluon kernel is the folded INT2 split)"
+    else:
+        why = config_why
     if why is not None:
-        if cfg.int2_gluon:
-            raise ValueError(f"int2_gluon=True needs {why}")
+        if wanted:
+            raise ValueError(f"{name}=True needs {why}")
         return False
-    return bool(cfg.int2_gluon) or props.major >= 9
+    return bool(wanted) or props.major >= 9
+
+
+def _use_gluon_int2(
+    cfg: DecodeConfig,
+    device: torch.device,
+    head_dim: int,
+    group: int,
+    slot_dtype: torch.dtype,
+    interpreting: bool,
+) -> bool:
+    """Whether a launch's INT2 splits run on the Gluon kernel (``DecodeConfig.int2_gluon``)."""
+    why = None if cfg.int2_fold else "int2_fold (the Gluon kernel is the folded INT2 split)"
+    wanted = cfg.int2_gluon
+    return _use_gluon(wanted, "int2_gluon", device, head_dim, group, slot_dtype, interpreting, why)
+
+
+def _int4_pool_aligned(p4) -> bool:
+    """Whether the Gluon INT4 split's ``cp.async`` copies fit the pool: codes and scale tensors
+    starting on 16-byte boundaries, a row's scales in 8-byte runs (interleaved: 16-byte
+    rows of ``[ks | kz | vs | vz]``)."""
+    sstride = p4.scale_row_stride()
+    if p4.scales_interleaved:
+        tensors, step = (p4.k, p4.v, p4.k_scale), 8
+    else:
+        tensors, step = (p4.k, p4.v, p4.k_scale, p4.k_zero, p4.v_scale, p4.v_zero), 4
+    return sstride % step == 0 and all(t.data_ptr() % 16 == 0 for t in tensors)
+
+
+def _use_gluon_int4(
+    cfg: DecodeConfig,
+    device: torch.device,
+    head_dim: int,
+    group: int,
+    slot_dtype: torch.dtype,
+    interpreting: bool,
+    int2_on_triton: bool = False,
+    pool_aligned: bool = True,
+) -> bool:
+    """Whether a launch's INT4 splits run on the Gluon kernel (``DecodeConfig.int4_gluon``;
+    ``int2_on_triton``: the launch's INT2 splits run on the Triton kernel, which then could
+    not skip the INT4 ones; ``pool_aligned``: see :func:`_int4_pool_aligned`)."""
+    why = "int4_legacy=False" if cfg.int4_legacy else None
+    if why is None and int2_on_triton:
+        why = "the INT2 splits on the Gluon kernel too (int2_gluon)"
+    if why is None and not pool_aligned:
+        why = "INT4 pool tensors on 16-byte boundaries (see _int4_pool_aligned)"
+    wanted = cfg.int4_gluon
+    return _use_gluon(wanted, "int4_gluon", device, head_dim, group, slot_dtype, interpreting, why)
 
 
 def _split_len(
@@ -2476,15 +2552,31 @@ def decode_attention(
     # the INT2 splits on the Gluon kernel (its own launch), the other segments' here
     gluon2 = m2 > 0 and _use_gluon_int2(cfg, q.device, d, g, slot_map.dtype, interpreting)
     if gluon2 and cfg.int2_gluon is None and (m4 or mf):  # two launches: only where it pays
-        gluon2 = b * hkv * m2 >= cfg.int2_gluon_mixed_positions
+        # (or where the INT4 splits are forced onto theirs, which needs it)
+        gluon2 = b * hkv * m2 >= cfg.int2_gluon_mixed_positions or cfg.int4_gluon is True
     t2 = m2 > 0 and not gluon2  # INT2 splits in this module's kernel
+    # the INT4 splits likewise; this module's launch then runs a contiguous run of programs
+    # (the full segment's), so not beside INT2 splits of its own
+    gluon4 = m4 > 0 and _use_gluon_int4(
+        cfg, q.device, d, g, slot_map.dtype, interpreting, t2, _int4_pool_aligned(p4)
+    )
+    if gluon4 and cfg.int4_gluon is None and (m2 or mf):
+        gluon4 = b * hkv * m4 >= cfg.int4_gluon_mixed_positions
+    if gluon4 and cfg.int4_gluon is None and not (p4.scales_interleaved and kcs is None):
+        gluon4 = False  # by default only the pool layout its GPU tests have covered so far
+    t4 = m4 > 0 and not gluon4  # INT4 splits in this module's kernel
     imma = stacked if cfg.int4_imma is None else cfg.int4_imma  # int8 key dots where stacked
     # the stacked INT4 split may run several capped chunks (a partial row each), in launches
     # without INT2 segments (H100, session 16: beside INT2 segments 0.5-2.5% slower; the
     # INT2 split chunked too was -6% to +4% alone and 4-10% slower in mixed launches: not
     # kept)
     chunk4 = (
-        cfg.chunked_splits and cap4 > 0 and m2 == 0 and (stacked or imma) and not cfg.int4_legacy
+        cfg.chunked_splits
+        and cap4 > 0
+        and m2 == 0
+        and (stacked or imma)
+        and not cfg.int4_legacy
+        and not gluon4
     )
     scale_tile = cfg.int4_scale_tile and stacked and interleaved and not centred
     regs = None if interpreting else cfg.max_registers
@@ -2498,7 +2590,7 @@ def decode_attention(
         BN_FULL=cfg.block_n_full,
         BN_INT4=cfg.block_n_int4,
         HAS_FULL=mf > 0,
-        HAS_INT4=m4 > 0,
+        HAS_INT4=t4,
         HAS_INT2=t2,
         HAS_HEAD_MASK=head_mask is not None,
         HAS_KCS=kcs is not None,
@@ -2526,8 +2618,9 @@ def decode_attention(
         INT4_CHUNKS=False,  # set below where the plan gives INT4 programs several chunks
         LAUNCH_DEPENDENTS=pdl,
         INT2_ELSEWHERE=gluon2,
-        num_warps=cfg.warps(m4 > 0, t2),
-        num_stages=cfg.stages(m4 > 0, t2),
+        INT4_ELSEWHERE=gluon4,
+        num_warps=cfg.warps(t4, t2),
+        num_stages=cfg.stages(t4, t2),
         **({"maxnreg": regs} if regs else {}),
     )
 
@@ -2588,10 +2681,35 @@ def decode_attention(
             grid.s_total,
         )
 
-    # the Gluon split's softmax: exact max (p <= 1) unless lazy is asked for (H200: within
+    def gluon4_args(grid: SplitGrid, part_o, part_lse) -> tuple:
+        return int4_split_gluon_args(
+            q,
+            slot_map,
+            n2,
+            n4,
+            stride_lb,
+            stride_lh,
+            hm if head_mask is not None else None,
+            p4,
+            part_o,
+            part_lse,
+            scale * _LOG2E,
+            dead_id,
+            pools.int4_base,
+            grid.rows[1],
+            grid.s_total,
+            grid.s2,
+        )
+
+    # the Gluon splits' softmax: exact max (p <= 1) unless lazy is asked for (H200: within
     # noise of lazy, and the dominant token's p * vs is not rounded)
     lazy2 = cfg.int2_lazy_rescale is True
     gconsts = int2_split_gluon_consts(g, d, head_mask is not None, regs, lazy2) if gluon2 else {}
+    g4consts = {}
+    if gluon4:
+        g4consts = int4_split_gluon_consts(
+            g, d, sstride, interleaved, has2, head_mask is not None, kcs is not None, regs
+        )
 
     lens = (m2, m4, mf)
     caps = (cap2, cap4, 0)
@@ -2613,8 +2731,8 @@ def decode_attention(
                 chunked=(False, chunk4, False),
             )
 
-        # this module's kernel: every segment, or those past the INT2 one when Gluon runs it
-        tri = (0, m4, mf) if gluon2 else lens
+        # this module's kernel: every segment, or those past the ones Gluon runs
+        tri = (0 if gluon2 else m2, 0 if gluon4 else m4, mf)
         splits = (cfg.min_split_len,) * 3  # (a segment that is absent: no program)
         if any(tri):
             key = (q.device, q.dtype, f.k.dtype, per_head, *consts.values())  # one dict literal
@@ -2642,6 +2760,19 @@ def decode_attention(
                     lambda: int2_split_gluon_kernel.warmup(*args, grid=(1,), **gconsts),
                 )
             splits = (wave_plan(resident, (m2, 0, 0))[0], *splits[1:])
+        if gluon4:  # the INT4 splits planned for their Gluon kernel's residency
+            key = (q.device, q.dtype, "gluon-int4", per_head, *g4consts.values())
+            resident = cfg.resident_programs or _RESIDENT_PROGRAMS.get(key)
+            if resident is None:
+                scratch = torch.empty(1, dtype=torch.float32, device=q.device)
+                gl_grid = _split_grid(lens, (cfg.min_split_len,) * 3, caps, False)
+                args = gluon4_args(gl_grid, scratch, scratch)
+                resident = _variant_resident_programs(
+                    key,
+                    q.device,
+                    lambda: int4_split_gluon_kernel.warmup(*args, grid=(1,), **g4consts),
+                )
+            splits = (splits[0], wave_plan(resident, (0, m4, 0))[1], splits[2])
     else:
         total, sms = m2 + m4 + mf, _num_sms(q.device)
         splits = tuple(
@@ -2659,12 +2790,15 @@ def decode_attention(
     out = torch.empty(b, hq, d, dtype=q.dtype, device=q.device)
     if gluon2:
         int2_split_gluon_kernel[(hkv, grid.s2, b)](*gluon_args(grid, part_o, part_lse), **gconsts)
-    programs = grid.programs - grid.s2 if gluon2 else grid.programs
+    if gluon4:
+        int4_split_gluon_kernel[(hkv, grid.s4, b)](*gluon4_args(grid, part_o, part_lse), **g4consts)
+    # this module's programs: those past the splits the Gluon kernels ran (INT2, then INT4)
+    s_first = (grid.s2 if gluon2 else 0) + (grid.p4 if gluon4 else 0)
+    programs = grid.programs - s_first
     if programs > 0:
         launch = (hkv, programs, b) if cfg.heads_fastest else (programs, hkv, b)
-        s_first = grid.s2 if gluon2 else 0
         _decode_split_kernel[launch](*split_args(grid, part_o, part_lse, s_first), **consts)
-    else:  # the Gluon kernel ran alone: the merge waits for it the plain way
+    else:  # the Gluon kernels ran alone: the merge waits for them the plain way
         pdl = False
     # few (request, query head) rows: more, narrower merge programs (a split of D)
     block_d = cfg.merge_block_d

@@ -1,0 +1,542 @@
+"""The INT4 decode split as a Gluon kernel with explicit register layouts (issue 10).
+
+Same contract and the same partial outputs as the INT4 split of :mod:`.decode_attention`
+(scales folded out of the codes: keys ``sum_g ks_tg (q_g . c_tg) + kz_tg sum(q_g)``, values
+``sum_t (p_t vs_tg) c_t + sum_t p_t vz_tg``), for the INT4 segment's splits (head_dim 128, a
+GQA group of at most 8; the other segments of a launch run on that module's kernel). It
+takes the techniques of :mod:`.decode_int2_gluon` to the INT4 token pool:
+
+* **Swapped operands.** Per channel group ``g``, ``D_g^T = codes_g @ q_g^T`` (tokens as the
+  16 MMA rows, the GQA group as 8 columns); the scores are ``sum_g ks_g D_g + kz_g sum(q_g)``
+  in fp32 (each token's scales are per row of the accumulator). Values:
+  ``O^T = codes^T @ (p * vs_g)^T``, channels as rows, one group's 32 channels per two tiles.
+* **Codes made in the operand layout, as fp16 subnormals.** The key words arrive by
+  ``ldmatrix`` (a lane holds 8 channels of one token per group) and turn into pairs of fp16
+  subnormals with a byte permute and one ``and`` per pair (``(n << 4e) 2**-24``: the odd
+  channel of a byte is left in place, ``x16``, the query row takes the ``1/16``). The value
+  words arrive by ``ldmatrix.trans``, so a register holds one channel byte pair of two
+  consecutive tokens: an ``and`` (and a shift for the second byte) gives the value dot's
+  token pairs directly. Every ``convert_layout`` in the loop is asserted trivial.
+* **Scores to the value operand in registers** (``movmatrix``), ``sum_t p_t vz_tg`` by a dot of
+  ``p`` against the block's ``[vs | vz]`` rows, as in the INT2 kernel.
+* **Token-slot gathers by ``cp.async``, four lanes to a row.** Lane ``l`` reads position
+  ``l``'s slot (two blocks ahead); ``shfl.sync`` hands each lane the slots of the rows it
+  copies: a token's 64-byte key and value code rows are four lanes' 16-byte pieces (one
+  instruction covers 8 rows, 8 cache lines: with a lane per row it touched 32 and the split
+  ran 1.4x slower), its interleaved 32 bytes of scales two lanes' (``NS`` stages); DEAD rows
+  are not read, ``redux.sync`` makes the block's live mask.
+
+One warp per program, grid (KV head, split, request). Triton's interpreter does not run
+Gluon: the CPU tests run the Triton split; this kernel is tested against the torch
+reference on a GPU (``tests/kernels/test_decode_int4_gluon.py``) and compiled for sm_90 on
+the CPU (``tests/bench/test_decode_sass.py``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .decode_int2_gluon import GLUON_AVAILABLE
+
+if GLUON_AVAILABLE:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy as _cp
+    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+    from .decode_int2_gluon import (
+        DA,
+        DB,
+        LVS,
+        MMA,
+        SH2,
+        _barrier,
+        _cat_tokens,
+        _cp_load,
+        _group_scales,
+        _head_cols,
+        _head_rows,
+        _movm,
+        _slot_of_lane,
+    )
+
+#: cp.async stages: one block in compute, two in flight
+STAGES = 3
+#: registers per thread (ptxas ``.maxnreg``)
+MAX_REGISTERS = 128
+
+if GLUON_AVAILABLE:
+    # key half-words [32 tokens, 32]: lane (gid, tig) holds tokens gid + 8 j and, per channel
+    # group g (half-words 8 g .. 8 g + 7), the word 2 tig, 2 tig + 1 (an ldmatrix of 8 x 8)
+    LK = gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [0, 8], [0, 16], [8, 0], [16, 0]],
+        lane_bases=[[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]],
+        warp_bases=[],
+        block_bases=[],
+        shape=[32, 32],
+    )
+    # value half-words [32 tokens, 32]: lane (gid, tig) holds half-word 8 g + gid of tokens
+    # 2 tig + e + 8 a + 16 kt (an ldmatrix.trans of 8 x 8: e pairs two tokens in a register)
+    LV = gl.DistributedLinearLayout(
+        reg_bases=[[1, 0], [8, 0], [16, 0], [0, 8], [0, 16]],
+        lane_bases=[[2, 0], [4, 0], [0, 1], [0, 2], [0, 4]],
+        warp_bases=[],
+        block_bases=[],
+        shape=[32, 32],
+    )
+    # cp.async tiles: four lanes copy a token's 64-byte code row (one instruction: 8 rows,
+    # 8 cache lines, where a lane per row would touch 32), two its 32 bytes of interleaved
+    # scales; separate scale tensors: a lane per row's 8-byte run
+    CKV = gl.BlockedLayout([1, 8], [8, 4], [1, 1], [1, 0])  # [32, 32] int16
+    CS16 = gl.BlockedLayout([1, 8], [16, 2], [1, 1], [1, 0])  # [32, 16] fp16
+    CS4 = gl.BlockedLayout([1, 4], [32, 1], [1, 1], [1, 0])  # [32, 4] fp16
+    # code rows: 16-byte chunks swizzled by row pair, so an ldmatrix phase (8 rows of 16
+    # bytes, rows 64 bytes apart) meets 32 distinct banks
+    SHC = gl.SwizzledSharedLayout(8, 2, 4, order=[1, 0])
+
+    # key word (channels 8 w .. 8 w + 7 of one token: byte j holds 2 j, 2 j + 1) -> output
+    # ks + 2 a holds channels (4 ks + a, 4 ks + a + 2), as fp16 subnormals; a = 1 left x16
+    KEY4_ASM = gl.constexpr(
+        """{
+.reg .b32 u, t;
+prmt.b32 u, $4, 0, 0x7170;
+prmt.b32 t, $4, 0, 0x7372;
+and.b32 $0, u, 0x000F000F;
+and.b32 $1, t, 0x000F000F;
+and.b32 $2, u, 0x00F000F0;
+and.b32 $3, t, 0x00F000F0;
+}"""
+    )
+    # value register (one half-word, channels 4 x .. 4 x + 3, of two consecutive tokens) ->
+    # output h + 2 u holds channel 4 x + u + 2 h of both tokens (fp16 subnormals; u = 1 left
+    # x16)
+    VAL4_ASM = gl.constexpr(
+        """{
+.reg .b32 t;
+shr.b32 t, $4, 8;
+and.b32 $0, $4, 0x000F000F;
+and.b32 $1, t, 0x000F000F;
+and.b32 $2, $4, 0x00F000F0;
+and.b32 $3, t, 0x00F000F0;
+}"""
+    )
+    # (the block's live rows: bit l set where lane l's position maps to a live slot)
+    LIVE_ASM = gl.constexpr(
+        """{
+.reg .u32 ln, b;
+.reg .pred p;
+mov.u32 ln, %laneid;
+setp.ne.s32 p, $1, $2;
+shl.b32 b, 1, ln;
+selp.b32 b, b, 0, p;
+redux.sync.or.b32 $0, b, 0xffffffff;
+}"""
+    )
+
+    @gluon.jit
+    def _row_slots(slot, layout: gl.constexpr):
+        """[32] slots of the block's rows in ``layout`` (a slice of a copy tile): row r's is
+        lane r's ``slot``, fetched by ``shfl.sync``."""
+        rows = gl.arange(0, 32, layout=layout)
+        return gl.inline_asm_elementwise(
+            "shfl.sync.idx.b32 $0, $1, $2, 0x1f, 0xffffffff;",
+            "=r,r,r",
+            [gl.full([32], 0, gl.int32, layout) + slot, rows],
+            dtype=gl.int32,
+            is_pure=False,
+            pack=1,
+        )
+
+    @gluon.jit
+    def _row_offsets(slot, dead_id, int4_base, Hkv, h, layout: gl.constexpr):
+        """([32] (token, head) row of each block row in ``layout``, [32] live)."""
+        sl = _row_slots(slot, layout)
+        live = sl != dead_id
+        return (gl.where(live, sl - int4_base, 0) * Hkv + h).to(gl.int64), live
+
+    @gluon.jit
+    def _live_mask(slot, dead_id):
+        """The block's live rows (bit l: lane l's ``slot`` is not DEAD), in every lane."""
+        return gl.inline_asm_elementwise(
+            LIVE_ASM, "=r,r,r", [slot, dead_id], dtype=gl.int32, is_pure=False, pack=1
+        )
+
+    @gluon.jit
+    def _issue4(k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, sk, sv, ss, st, slot, dead_id,
+                int4_base, Hkv, h, D: gl.constexpr, SSTRIDE: gl.constexpr,
+                INTERLEAVED: gl.constexpr):  # fmt: skip
+        """cp.async the block's tokens (lane l's ``slot``: token l's) into stage ``st``: their
+        key and value code rows and their [ks | kz | vs | vz] (one commit group; INTERLEAVED:
+        one 32-byte run at ``ks_ptr``, else four 8-byte ones)."""
+        rk, lk = _row_offsets(slot, dead_id, int4_base, Hkv, h, gl.SliceLayout(1, CKV))
+        ck = gl.arange(0, D // 4, layout=gl.SliceLayout(0, CKV))
+        lk = lk[:, None]
+        off = rk[:, None] * (D // 4) + ck[None, :]
+        _cp_load(sk.index(st), k_ptr.to(gl.pointer_type(gl.int16)) + off, mask=lk)
+        _cp_load(sv.index(st), v_ptr.to(gl.pointer_type(gl.int16)) + off, mask=lk)
+        if INTERLEAVED:
+            rs, ls = _row_offsets(slot, dead_id, int4_base, Hkv, h, gl.SliceLayout(1, CS16))
+            cs = gl.arange(0, 16, layout=gl.SliceLayout(0, CS16))
+            _cp_load(ss.index(st), ks_ptr + (rs[:, None] * SSTRIDE + cs[None, :]), mask=ls[:, None])
+        else:
+            rs, ls = _row_offsets(slot, dead_id, int4_base, Hkv, h, gl.SliceLayout(1, CS4))
+            cs = gl.arange(0, 4, layout=gl.SliceLayout(0, CS4))
+            so = rs[:, None] * SSTRIDE + cs[None, :]
+            ls = ls[:, None]
+            _cp_load(ss.index(st).slice(0, 4, dim=1), ks_ptr + so, mask=ls)
+            _cp_load(ss.index(st).slice(4, 4, dim=1), kz_ptr + so, mask=ls)
+            _cp_load(ss.index(st).slice(8, 4, dim=1), vs_ptr + so, mask=ls)
+            _cp_load(ss.index(st).slice(12, 4, dim=1), vz_ptr + so, mask=ls)
+        _cp.commit_group()
+
+    @gluon.jit
+    def _split8(x):
+        """[..., 2, 2, 2] -> its 8 sub-tensors, index (i2, i1, i0) in that order."""
+        x0, x1 = gl.split(x)
+        a0, a1 = gl.split(x0)
+        b0, b1 = gl.split(x1)
+        t000, t100 = gl.split(a0)
+        t010, t110 = gl.split(a1)
+        t001, t101 = gl.split(b0)
+        t011, t111 = gl.split(b1)
+        return t000, t001, t010, t011, t100, t101, t110, t111
+
+    @gluon.jit
+    def _da(x):
+        return gl.convert_layout(x, DA, assert_trivial=True)
+
+    @gluon.jit
+    def _key_tiles(kw):
+        """[32 tokens, 32] int16 key half-words (LK) -> A tiles [16 tokens, 32 k] of (token
+        tile m, group g), returned (m0 g0, m0 g1, .., m1 g3); k = e + 2 tig + 8 a + 16 ks is
+        channel 32 g + 8 tig + 4 ks + a + 2 e (a = 1: x16)."""
+        o0, o1, o2, o3 = gl.inline_asm_elementwise(
+            KEY4_ASM, "=r,=r,=r,=r,r", [kw], dtype=(gl.float16,) * 4, is_pure=True, pack=2
+        )
+        # (a join's index is the new last dim: the outer join's is last; KEY4_ASM orders
+        # its outputs ks + 2 a for that)
+        x = gl.join(gl.join(o0, o1), gl.join(o2, o3))  # [tok, hw, ks, a]
+        x = gl.reshape(x, [2, 16, 2, 2, 4, 2, 2, 2])  # m, r, g1, g0, tig, e, ks, a
+        x = gl.permute(x, (1, 6, 7, 4, 5, 0, 2, 3))  # r, ks, a, tig, e, m, g1, g0
+        x = gl.reshape(x, [16, 32, 2, 2, 2])
+        t000, t001, t010, t011, t100, t101, t110, t111 = _split8(x)
+        return (
+            _da(t000), _da(t001), _da(t010), _da(t011),
+            _da(t100), _da(t101), _da(t110), _da(t111),
+        )  # fmt: skip
+
+    @gluon.jit
+    def _val_tiles(vw):
+        """[32 tokens, 32] int16 value half-words (LV) -> A tiles [16 rows, 32 tokens] of
+        (group g, u), returned (g0 u0, g0 u1, g1 u0, ..); row 8 h + i is channel
+        32 g + 4 i + u + 2 h (u = 1: x16)."""
+        c0, c1, c2, c3 = gl.inline_asm_elementwise(
+            VAL4_ASM, "=r,=r,=r,=r,r", [vw], dtype=(gl.float16,) * 4, is_pure=True, pack=2
+        )
+        x = gl.join(gl.join(c0, c1), gl.join(c2, c3))  # [tok, hw, h, u] (VAL4_ASM's order)
+        x = gl.reshape(x, [32, 2, 2, 8, 2, 2])  # tok, g1, g0, i, h, u
+        x = gl.permute(x, (4, 3, 0, 1, 2, 5))  # h, i, tok, g1, g0, u
+        x = gl.reshape(x, [16, 32, 2, 2, 2])
+        t000, t001, t010, t011, t100, t101, t110, t111 = _split8(x)
+        return (
+            _da(t000), _da(t001), _da(t010), _da(t011),
+            _da(t100), _da(t101), _da(t110), _da(t111),
+        )  # fmt: skip
+
+    @gluon.jit
+    def _q_group(q_ptr, stride_qb, stride_qh, kcs_ptr, sq, b, h, qk_scale,
+                 G: gl.constexpr, D: gl.constexpr, HAS_KCS: gl.constexpr, g: gl.constexpr):  # fmt: skip
+        """Group g's query (times the per-channel key scale) into ``sq[g]`` as the key dot's B
+        operand [32 k, 8 heads] (k order of :func:`_key_tiles`, rows with a = 1 times 1/16);
+        returns ``qk_scale * sum(q_g)`` per head (the accumulator's columns)."""
+        kk = gl.arange(0, 32, layout=gl.SliceLayout(1, DB))
+        hh = gl.arange(0, 8, layout=gl.SliceLayout(0, DB))
+        a = (kk // 8) % 2
+        cc = 32 * g + 8 * ((kk // 2) % 4) + 4 * (kk // 16) + a + 2 * (kk % 2)
+        qp = q_ptr + b * stride_qb + (h * G + hh)[None, :] * stride_qh + cc[:, None]
+        qv = gl.load(qp, mask=(hh < G)[None, :], other=0.0).to(gl.float32)
+        if HAS_KCS:
+            qv = qv * gl.load(kcs_ptr + h * D + cc)[:, None]
+        sq.index(g).store((qv * gl.where(a == 1, 0.0625, 1.0)[:, None]).to(gl.float16))
+        return gl.convert_layout(gl.sum(qv, 0) * qk_scale, gl.SliceLayout(0, MMA))
+
+    @gluon.jit
+    def _scores(a0, a1, a2, a3, sq, ks0, ks1, ks2, ks3, kz0, kz1, kz2, kz3, qs0, qs1, qs2, qs3,
+                key_one):  # fmt: skip
+        """One token tile's scores [16 tokens, 8 heads]: sum_g (ks_g key_one) D_g + kz_g qs_g
+        (ks_g, kz_g: the tile's key scales and zeros of group g, [16] fp16 per row)."""
+        acc = gl.full([16, 8], 0.0, gl.float32, MMA)
+        d0 = mma_v2(a0, sq.index(0).load(DB), acc)
+        d1 = mma_v2(a1, sq.index(1).load(DB), acc)
+        d2 = mma_v2(a2, sq.index(2).load(DB), acc)
+        d3 = mma_v2(a3, sq.index(3).load(DB), acc)
+        s = d0 * (ks0.to(gl.float32) * key_one)[:, None]
+        s += d1 * (ks1.to(gl.float32) * key_one)[:, None]
+        s += d2 * (ks2.to(gl.float32) * key_one)[:, None]
+        s += d3 * (ks3.to(gl.float32) * key_one)[:, None]
+        s += kz0.to(gl.float32)[:, None] * qs0[None, :]
+        s += kz1.to(gl.float32)[:, None] * qs1[None, :]
+        s += kz2.to(gl.float32)[:, None] * qs2[None, :]
+        s += kz3.to(gl.float32)[:, None] * qs3[None, :]
+        return s
+
+    @gluon.jit
+    def _pv_group(p0h, p1h, va, vb, oa, ob, s0, s1):
+        """Group g's two channel tiles: oa, ob += codes @ (p * vs_g)^T (s0, s1: the group's
+        value scales of tokens 0-15 and 16-31)."""
+        bg = _cat_tokens(_movm(p0h * s0[:, None]), _movm(p1h * s1[:, None]))
+        return mma_v2(va, bg, oa), mma_v2(vb, bg, ob)
+
+    @gluon.jit
+    def _store_tile4(po_ptr, prow, hmask, o, z, inv, mt: gl.constexpr):
+        """Partial output of channel tile mt = 2 g + u: (o 2**24 / 16**u + z_g) / l."""
+        r = gl.arange(0, 16, layout=gl.SliceLayout(1, MMA))
+        c = 32 * (mt // 2) + 4 * (r % 8) + (mt % 2) + 2 * (r // 8)
+        scale: gl.constexpr = 16777216.0 / (16.0 ** (mt % 2))
+        val = (o * scale + z[None, :]) * inv[None, :]
+        gl.store(po_ptr + prow[None, :] + c[:, None], val, mask=hmask[None, :])
+
+    @gluon.jit
+    def int4_split_gluon_kernel(
+        q_ptr, stride_qb, stride_qh, slot_ptr, stride_sb, stride_sh, lens2_ptr, lens4_ptr,
+        stride_lb, stride_lh, hm_ptr, stride_mb, stride_mh, k_ptr, v_ptr, ks_ptr, kz_ptr,
+        vs_ptr, vz_ptr, kcs_ptr, po_ptr, plse_ptr, qk_scale, dead_id, int4_base, Hkv,
+        split_len, S_total, s_first,
+        G: gl.constexpr, D: gl.constexpr, NS: gl.constexpr, SSTRIDE: gl.constexpr,
+        INTERLEAVED: gl.constexpr, HAS_INT2: gl.constexpr, HAS_HEAD_MASK: gl.constexpr, HAS_KCS: gl.constexpr, RESCALE_SLACK: gl.constexpr,
+    ):  # fmt: skip
+        """One INT4 split: positions [n2 + s split_len, n2 + (s + 1) split_len) of request b's
+        INT4 segment (``lens2``: where it starts, n2, with HAS_INT2, else 0; ``lens4``: its
+        length; per request or per request and KV head), KV head h. Writes the G query heads' partial rows
+        ``(b Hq + h G + i) S_total + s_first + s`` of po ([rows, D] fp32, normalised) and
+        plse (log2-sum-exp, -inf where nothing was live)."""
+        h = gl.program_id(0)
+        s = gl.program_id(1)
+        b = gl.program_id(2)
+        seg0 = 0
+        if HAS_INT2:  # the INT4 segment starts past the INT2 one
+            seg0 = gl.load(lens2_ptr + b * stride_lb + h * stride_lh)
+        seg = seg0 + gl.load(lens4_ptr + b * stride_lb + h * stride_lh)
+        start = seg0 + s * split_len
+        end = gl.minimum(start + split_len, seg)
+        slot_row = slot_ptr + b.to(gl.int64) * stride_sb + h * stride_sh
+        hm_row = hm_ptr + b.to(gl.int64) * stride_mb + h * stride_mh
+        has_hm = 1 if HAS_HEAD_MASK else 0
+
+        sk = gl.allocate_shared_memory(gl.int16, [NS, 32, D // 4], SHC)
+        sv = gl.allocate_shared_memory(gl.int16, [NS, 32, D // 4], SHC)
+        # [ks | kz | vs | vz] per row ([vs | vz]: the B operand of the value zeros' dot)
+        ss = gl.allocate_shared_memory(gl.float16, [NS, 32, 16], SH2)
+        sq = gl.allocate_shared_memory(gl.float16, [4, 32, 8], SH2)
+        qs0 = _q_group(q_ptr, stride_qb, stride_qh, kcs_ptr, sq, b, h, qk_scale, G, D, HAS_KCS, 0)  # fmt: skip
+        qs1 = _q_group(q_ptr, stride_qb, stride_qh, kcs_ptr, sq, b, h, qk_scale, G, D, HAS_KCS, 1)  # fmt: skip
+        qs2 = _q_group(q_ptr, stride_qb, stride_qh, kcs_ptr, sq, b, h, qk_scale, G, D, HAS_KCS, 2)  # fmt: skip
+        qs3 = _q_group(q_ptr, stride_qb, stride_qh, kcs_ptr, sq, b, h, qk_scale, G, D, HAS_KCS, 3)  # fmt: skip
+
+        m_i = gl.full([8], -1.0e30, gl.float32, gl.SliceLayout(0, MMA))
+        lsum = gl.full([16, 8], 0.0, gl.float32, MMA)
+        zacc = gl.full([16, 8], 0.0, gl.float32, MMA)
+        o0 = gl.full([16, 8], 0.0, gl.float32, MMA)
+        o1 = gl.full([16, 8], 0.0, gl.float32, MMA)
+        o2 = gl.full([16, 8], 0.0, gl.float32, MMA)
+        o3 = gl.full([16, 8], 0.0, gl.float32, MMA)
+        o4 = gl.full([16, 8], 0.0, gl.float32, MMA)
+        o5 = gl.full([16, 8], 0.0, gl.float32, MMA)
+        o6 = gl.full([16, 8], 0.0, gl.float32, MMA)
+        o7 = gl.full([16, 8], 0.0, gl.float32, MMA)
+        key_one = qk_scale * 16777216.0
+        tok = gl.arange(0, 16, layout=gl.SliceLayout(1, MMA))
+
+        n_blocks = gl.cdiv(end - start, 32)
+        gl.static_assert(NS == 3, "the mask FIFO below holds the two blocks in flight")
+        # prologue: blocks 0 and 1 in flight; mk0, mk1: their live-row masks
+        sl = _slot_of_lane(slot_row, hm_row, start, end, dead_id, has_hm)
+        mk0 = _live_mask(sl, dead_id)
+        _issue4(k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, sk, sv, ss, 0, sl, dead_id, int4_base, Hkv, h, D, SSTRIDE, INTERLEAVED)  # fmt: skip
+        sl = _slot_of_lane(slot_row, hm_row, start + 32, end, dead_id, has_hm)
+        mk1 = _live_mask(sl, dead_id)
+        _issue4(k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, sk, sv, ss, 1, sl, dead_id, int4_base, Hkv, h, D, SSTRIDE, INTERLEAVED)  # fmt: skip
+        # the slots of blocks n + NS - 1 and n + NS, read ahead of their use
+        sl_a = _slot_of_lane(slot_row, hm_row, start + 32 * (NS - 1), end, dead_id, has_hm)
+        sl_b = _slot_of_lane(slot_row, hm_row, start + 32 * NS, end, dead_id, has_hm)
+        for n in range(0, n_blocks):
+            _barrier()  # every lane is done with the stage the next copy overwrites
+            mk_a = _live_mask(sl_a, dead_id)
+            _issue4(k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, sk, sv, ss, (n + NS - 1) % NS, sl_a, dead_id, int4_base, Hkv, h, D, SSTRIDE, INTERLEAVED)  # fmt: skip
+            sl_a = sl_b
+            sl_b = _slot_of_lane(slot_row, hm_row, start + 32 * (n + NS + 1), end, dead_id, has_hm)  # fmt: skip
+            _cp.wait_group(NS - 1)
+            _barrier()
+            st = n % NS
+            mask = mk0
+            mk0 = mk1
+            mk1 = mk_a
+            a00, a01, a02, a03, a10, a11, a12, a13 = _key_tiles(sk.index(st).load(LK))
+            ks00, ks01, ks10, ks11, ks20, ks21, ks30, ks31 = _group_scales(
+                ss.index(st).slice(0, 4, dim=1).load(LVS)
+            )
+            kz00, kz01, kz10, kz11, kz20, kz21, kz30, kz31 = _group_scales(
+                ss.index(st).slice(4, 4, dim=1).load(LVS)
+            )
+            s0 = _scores(a00, a01, a02, a03, sq, ks00, ks10, ks20, ks30, kz00, kz10, kz20, kz30, qs0, qs1, qs2, qs3, key_one)  # fmt: skip
+            s1 = _scores(a10, a11, a12, a13, sq, ks01, ks11, ks21, ks31, kz01, kz11, kz21, kz31, qs0, qs1, qs2, qs3, key_one)  # fmt: skip
+            s0 = gl.where((((mask >> tok) & 1) != 0)[:, None], s0, float("-inf"))
+            s1 = gl.where((((mask >> (tok + 16)) & 1) != 0)[:, None], s1, float("-inf"))
+            m_new = gl.maximum(m_i, gl.maximum(gl.max(s0, 0), gl.max(s1, 0)))
+            if gl.max(m_new - m_i, 0) > RESCALE_SLACK:
+                alpha = gl.exp2(m_i - m_new)
+                al = alpha[None, :]
+                lsum = lsum * al
+                zacc = zacc * _head_rows(alpha)[:, None]
+                o0 = o0 * al
+                o1 = o1 * al
+                o2 = o2 * al
+                o3 = o3 * al
+                o4 = o4 * al
+                o5 = o5 * al
+                o6 = o6 * al
+                o7 = o7 * al
+                m_i = m_new
+            p0 = gl.exp2(s0 - m_i[None, :])
+            p1 = gl.exp2(s1 - m_i[None, :])
+            lsum = lsum + (p0 + p1)
+            p0h = p0.to(gl.float16)
+            p1h = p1.to(gl.float16)
+            # value zeros: columns 4..7 of p @ [vs | vz] (p's rows: the heads, 8 of 16 used)
+            pu = _cat_tokens(_movm(p0h), _movm(p1h))
+            pt = gl.permute(pu, (1, 0))
+            pa = gl.reshape(gl.permute(gl.join(pt, gl.zeros_like(pt)), (2, 0, 1)), [16, 32])
+            pa = gl.convert_layout(pa, DA, assert_trivial=True)
+            zacc = mma_v2(pa, ss.index(st).slice(8, 8, dim=1).load(DB), zacc)
+            vs00, vs01, vs10, vs11, vs20, vs21, vs30, vs31 = _group_scales(
+                ss.index(st).slice(8, 4, dim=1).load(LVS)
+            )
+            v00, v01, v10, v11, v20, v21, v30, v31 = _val_tiles(sv.index(st).load(LV))
+            o0, o1 = _pv_group(p0h, p1h, v00, v01, o0, o1, vs00, vs01)
+            o2, o3 = _pv_group(p0h, p1h, v10, v11, o2, o3, vs10, vs11)
+            o4, o5 = _pv_group(p0h, p1h, v20, v21, o4, o5, vs20, vs21)
+            o6, o7 = _pv_group(p0h, p1h, v30, v31, o6, o7, vs30, vs31)
+        _cp.wait_group(0)
+        l_i = gl.sum(lsum, 0)
+        inv = 1.0 / gl.where(l_i > 0.0, l_i, 1.0)
+        zc = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
+        z0 = _head_cols(gl.sum(gl.where((zc == 4)[None, :], zacc, 0.0), 1))
+        z1 = _head_cols(gl.sum(gl.where((zc == 5)[None, :], zacc, 0.0), 1))
+        z2 = _head_cols(gl.sum(gl.where((zc == 6)[None, :], zacc, 0.0), 1))
+        z3 = _head_cols(gl.sum(gl.where((zc == 7)[None, :], zacc, 0.0), 1))
+        hq = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
+        hmask = hq < G
+        row_o = (b * (Hkv * G) + h * G + hq).to(gl.int64) * S_total + s_first + s
+        prow = row_o * D
+        _store_tile4(po_ptr, prow, hmask, o0, z0, inv, 0)
+        _store_tile4(po_ptr, prow, hmask, o1, z0, inv, 1)
+        _store_tile4(po_ptr, prow, hmask, o2, z1, inv, 2)
+        _store_tile4(po_ptr, prow, hmask, o3, z1, inv, 3)
+        _store_tile4(po_ptr, prow, hmask, o4, z2, inv, 4)
+        _store_tile4(po_ptr, prow, hmask, o5, z2, inv, 5)
+        _store_tile4(po_ptr, prow, hmask, o6, z3, inv, 6)
+        _store_tile4(po_ptr, prow, hmask, o7, z3, inv, 7)
+        has = l_i > 0.0
+        lse = gl.where(has, m_i + gl.log2(gl.where(has, l_i, 1.0)), float("-inf"))
+        gl.store(plse_ptr + row_o, lse, mask=hmask)
+
+else:
+    int4_split_gluon_kernel = None
+
+
+def int4_split_gluon_args(
+    q: torch.Tensor,
+    slot_map: torch.Tensor,
+    int2_lens: torch.Tensor,
+    int4_lens: torch.Tensor,
+    stride_lb: int,
+    stride_lh: int,
+    head_mask: torch.Tensor | None,
+    int4,
+    part_o: torch.Tensor,
+    part_lse: torch.Tensor,
+    qk_scale: float,
+    dead_id: int,
+    int4_base: int,
+    split_len: int,
+    s_total: int,
+    s_first: int,
+) -> tuple:
+    """The kernel's positional arguments (``slot_map`` [B, L] or [B, Hkv, L]; ``head_mask``
+    None or uint8 [B, Hkv, L]; ``int4``: the :class:`~.pools.Int4Pool`; ``int2_lens``:
+    where each INT4 segment starts, read only with the constexpr ``HAS_INT2``)."""
+    per_head = slot_map.dim() == 3
+    hm = head_mask if head_mask is not None else slot_map
+    kcs = int4.k_channel if int4.k_channel is not None else int4.k_scale
+    return (
+        q,
+        q.stride(0),
+        q.stride(1),
+        slot_map,
+        slot_map.stride(0),
+        slot_map.stride(1) if per_head else 0,
+        int2_lens,
+        int4_lens,
+        stride_lb,
+        stride_lh,
+        hm,
+        hm.stride(0) if head_mask is not None else 0,
+        hm.stride(1) if head_mask is not None else 0,
+        int4.k,
+        int4.v,
+        int4.k_scale,
+        int4.k_zero,
+        int4.v_scale,
+        int4.v_zero,
+        kcs,
+        part_o,
+        part_lse,
+        qk_scale,
+        dead_id,
+        int4_base,
+        int4.k.shape[1],
+        split_len,
+        s_total,
+        s_first,
+    )
+
+
+def int4_split_gluon_consts(
+    group: int,
+    head_dim: int,
+    scale_stride: int,
+    interleaved: bool,
+    has_int2: bool,
+    has_head_mask: bool,
+    has_key_channel_scale: bool,
+    max_registers: int | None = None,
+    lazy_rescale: bool = False,
+) -> dict:
+    """Constexprs and launch options of the kernel (``scale_stride``: elements between one
+    (slot, head) row's scales and the next's; ``interleaved``: each row's scales and zeros
+    side by side, ``[ks | kz | vs | vz]`` at ``k_scale``; ``has_int2``: the launch has
+    INT2 segments, ``int2_lens`` says where each INT4 segment starts, else at 0;
+    ``max_registers``: None =
+    :data:`MAX_REGISTERS`; ``lazy_rescale``: the running max moves only by more than 2**4)."""
+    return dict(
+        G=group,
+        D=head_dim,
+        NS=STAGES,
+        SSTRIDE=scale_stride,
+        INTERLEAVED=interleaved,
+        HAS_INT2=has_int2,
+        HAS_HEAD_MASK=has_head_mask,
+        HAS_KCS=has_key_channel_scale,
+        RESCALE_SLACK=4.0 if lazy_rescale else 0.0,
+        num_warps=1,
+        maxnreg=max_registers or MAX_REGISTERS,
+    )
+
+
+__all__ = [
+    "MAX_REGISTERS",
+    "STAGES",
+    "int4_split_gluon_args",
+    "int4_split_gluon_consts",
+    "int4_split_gluon_kernel",
+]

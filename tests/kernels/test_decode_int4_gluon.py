@@ -1,0 +1,179 @@
+"""The Gluon INT4 decode split (kernels/decode_int4_gluon.py): when decode_attention uses it,
+and, on a GPU, its output against the float32 torch reference and against the Triton INT4
+split on the same quantized pools. Triton's CPU interpreter does not run Gluon kernels: on
+CPU only the dispatch is tested (the Triton split it falls back to is tested in
+test_decode_attention.py)."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+from mixed_batch import build_mixed_batch, separate_int4_scales
+
+from agentkv.kernels import DecodeConfig, SegmentMaxLens, decode_attention, decode_attention_ref
+from agentkv.kernels.decode_int2_gluon import GLUON_AVAILABLE, MIN_CAPABILITY
+
+dattn = importlib.import_module("agentkv.kernels.decode_attention")
+
+CUDA = torch.device("cuda")
+GLUON_GPU = (
+    GLUON_AVAILABLE
+    and torch.cuda.is_available()
+    and torch.cuda.get_device_capability() >= MIN_CAPABILITY
+)
+needs_gluon_gpu = pytest.mark.skipif(
+    not GLUON_GPU, reason="the Gluon INT4 split needs a CUDA GPU of compute capability >= 8.0"
+)
+#: the Gluon INT4 split forced, and the Triton INT4 split (the Gluon INT2 split on in both,
+#: which a launch with INT2 and Gluon INT4 splits needs)
+ON = DecodeConfig(int4_gluon=True, int2_gluon=True)
+OFF = DecodeConfig(int4_gluon=False, int2_gluon=True)
+
+
+def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((a.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-6))
+
+
+def test_dispatch_off_where_it_cannot_run() -> None:
+    """None: off on CPU tensors, under the interpreter, for head_dim 64, GQA groups above 8,
+    int64 slot maps, the legacy INT4 split and beside INT2 splits on the Triton kernel; True
+    where it cannot run: a ValueError that says what it needs; False: always off."""
+    use = dattn._use_gluon_int4
+    cpu = torch.device("cpu")
+    auto, on, off = DecodeConfig(), DecodeConfig(int4_gluon=True), DecodeConfig(int4_gluon=False)
+    assert not use(auto, cpu, 128, 4, torch.int32, interpreting=False)
+    assert not use(on, cpu, 128, 4, torch.int32, interpreting=True)  # the interpreter: Triton
+    assert not use(off, cpu, 128, 4, torch.int32, interpreting=False)
+    with pytest.raises(ValueError, match="compute capability"):
+        use(on, cpu, 128, 4, torch.int32, interpreting=False)
+    if GLUON_GPU:
+        for d, g, dt, legacy, int2_tri, what in [
+            (64, 4, torch.int32, False, False, "head_dim 128"),
+            (128, 16, torch.int32, False, False, "group <= 8"),
+            (128, 4, torch.int64, False, False, "int32 slot map"),
+            (128, 4, torch.int32, True, False, "int4_legacy"),
+            (128, 4, torch.int32, False, True, "INT2 splits on the Gluon kernel"),
+        ]:
+            cfg = DecodeConfig(int4_legacy=legacy)
+            assert not use(cfg, CUDA, d, g, dt, False, int2_tri)
+            with pytest.raises(ValueError, match=what):
+                use(DecodeConfig(int4_gluon=True, int4_legacy=legacy), CUDA, d, g, dt, False, int2_tri)  # fmt: skip
+        expect = torch.cuda.get_device_capability(CUDA) >= (9, 0)
+        assert use(auto, CUDA, 128, 4, torch.int32, interpreting=False) is expect
+
+
+GLUON_CASES = [
+    # id: (lens [(int2 pages, int4 tokens, full tokens)], hq, hkv, dead, pattern, head_mask, pad)
+    ("int4_gqa4", [(0, 300, 0), (0, 170, 0)], 8, 2, 0.0, "random", 0.0, 0),
+    ("int4_gqa8_dead", [(0, 230, 0), (0, 400, 0), (0, 7, 0)], 16, 2, 0.4, "random", 0.0, 5),
+    ("int4_gqa1_headmask", [(0, 190, 0), (0, 97, 0)], 2, 2, 0.2, "random", 0.3, 3),
+    ("int4_gqa2_short", [(0, 1, 0), (0, 0, 0), (0, 333, 0)], 4, 2, 0.1, "run", 0.0, 0),
+    ("int4_gqa3_run_dead", [(0, 500, 0)], 6, 2, 0.5, "run", 0.0, 0),
+    ("int4_full_gqa4", [(0, 140, 9), (0, 33, 17), (0, 65, 0)], 8, 2, 0.3, "random", 0.2, 3),
+    ("mixed_gqa4", [(5, 40, 9), (3, 0, 17), (2, 65, 0)], 8, 2, 0.3, "random", 0.2, 3),
+    ("mixed_gqa6_run_dead", [(4, 93, 20)], 12, 2, 0.5, "run", 0.0, 0),
+]
+
+
+@needs_gluon_gpu
+@pytest.mark.parametrize(
+    ("lens", "hq", "hkv", "dead", "pattern", "hm", "pad"),
+    [c[1:] for c in GLUON_CASES],
+    ids=[c[0] for c in GLUON_CASES],
+)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("split_len", [64, 256, None])
+def test_gluon_split_matches_reference_and_triton_split(
+    lens, hq, hkv, dead, pattern, hm, pad, dtype, split_len
+) -> None:
+    """INT4-only launches (host bounds saying so: the Gluon kernel alone), with full segments
+    (the Triton kernel's full splits in a second launch) and with INT2 ones (three launches),
+    DEAD cells and runs, head masks, shuffled slots, empty and one-token requests, GQA groups
+    1-8: within 1e-3 (fp16; bf16: its rounding) of the float32 reference and of the Triton
+    INT4 split."""
+    mb = build_mixed_batch(
+        lens,
+        hq=hq,
+        hkv=hkv,
+        d=128,
+        dtype=dtype,
+        dead_fraction=dead,
+        dead_pattern=pattern,
+        head_mask_fraction=hm,
+        pad=pad,
+        seed=hq * 11 + len(lens),
+    )
+    kw: dict = {"split_len": split_len}
+    if all(p == tf == 0 for p, _, tf in lens):  # INT4 only: one launch
+        mb.int2_lens = None
+        kw["max_lens"] = SegmentMaxLens(0, int(mb.int4_lens.max()), 0)
+    ref = decode_attention_ref(mb.q, mb.pools, mb.slot_map, mb.seq_lens, mb.head_mask)
+    out = mb.decode(config=ON, **kw)
+    tri = mb.decode(config=OFF, **kw)
+    assert bool(torch.isfinite(out).all())
+    tol = 1e-3 if dtype == torch.float16 else 8e-3
+    assert _rel(out, ref) < tol, _rel(out, ref)
+    assert _rel(out, tri) < tol, _rel(out, tri)
+
+
+@needs_gluon_gpu
+@pytest.mark.parametrize(("q_scale", "tol"), [(0.05, 1e-3), (1.0, 1e-3), (16.0, 1e-3)])
+def test_gluon_split_from_flat_to_sharp_softmax(q_scale, tol) -> None:
+    """From near-uniform attention to one dominant token, short to long splits: fp16 output
+    within 1e-3 of the reference (the token's key scales are applied in fp32, after the
+    dot: no rounding of ``q * ks``)."""
+    mb = build_mixed_batch([(0, 1300, 0), (0, 700, 0)], hq=8, hkv=2, d=128, dead_fraction=0.2, seed=3)  # fmt: skip
+    mb.q = (mb.q.float() * q_scale).to(torch.float16)
+    ref = decode_attention_ref(mb.q, mb.pools, mb.slot_map, mb.seq_lens)
+    for split_len in (128, 1024, None):
+        out = mb.decode(config=ON, split_len=split_len)
+        assert _rel(out, ref) < tol, (split_len, _rel(out, ref))
+
+
+@needs_gluon_gpu
+def test_gluon_split_scale_layouts_and_key_channel_scale() -> None:
+    """Four separate scale tensors (row stride D / 32) as well as the interleaved buffer, and
+    a per-channel key scale (powers of two, folded into the query)."""
+    mb = build_mixed_batch([(0, 260, 0), (0, 90, 0)], hq=8, hkv=2, d=128, dead_fraction=0.2, seed=4)  # fmt: skip
+    g = torch.Generator().manual_seed(1)
+    for step in ("interleaved", "separate", "k_channel"):
+        if step == "separate":
+            separate_int4_scales(mb.pools)
+        if step == "k_channel":
+            kc = 2.0 ** torch.randint(-2, 3, (2, 128), generator=g)
+            mb.pools.int4.k_channel = kc.float().to(mb.q.device)
+        ref = decode_attention_ref(mb.q, mb.pools, mb.slot_map, mb.seq_lens)
+        out = mb.decode(config=ON)
+        tri = mb.decode(config=OFF)
+        assert _rel(out, ref) < 1e-3 and _rel(out, tri) < 1e-3, step
+
+
+@needs_gluon_gpu
+def test_gluon_split_all_dead_and_empty_requests_give_zeros() -> None:
+    mb = build_mixed_batch([(0, 90, 0), (0, 64, 0), (0, 120, 0)], hq=8, hkv=2, d=128, seed=5)
+    mb.slot_map = mb.slot_map.clone()
+    mb.slot_map[0] = 0  # every position DEAD
+    for t in ("seq_lens", "int4_lens"):
+        setattr(mb, t, getattr(mb, t).clone())
+        getattr(mb, t)[1] = 0
+    out = mb.decode(config=ON, split_len=64)
+    assert bool((out[:2] == 0).all())
+    ref = decode_attention_ref(mb.q, mb.pools, mb.slot_map, mb.seq_lens)
+    assert _rel(out[2:], ref[2:]) < 1e-3
+
+
+@needs_gluon_gpu
+def test_gluon_split_per_head_slot_maps() -> None:
+    """Per-(request, KV head) slot maps and lengths: each head's own cells."""
+    mb = build_mixed_batch([(0, 200, 0), (0, 130, 0)], hq=8, hkv=2, d=128, dead_fraction=0.3, seed=8)  # fmt: skip
+    b, hkv = 2, 2
+    sm = mb.slot_map[:, None, :].repeat(1, hkv, 1)
+    sm[:, 1, :70] = 0  # head 1 lost its first 70 tokens
+    lens = mb.int4_lens[:, None].expand(b, hkv).contiguous()
+    zero = torch.zeros_like(lens)
+    out = decode_attention(mb.q, mb.pools, sm, lens, int2_lens=zero, int4_lens=lens, config=ON)
+    tri = decode_attention(mb.q, mb.pools, sm, lens, int2_lens=zero, int4_lens=lens, config=OFF)
+    ref = decode_attention_ref(mb.q, mb.pools, sm, lens)
+    assert _rel(out, ref) < 1e-3 and _rel(out, tri) < 1e-3
