@@ -50,8 +50,6 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from .backend import Backend, resolve_backend, triton_interpreting
 from .decode_attention_reference import decode_attention_ref
 from .decode_int2_gluon import (
-    GLUON_AVAILABLE,
-    MIN_CAPABILITY,
     int2_split_gluon_args,
     int2_split_gluon_consts,
     int2_split_gluon_kernel,
@@ -61,6 +59,7 @@ from .decode_int4_gluon import (
     int4_split_gluon_consts,
     int4_split_gluon_kernel,
 )
+from .gluon_fragments import GLUON_AVAILABLE, MIN_CAPABILITY
 from .packing import (
     INT4_CENTRE,
     dequant_int2_quads,

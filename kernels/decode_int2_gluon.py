@@ -38,17 +38,31 @@ from __future__ import annotations
 
 import torch
 
+from .gluon_fragments import GLUON_AVAILABLE
 from .packing import INT2_WORD_PLANES
 
-try:
+if GLUON_AVAILABLE:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as _cp
     from triton.experimental.gluon.language.nvidia.ampere import mma_v2
-except ImportError:  # a Triton without Gluon: the Triton split serves every launch
-    gluon = None
 
-GLUON_AVAILABLE = gluon is not None
+    from .gluon_fragments import (
+        DA,
+        DB,
+        LVS,
+        MMA,
+        SH2,
+        cat_tokens,
+        cp_load,
+        cta_barrier,
+        group_scales,
+        head_cols,
+        head_rows,
+        movmatrix_b,
+        slot_of_lane,
+    )
+
 #: cp.async stages: one block in compute, two in flight (4 measured 6-15% slower on the H200)
 STAGES = 3
 #: registers per thread: 128 (no spills on sm_90) lets an SM hold 16 one-warp programs
@@ -56,14 +70,6 @@ STAGES = 3
 MAX_REGISTERS = 128
 
 if GLUON_AVAILABLE:
-    # Triton 3.6 names the cp.async copy async_copy_global_to_shared and the CTA barrier
-    # thread_barrier; later ones async_load and barrier
-    _cp_load = getattr(_cp, "async_load", None) or _cp.async_copy_global_to_shared
-    _barrier = getattr(gl, "thread_barrier", None) or gl.barrier
-
-    MMA = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
-    DA = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
-    DB = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
     # Lane (gid, tig) = (lane // 4, lane % 4), the MMA fragments' coordinates.
     # key half-words [32 tokens, 16]: tokens gid + 8 j, half-words 4 tig + 2 wsel + e
     LKW = gl.DistributedLinearLayout(
@@ -89,20 +95,11 @@ if GLUON_AVAILABLE:
         block_bases=[],
         shape=[128],
     )
-    # value scales [32 tokens, 4 groups]: tokens gid + 8 j, all four groups
-    LVS = gl.DistributedLinearLayout(
-        reg_bases=[[0, 1], [0, 2], [8, 0], [16, 0]],
-        lane_bases=[[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]],
-        warp_bases=[],
-        block_bases=[],
-        shape=[32, 4],
-    )
     # cp.async tiles: 16-byte copies of code rows, 8-byte value-scale rows, 8-byte scale runs
     CK = gl.BlockedLayout([1, 8], [16, 2], [1, 1], [1, 0])  # [32, 16] int16
     CV = gl.BlockedLayout([1, 4], [16, 2], [1, 1], [1, 0])  # [32, 8] int32
     CS = gl.BlockedLayout([1, 4], [32, 1], [1, 1], [1, 0])  # [32, 4] fp16
     CP = gl.BlockedLayout([4], [32], [1], [0])  # [128] fp16
-    SH2 = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
     SH1 = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
 
     # Key words (two int16 elements a, b of one 32-bit word): output x*4 + k holds, as fp16
@@ -128,32 +125,6 @@ and.b32 $7, t, 0x00C000C0;
     # of each (the first token in the low half), left in place (the Triton split's asm)
     VAL_ASM = gl.constexpr(INT2_WORD_PLANES.value)
 
-    # this lane's slot-map entry of the block at $2 (DEAD past the end $3, or where the
-    # head mask byte at $6 + position is 0 when $7 != 0)
-    SLOT_ASM = gl.constexpr(
-        """{
-.reg .u32 ln;
-.reg .s32 pos;
-.reg .u64 a;
-.reg .u16 m;
-.reg .pred p, z;
-mov.u32 ln, %laneid;
-add.s32 pos, $2, ln;
-setp.lt.s32 p, pos, $3;
-mov.b32 $0, $4;
-mul.wide.s32 a, pos, 4;
-add.u64 a, a, $1;
-@p ld.global.nc.b32 $0, [a];
-setp.ne.and.s32 p, $6, 0, p;
-cvt.s64.s32 a, pos;
-add.u64 a, a, $5;
-mov.u16 m, 1;
-@p ld.global.nc.u8 m, [a];
-setp.eq.s16 z, m, 0;
-@z mov.b32 $0, $4;
-}"""
-    )
-
     # (live rows: bit r set where a position maps to page row r, the page) of one block
     MASK_ASM = gl.constexpr(
         """{
@@ -170,17 +141,6 @@ redux.sync.or.b32 $0, b, 0xffffffff;
 redux.sync.max.s32 $1, pg, 0xffffffff;
 }"""
     )
-
-    @gluon.jit
-    def _slot_of_lane(slot_row, hm_row, start_n, end, dead_id, has_hm):
-        return gl.inline_asm_elementwise(
-            SLOT_ASM,
-            "=r,l,r,r,r,l,r",
-            [slot_row, start_n, end, dead_id, hm_row.to(gl.pointer_type(gl.int32)), has_hm],
-            dtype=gl.int32,
-            is_pure=False,
-            pack=1,
-        )
 
     @gluon.jit
     def _mask_page(slot, dead_id, int2_base):
@@ -202,21 +162,21 @@ redux.sync.max.s32 $1, pg, 0xffffffff;
         rk = gl.arange(0, 32, layout=gl.SliceLayout(1, CK))
         ck = gl.arange(0, 16, layout=gl.SliceLayout(0, CK))
         kp = k_ptr.to(gl.pointer_type(gl.int16)) + ph * (4 * D) + rk[:, None] * (D // 8)
-        _cp_load(sk.index(st), kp + ck[None, :], mask=(((mask >> rk) & 1) != 0)[:, None])
+        cp_load(sk.index(st), kp + ck[None, :], mask=(((mask >> rk) & 1) != 0)[:, None])
         rv = gl.arange(0, 32, layout=gl.SliceLayout(1, CV))
         cv = gl.arange(0, 8, layout=gl.SliceLayout(0, CV))
         vp = v_ptr.to(gl.pointer_type(gl.int32)) + ph * (2 * D) + rv[:, None] * (D // 16)
-        _cp_load(sv.index(st), vp + cv[None, :], mask=(((mask >> rv) & 1) != 0)[:, None])
+        cp_load(sv.index(st), vp + cv[None, :], mask=(((mask >> rv) & 1) != 0)[:, None])
         rs = gl.arange(0, 32, layout=gl.SliceLayout(1, CS))
         cs = gl.arange(0, 4, layout=gl.SliceLayout(0, CS))
         so = ph * D + rs[:, None] * (D // 32) + cs[None, :]
         ls = (((mask >> rs) & 1) != 0)[:, None]
-        _cp_load(svsz.index(st).slice(0, 4, dim=1), vs_ptr + so, mask=ls)
-        _cp_load(svsz.index(st).slice(4, 4, dim=1), vz_ptr + so, mask=ls)
+        cp_load(svsz.index(st).slice(0, 4, dim=1), vs_ptr + so, mask=ls)
+        cp_load(svsz.index(st).slice(4, 4, dim=1), vz_ptr + so, mask=ls)
         cc = gl.arange(0, D, layout=CP)
         lp = (cc >= 0) & (mask != 0)
-        _cp_load(sks.index(st), ks_ptr + ph * D + cc, mask=lp)
-        _cp_load(skz.index(st), kz_ptr + ph * D + cc, mask=lp)
+        cp_load(sks.index(st), ks_ptr + ph * D + cc, mask=lp)
+        cp_load(skz.index(st), kz_ptr + ph * D + cc, mask=lp)
         _cp.commit_group()
 
     @gluon.jit
@@ -225,25 +185,6 @@ redux.sync.max.s32 $1, pg, 0xffffffff;
         ``32 k + 16 wsel + 8 x + 2 tig + e`` (a register renaming)."""
         x = gl.reshape(x, [4, 4, 2, 2, 2])
         return gl.reshape(gl.permute(x, (0, 2, 3, 1, 4)), [128])
-
-    @gluon.jit
-    def _movm(x):
-        """[16, 8] fp16 in the accumulator layout -> the same values as a B operand tile."""
-        t = gl.inline_asm_elementwise(
-            "movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;",
-            "=r,r",
-            [x],
-            dtype=gl.float16,
-            is_pure=True,
-            pack=2,
-        )
-        return gl.reshape(gl.permute(gl.reshape(t, [2, 8, 8]), (0, 2, 1)), [16, 8])
-
-    @gluon.jit
-    def _cat_tokens(t0, t1):
-        """Two [16, 8] B tiles (tokens 0-15, 16-31) -> the [32, 8] B operand."""
-        x = gl.reshape(gl.permute(gl.join(t0, t1), (2, 0, 1)), [32, 8])
-        return gl.convert_layout(x, DB, assert_trivial=True)
 
     @gluon.jit
     def _key_tiles(kw):
@@ -270,49 +211,13 @@ redux.sync.max.s32 $1, pg, 0xffffffff;
         return gl.convert_layout(x, DA, assert_trivial=True)
 
     @gluon.jit
-    def _group_scales(vsv):
-        """[32 tokens, 4] value scales (LVS) -> group g, token tile m: [16] in the MMA rows
-        (returned g0m0, g0m1, g1m0, ...)."""
-        x = gl.permute(gl.reshape(vsv, [2, 16, 2, 2]), (1, 2, 3, 0))  # r, g1, g0, m
-        x0, x1 = gl.split(x)
-        a, b = gl.split(x0)
-        g00, g20 = gl.split(a)
-        g10, g30 = gl.split(b)
-        a, b = gl.split(x1)
-        g01, g21 = gl.split(a)
-        g11, g31 = gl.split(b)
-        R: gl.constexpr = gl.SliceLayout(1, MMA)
-        return (
-            gl.convert_layout(g00, R, assert_trivial=True),
-            gl.convert_layout(g01, R, assert_trivial=True),
-            gl.convert_layout(g10, R, assert_trivial=True),
-            gl.convert_layout(g11, R, assert_trivial=True),
-            gl.convert_layout(g20, R, assert_trivial=True),
-            gl.convert_layout(g21, R, assert_trivial=True),
-            gl.convert_layout(g30, R, assert_trivial=True),
-            gl.convert_layout(g31, R, assert_trivial=True),
-        )
-
-    @gluon.jit
     def _pv_plane(p0h, p1h, va, vb, vc, vd, oa, ob, s0, s1):
         """One plane's two channel tiles: oa, ob += codes @ (p * vs)^T (s0, s1: the group's
         value scales of tokens 0-15 and 16-31)."""
-        bg = _cat_tokens(_movm(p0h * s0[:, None]), _movm(p1h * s1[:, None]))
+        bg = cat_tokens(movmatrix_b(p0h * s0[:, None]), movmatrix_b(p1h * s1[:, None]))
         oa = mma_v2(_val_tile(va, vb), bg, oa)
         ob = mma_v2(_val_tile(vc, vd), bg, ob)
         return oa, ob
-
-    @gluon.jit
-    def _head_rows(x):
-        """[8] per head (the accumulator's columns) -> [16] per row (heads 0-7, then ones)."""
-        y = gl.reshape(gl.permute(gl.join(x, gl.full_like(x, 1.0)), (1, 0)), [16])
-        return gl.convert_layout(y, gl.SliceLayout(1, MMA))
-
-    @gluon.jit
-    def _head_cols(x):
-        """[16] per row (heads 0-7, then padding) -> [8] per head (the columns)."""
-        a, _ = gl.split(gl.permute(gl.reshape(x, [2, 8]), (1, 0)))
-        return gl.convert_layout(a, gl.SliceLayout(0, MMA))
 
     @gluon.jit
     def _store_tile(po_ptr, prow, hmask, o, z, inv, mt: gl.constexpr):
@@ -384,23 +289,23 @@ redux.sync.max.s32 $1, pg, 0xffffffff;
         n_blocks = gl.cdiv(end - start, 32)
         gl.static_assert(NS == 3, "the mask FIFO below holds the two blocks in flight")
         # prologue: blocks 0 and 1 in flight; mk0, mk1: their live-row masks
-        sl = _slot_of_lane(slot_row, hm_row, start, end, dead_id, has_hm)
+        sl = slot_of_lane(slot_row, hm_row, start, end, dead_id, has_hm)
         mk0, pg = _mask_page(sl, dead_id, int2_base)
         _issue(k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, sk, sv, sks, skz, svsz, 0, mk0, pg, Hkv, h, D)  # fmt: skip
-        sl = _slot_of_lane(slot_row, hm_row, start + 32, end, dead_id, has_hm)
+        sl = slot_of_lane(slot_row, hm_row, start + 32, end, dead_id, has_hm)
         mk1, pg = _mask_page(sl, dead_id, int2_base)
         _issue(k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, sk, sv, sks, skz, svsz, 1, mk1, pg, Hkv, h, D)  # fmt: skip
         # the slots of blocks n + NS - 1 and n + NS, read ahead of their use
-        sl_a = _slot_of_lane(slot_row, hm_row, start + 32 * (NS - 1), end, dead_id, has_hm)
-        sl_b = _slot_of_lane(slot_row, hm_row, start + 32 * NS, end, dead_id, has_hm)
+        sl_a = slot_of_lane(slot_row, hm_row, start + 32 * (NS - 1), end, dead_id, has_hm)
+        sl_b = slot_of_lane(slot_row, hm_row, start + 32 * NS, end, dead_id, has_hm)
         for n in range(0, n_blocks):
-            _barrier()  # every lane is done with the stage the next copy overwrites
+            cta_barrier()  # every lane is done with the stage the next copy overwrites
             mk_a, pg_a = _mask_page(sl_a, dead_id, int2_base)
             _issue(k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, sk, sv, sks, skz, svsz, (n + NS - 1) % NS, mk_a, pg_a, Hkv, h, D)  # fmt: skip
             sl_a = sl_b
-            sl_b = _slot_of_lane(slot_row, hm_row, start + 32 * (n + NS + 1), end, dead_id, has_hm)  # fmt: skip
+            sl_b = slot_of_lane(slot_row, hm_row, start + 32 * (n + NS + 1), end, dead_id, has_hm)  # fmt: skip
             _cp.wait_group(NS - 1)
-            _barrier()
+            cta_barrier()
             st = n % NS
             mask = mk0
             mk0 = mk1
@@ -430,7 +335,7 @@ redux.sync.max.s32 $1, pg, 0xffffffff;
                 alpha = gl.exp2(m_i - m_new)
                 al = alpha[None, :]
                 lsum = lsum * al
-                zacc = zacc * _head_rows(alpha)[:, None]
+                zacc = zacc * head_rows(alpha)[:, None]
                 o0 = o0 * al
                 o1 = o1 * al
                 o2 = o2 * al
@@ -446,13 +351,13 @@ redux.sync.max.s32 $1, pg, 0xffffffff;
             p0h = p0.to(gl.float16)
             p1h = p1.to(gl.float16)
             # value zeros: columns 4..7 of p @ [vs | vz] (p's rows: the heads, 8 of 16 used)
-            pu = _cat_tokens(_movm(p0h), _movm(p1h))
+            pu = cat_tokens(movmatrix_b(p0h), movmatrix_b(p1h))
             pt = gl.permute(pu, (1, 0))
             pa = gl.reshape(gl.permute(gl.join(pt, gl.zeros_like(pt)), (2, 0, 1)), [16, 32])
             pa = gl.convert_layout(pa, DA, assert_trivial=True)
             zacc = mma_v2(pa, svsz.index(st).load(DB), zacc)
             # values: plane k (channels 32k..32k+31, value group k) in two channel tiles
-            g00, g01, g10, g11, g20, g21, g30, g31 = _group_scales(
+            g00, g01, g10, g11, g20, g21, g30, g31 = group_scales(
                 svsz.index(st).slice(0, 4, dim=1).load(LVS)
             )
             (w00, w01, w02, w03, w10, w11, w12, w13, w20, w21, w22, w23, w30, w31, w32, w33) = (
@@ -473,10 +378,10 @@ redux.sync.max.s32 $1, pg, 0xffffffff;
         l_i = gl.sum(lsum, 0)
         inv = 1.0 / gl.where(l_i > 0.0, l_i, 1.0)
         zc = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
-        z0 = _head_cols(gl.sum(gl.where((zc == 4)[None, :], zacc, 0.0), 1))
-        z1 = _head_cols(gl.sum(gl.where((zc == 5)[None, :], zacc, 0.0), 1))
-        z2 = _head_cols(gl.sum(gl.where((zc == 6)[None, :], zacc, 0.0), 1))
-        z3 = _head_cols(gl.sum(gl.where((zc == 7)[None, :], zacc, 0.0), 1))
+        z0 = head_cols(gl.sum(gl.where((zc == 4)[None, :], zacc, 0.0), 1))
+        z1 = head_cols(gl.sum(gl.where((zc == 5)[None, :], zacc, 0.0), 1))
+        z2 = head_cols(gl.sum(gl.where((zc == 6)[None, :], zacc, 0.0), 1))
+        z3 = head_cols(gl.sum(gl.where((zc == 7)[None, :], zacc, 0.0), 1))
         hq = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
         hmask = hq < G
         row_o = (b * (Hkv * G) + h * G + hq).to(gl.int64) * S_total + s
@@ -495,10 +400,6 @@ redux.sync.max.s32 $1, pg, 0xffffffff;
 
 else:
     int2_split_gluon_kernel = None
-
-
-#: the oldest compute capability the kernel's PTX runs on (cp.async, redux.sync, movmatrix)
-MIN_CAPABILITY = (8, 0)
 
 
 def int2_split_gluon_args(
@@ -572,9 +473,7 @@ def int2_split_gluon_consts(
 
 
 __all__ = [
-    "GLUON_AVAILABLE",
     "MAX_REGISTERS",
-    "MIN_CAPABILITY",
     "STAGES",
     "int2_split_gluon_args",
     "int2_split_gluon_consts",

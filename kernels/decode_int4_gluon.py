@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import torch
 
-from .decode_int2_gluon import GLUON_AVAILABLE
+from .gluon_fragments import GLUON_AVAILABLE
 
 if GLUON_AVAILABLE:
     from triton.experimental import gluon
@@ -44,20 +44,20 @@ if GLUON_AVAILABLE:
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as _cp
     from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-    from .decode_int2_gluon import (
+    from .gluon_fragments import (
         DA,
         DB,
         LVS,
         MMA,
         SH2,
-        _barrier,
-        _cat_tokens,
-        _cp_load,
-        _group_scales,
-        _head_cols,
-        _head_rows,
-        _movm,
-        _slot_of_lane,
+        cat_tokens,
+        cp_load,
+        cta_barrier,
+        group_scales,
+        head_cols,
+        head_rows,
+        movmatrix_b,
+        slot_of_lane,
     )
 
 #: cp.async stages: one block in compute, two in flight
@@ -172,21 +172,21 @@ redux.sync.or.b32 $0, b, 0xffffffff;
         ck = gl.arange(0, D // 4, layout=gl.SliceLayout(0, CKV))
         lk = lk[:, None]
         off = rk[:, None] * (D // 4) + ck[None, :]
-        _cp_load(sk.index(st), k_ptr.to(gl.pointer_type(gl.int16)) + off, mask=lk)
-        _cp_load(sv.index(st), v_ptr.to(gl.pointer_type(gl.int16)) + off, mask=lk)
+        cp_load(sk.index(st), k_ptr.to(gl.pointer_type(gl.int16)) + off, mask=lk)
+        cp_load(sv.index(st), v_ptr.to(gl.pointer_type(gl.int16)) + off, mask=lk)
         if INTERLEAVED:
             rs, ls = _row_offsets(slot, dead_id, int4_base, Hkv, h, gl.SliceLayout(1, CS16))
             cs = gl.arange(0, 16, layout=gl.SliceLayout(0, CS16))
-            _cp_load(ss.index(st), ks_ptr + (rs[:, None] * SSTRIDE + cs[None, :]), mask=ls[:, None])
+            cp_load(ss.index(st), ks_ptr + (rs[:, None] * SSTRIDE + cs[None, :]), mask=ls[:, None])
         else:
             rs, ls = _row_offsets(slot, dead_id, int4_base, Hkv, h, gl.SliceLayout(1, CS4))
             cs = gl.arange(0, 4, layout=gl.SliceLayout(0, CS4))
             so = rs[:, None] * SSTRIDE + cs[None, :]
             ls = ls[:, None]
-            _cp_load(ss.index(st).slice(0, 4, dim=1), ks_ptr + so, mask=ls)
-            _cp_load(ss.index(st).slice(4, 4, dim=1), kz_ptr + so, mask=ls)
-            _cp_load(ss.index(st).slice(8, 4, dim=1), vs_ptr + so, mask=ls)
-            _cp_load(ss.index(st).slice(12, 4, dim=1), vz_ptr + so, mask=ls)
+            cp_load(ss.index(st).slice(0, 4, dim=1), ks_ptr + so, mask=ls)
+            cp_load(ss.index(st).slice(4, 4, dim=1), kz_ptr + so, mask=ls)
+            cp_load(ss.index(st).slice(8, 4, dim=1), vs_ptr + so, mask=ls)
+            cp_load(ss.index(st).slice(12, 4, dim=1), vz_ptr + so, mask=ls)
         _cp.commit_group()
 
     @gluon.jit
@@ -284,7 +284,7 @@ redux.sync.or.b32 $0, b, 0xffffffff;
     def _pv_group(p0h, p1h, va, vb, oa, ob, s0, s1):
         """Group g's two channel tiles: oa, ob += codes @ (p * vs_g)^T (s0, s1: the group's
         value scales of tokens 0-15 and 16-31)."""
-        bg = _cat_tokens(_movm(p0h * s0[:, None]), _movm(p1h * s1[:, None]))
+        bg = cat_tokens(movmatrix_b(p0h * s0[:, None]), movmatrix_b(p1h * s1[:, None]))
         return mma_v2(va, bg, oa), mma_v2(vb, bg, ob)
 
     @gluon.jit
@@ -350,32 +350,32 @@ redux.sync.or.b32 $0, b, 0xffffffff;
         n_blocks = gl.cdiv(end - start, 32)
         gl.static_assert(NS == 3, "the mask FIFO below holds the two blocks in flight")
         # prologue: blocks 0 and 1 in flight; mk0, mk1: their live-row masks
-        sl = _slot_of_lane(slot_row, hm_row, start, end, dead_id, has_hm)
+        sl = slot_of_lane(slot_row, hm_row, start, end, dead_id, has_hm)
         mk0 = _live_mask(sl, dead_id)
         _issue4(k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, sk, sv, ss, 0, sl, dead_id, int4_base, Hkv, h, D, SSTRIDE, INTERLEAVED)  # fmt: skip
-        sl = _slot_of_lane(slot_row, hm_row, start + 32, end, dead_id, has_hm)
+        sl = slot_of_lane(slot_row, hm_row, start + 32, end, dead_id, has_hm)
         mk1 = _live_mask(sl, dead_id)
         _issue4(k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, sk, sv, ss, 1, sl, dead_id, int4_base, Hkv, h, D, SSTRIDE, INTERLEAVED)  # fmt: skip
         # the slots of blocks n + NS - 1 and n + NS, read ahead of their use
-        sl_a = _slot_of_lane(slot_row, hm_row, start + 32 * (NS - 1), end, dead_id, has_hm)
-        sl_b = _slot_of_lane(slot_row, hm_row, start + 32 * NS, end, dead_id, has_hm)
+        sl_a = slot_of_lane(slot_row, hm_row, start + 32 * (NS - 1), end, dead_id, has_hm)
+        sl_b = slot_of_lane(slot_row, hm_row, start + 32 * NS, end, dead_id, has_hm)
         for n in range(0, n_blocks):
-            _barrier()  # every lane is done with the stage the next copy overwrites
+            cta_barrier()  # every lane is done with the stage the next copy overwrites
             mk_a = _live_mask(sl_a, dead_id)
             _issue4(k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, sk, sv, ss, (n + NS - 1) % NS, sl_a, dead_id, int4_base, Hkv, h, D, SSTRIDE, INTERLEAVED)  # fmt: skip
             sl_a = sl_b
-            sl_b = _slot_of_lane(slot_row, hm_row, start + 32 * (n + NS + 1), end, dead_id, has_hm)  # fmt: skip
+            sl_b = slot_of_lane(slot_row, hm_row, start + 32 * (n + NS + 1), end, dead_id, has_hm)  # fmt: skip
             _cp.wait_group(NS - 1)
-            _barrier()
+            cta_barrier()
             st = n % NS
             mask = mk0
             mk0 = mk1
             mk1 = mk_a
             a00, a01, a02, a03, a10, a11, a12, a13 = _key_tiles(sk.index(st).load(LK))
-            ks00, ks01, ks10, ks11, ks20, ks21, ks30, ks31 = _group_scales(
+            ks00, ks01, ks10, ks11, ks20, ks21, ks30, ks31 = group_scales(
                 ss.index(st).slice(0, 4, dim=1).load(LVS)
             )
-            kz00, kz01, kz10, kz11, kz20, kz21, kz30, kz31 = _group_scales(
+            kz00, kz01, kz10, kz11, kz20, kz21, kz30, kz31 = group_scales(
                 ss.index(st).slice(4, 4, dim=1).load(LVS)
             )
             s0 = _scores(a00, a01, a02, a03, sq, ks00, ks10, ks20, ks30, kz00, kz10, kz20, kz30, qs0, qs1, qs2, qs3, key_one)  # fmt: skip
@@ -387,7 +387,7 @@ redux.sync.or.b32 $0, b, 0xffffffff;
                 alpha = gl.exp2(m_i - m_new)
                 al = alpha[None, :]
                 lsum = lsum * al
-                zacc = zacc * _head_rows(alpha)[:, None]
+                zacc = zacc * head_rows(alpha)[:, None]
                 o0 = o0 * al
                 o1 = o1 * al
                 o2 = o2 * al
@@ -403,12 +403,12 @@ redux.sync.or.b32 $0, b, 0xffffffff;
             p0h = p0.to(gl.float16)
             p1h = p1.to(gl.float16)
             # value zeros: columns 4..7 of p @ [vs | vz] (p's rows: the heads, 8 of 16 used)
-            pu = _cat_tokens(_movm(p0h), _movm(p1h))
+            pu = cat_tokens(movmatrix_b(p0h), movmatrix_b(p1h))
             pt = gl.permute(pu, (1, 0))
             pa = gl.reshape(gl.permute(gl.join(pt, gl.zeros_like(pt)), (2, 0, 1)), [16, 32])
             pa = gl.convert_layout(pa, DA, assert_trivial=True)
             zacc = mma_v2(pa, ss.index(st).slice(8, 8, dim=1).load(DB), zacc)
-            vs00, vs01, vs10, vs11, vs20, vs21, vs30, vs31 = _group_scales(
+            vs00, vs01, vs10, vs11, vs20, vs21, vs30, vs31 = group_scales(
                 ss.index(st).slice(8, 4, dim=1).load(LVS)
             )
             v00, v01, v10, v11, v20, v21, v30, v31 = _val_tiles(sv.index(st).load(LV))
@@ -420,10 +420,10 @@ redux.sync.or.b32 $0, b, 0xffffffff;
         l_i = gl.sum(lsum, 0)
         inv = 1.0 / gl.where(l_i > 0.0, l_i, 1.0)
         zc = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
-        z0 = _head_cols(gl.sum(gl.where((zc == 4)[None, :], zacc, 0.0), 1))
-        z1 = _head_cols(gl.sum(gl.where((zc == 5)[None, :], zacc, 0.0), 1))
-        z2 = _head_cols(gl.sum(gl.where((zc == 6)[None, :], zacc, 0.0), 1))
-        z3 = _head_cols(gl.sum(gl.where((zc == 7)[None, :], zacc, 0.0), 1))
+        z0 = head_cols(gl.sum(gl.where((zc == 4)[None, :], zacc, 0.0), 1))
+        z1 = head_cols(gl.sum(gl.where((zc == 5)[None, :], zacc, 0.0), 1))
+        z2 = head_cols(gl.sum(gl.where((zc == 6)[None, :], zacc, 0.0), 1))
+        z3 = head_cols(gl.sum(gl.where((zc == 7)[None, :], zacc, 0.0), 1))
         hq = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
         hmask = hq < G
         row_o = (b * (Hkv * G) + h * G + hq).to(gl.int64) * S_total + s_first + s

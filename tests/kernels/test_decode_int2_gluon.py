@@ -13,7 +13,7 @@ import torch
 from mixed_batch import build_mixed_batch
 
 from agentkv.kernels import DecodeConfig, SegmentMaxLens, decode_attention, decode_attention_ref
-from agentkv.kernels.decode_int2_gluon import GLUON_AVAILABLE, MIN_CAPABILITY
+from agentkv.kernels.gluon_fragments import GLUON_AVAILABLE, MIN_CAPABILITY
 
 dattn = importlib.import_module("agentkv.kernels.decode_attention")
 

@@ -1,0 +1,157 @@
+"""MMA fragment layouts and helpers shared by the Gluon decode splits (issue 10):
+:mod:`.decode_int2_gluon` and :mod:`.decode_int4_gluon`.
+
+One warp per program; ``mma.sync`` m16n8k16 fragments (``MMA``, ``DA``, ``DB``) with the GQA
+group as the 8 columns of the swapped-operand dots. Lane ``(gid, tig) = (lane // 4,
+lane % 4)`` are the fragments' coordinates. Nothing here is a kernel; Triton's interpreter
+does not run Gluon (the kernels are tested on a GPU and compiled for sm_90 on the CPU).
+"""
+
+from __future__ import annotations
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy as _cp
+except ImportError:  # a Triton without Gluon: the Triton splits serve every launch
+    gluon = None
+
+GLUON_AVAILABLE = gluon is not None
+
+#: the oldest compute capability the kernels' PTX runs on (cp.async, redux.sync, movmatrix)
+MIN_CAPABILITY = (8, 0)
+
+if GLUON_AVAILABLE:
+    # Triton 3.6 names the cp.async copy async_copy_global_to_shared and the CTA barrier
+    # thread_barrier; later ones async_load and barrier
+    cp_load = getattr(_cp, "async_load", None) or _cp.async_copy_global_to_shared
+    cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+
+    MMA = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
+    DA = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+    DB = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+    # per-token scales [32 tokens, 4 groups]: tokens gid + 8 j (the accumulator rows), all four
+    # groups
+    LVS = gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [0, 2], [8, 0], [16, 0]],
+        lane_bases=[[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]],
+        warp_bases=[],
+        block_bases=[],
+        shape=[32, 4],
+    )
+    SH2 = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
+
+    # this lane's slot-map entry of the block at $2 (DEAD past the end $3, or where the
+    # head mask byte at $6 + position is 0 when $7 != 0)
+    SLOT_ASM = gl.constexpr(
+        """{
+.reg .u32 ln;
+.reg .s32 pos;
+.reg .u64 a;
+.reg .u16 m;
+.reg .pred p, z;
+mov.u32 ln, %laneid;
+add.s32 pos, $2, ln;
+setp.lt.s32 p, pos, $3;
+mov.b32 $0, $4;
+mul.wide.s32 a, pos, 4;
+add.u64 a, a, $1;
+@p ld.global.nc.b32 $0, [a];
+setp.ne.and.s32 p, $6, 0, p;
+cvt.s64.s32 a, pos;
+add.u64 a, a, $5;
+mov.u16 m, 1;
+@p ld.global.nc.u8 m, [a];
+setp.eq.s16 z, m, 0;
+@z mov.b32 $0, $4;
+}"""
+    )
+
+    @gluon.jit
+    def slot_of_lane(slot_row, hm_row, start_n, end, dead_id, has_hm):
+        """This lane's slot of the block starting at position ``start_n`` (``dead_id`` past
+        ``end`` or where the head mask says no; ``has_hm``: 1 if there is one): a value
+        per lane (lane l: position ``start_n + l``), which ``redux.sync`` / ``shfl.sync``
+        share."""
+        return gl.inline_asm_elementwise(
+            SLOT_ASM,
+            "=r,l,r,r,r,l,r",
+            [slot_row, start_n, end, dead_id, hm_row.to(gl.pointer_type(gl.int32)), has_hm],
+            dtype=gl.int32,
+            is_pure=False,
+            pack=1,
+        )
+
+    @gluon.jit
+    def movmatrix_b(x):
+        """[16, 8] fp16 in the accumulator layout -> the same values as a B operand tile."""
+        t = gl.inline_asm_elementwise(
+            "movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;",
+            "=r,r",
+            [x],
+            dtype=gl.float16,
+            is_pure=True,
+            pack=2,
+        )
+        return gl.reshape(gl.permute(gl.reshape(t, [2, 8, 8]), (0, 2, 1)), [16, 8])
+
+    @gluon.jit
+    def cat_tokens(t0, t1):
+        """Two [16, 8] B tiles (tokens 0-15, 16-31) -> the [32, 8] B operand."""
+        x = gl.reshape(gl.permute(gl.join(t0, t1), (2, 0, 1)), [32, 8])
+        return gl.convert_layout(x, DB, assert_trivial=True)
+
+    @gluon.jit
+    def group_scales(vsv):
+        """[32 tokens, 4] per-token scales (LVS) -> group g, token tile m: [16] in the MMA rows
+        (returned g0m0, g0m1, g1m0, ...)."""
+        x = gl.permute(gl.reshape(vsv, [2, 16, 2, 2]), (1, 2, 3, 0))  # r, g1, g0, m
+        x0, x1 = gl.split(x)
+        a, b = gl.split(x0)
+        g00, g20 = gl.split(a)
+        g10, g30 = gl.split(b)
+        a, b = gl.split(x1)
+        g01, g21 = gl.split(a)
+        g11, g31 = gl.split(b)
+        R: gl.constexpr = gl.SliceLayout(1, MMA)
+        return (
+            gl.convert_layout(g00, R, assert_trivial=True),
+            gl.convert_layout(g01, R, assert_trivial=True),
+            gl.convert_layout(g10, R, assert_trivial=True),
+            gl.convert_layout(g11, R, assert_trivial=True),
+            gl.convert_layout(g20, R, assert_trivial=True),
+            gl.convert_layout(g21, R, assert_trivial=True),
+            gl.convert_layout(g30, R, assert_trivial=True),
+            gl.convert_layout(g31, R, assert_trivial=True),
+        )
+
+    @gluon.jit
+    def head_rows(x):
+        """[8] per head (the accumulator's columns) -> [16] per row (heads 0-7, then ones)."""
+        y = gl.reshape(gl.permute(gl.join(x, gl.full_like(x, 1.0)), (1, 0)), [16])
+        return gl.convert_layout(y, gl.SliceLayout(1, MMA))
+
+    @gluon.jit
+    def head_cols(x):
+        """[16] per row (heads 0-7, then padding) -> [8] per head (the columns)."""
+        a, _ = gl.split(gl.permute(gl.reshape(x, [2, 8]), (1, 0)))
+        return gl.convert_layout(a, gl.SliceLayout(0, MMA))
+
+
+__all__ = [
+    "DA",
+    "DB",
+    "GLUON_AVAILABLE",
+    "LVS",
+    "MIN_CAPABILITY",
+    "MMA",
+    "SH2",
+    "cat_tokens",
+    "cp_load",
+    "cta_barrier",
+    "group_scales",
+    "head_cols",
+    "head_rows",
+    "movmatrix_b",
+    "slot_of_lane",
+]
