@@ -2179,12 +2179,11 @@ def _use_gluon_int2(
     return _use_gluon(wanted, "int2_gluon", device, head_dim, group, slot_dtype, interpreting, why)
 
 
-def _int4_pool_aligned(p4) -> bool:
+def _int4_pool_aligned(p4, sstride: int, interleaved: bool) -> bool:
     """Whether the Gluon INT4 split's ``cp.async`` copies fit the pool: codes and scale tensors
-    starting on 16-byte boundaries, a row's scales in 8-byte runs (interleaved: 16-byte
-    rows of ``[ks | kz | vs | vz]``)."""
-    sstride = p4.scale_row_stride()
-    if p4.scales_interleaved:
+    starting on 16-byte boundaries, a row's scales (``sstride`` elements apart) in 8-byte
+    runs (``interleaved``: 16-byte rows of ``[ks | kz | vs | vz]``)."""
+    if interleaved:
         tensors, step = (p4.k, p4.v, p4.k_scale), 8
     else:
         tensors, step = (p4.k, p4.v, p4.k_scale, p4.k_zero, p4.v_scale, p4.v_zero), 4
@@ -2199,18 +2198,27 @@ def _use_gluon_int4(
     slot_dtype: torch.dtype,
     interpreting: bool,
     int2_on_triton: bool = False,
-    pool_aligned: bool = True,
+    p4=None,
+    sstride: int = 0,
+    interleaved: bool = True,
 ) -> bool:
     """Whether a launch's INT4 splits run on the Gluon kernel (``DecodeConfig.int4_gluon``;
     ``int2_on_triton``: the launch's INT2 splits run on the Triton kernel, which then could
-    not skip the INT4 ones; ``pool_aligned``: see :func:`_int4_pool_aligned`)."""
+    not skip the INT4 ones; ``p4``: the INT4 pool, whose alignment
+    (:func:`_int4_pool_aligned` with ``sstride`` and ``interleaved``) and layout it checks;
+    None: not checked)."""
+    wanted = cfg.int4_gluon
+    if wanted is False or interpreting:
+        return False
     why = "int4_legacy=False" if cfg.int4_legacy else None
     if why is None and int2_on_triton:
         why = "the INT2 splits on the Gluon kernel too (int2_gluon)"
-    if why is None and not pool_aligned:
+    if why is None and p4 is not None and not _int4_pool_aligned(p4, sstride, interleaved):
         why = "INT4 pool tensors on 16-byte boundaries (see _int4_pool_aligned)"
-    wanted = cfg.int4_gluon
-    return _use_gluon(wanted, "int4_gluon", device, head_dim, group, slot_dtype, interpreting, why)
+    use = _use_gluon(wanted, "int4_gluon", device, head_dim, group, slot_dtype, interpreting, why)
+    # by default only the pool layout its GPU tests have covered so far
+    verified = p4 is None or (interleaved and p4.k_channel is None)
+    return use and (wanted is True or verified)
 
 
 def _split_len(
@@ -2557,12 +2565,10 @@ def decode_attention(
     # the INT4 splits likewise; this module's launch then runs a contiguous run of programs
     # (the full segment's), so not beside INT2 splits of its own
     gluon4 = m4 > 0 and _use_gluon_int4(
-        cfg, q.device, d, g, slot_map.dtype, interpreting, t2, _int4_pool_aligned(p4)
+        cfg, q.device, d, g, slot_map.dtype, interpreting, t2, p4, sstride, interleaved
     )
     if gluon4 and cfg.int4_gluon is None and (m2 or mf):
         gluon4 = b * hkv * m4 >= cfg.int4_gluon_mixed_positions
-    if gluon4 and cfg.int4_gluon is None and not (p4.scales_interleaved and kcs is None):
-        gluon4 = False  # by default only the pool layout its GPU tests have covered so far
     t4 = m4 > 0 and not gluon4  # INT4 splits in this module's kernel
     imma = stacked if cfg.int4_imma is None else cfg.int4_imma  # int8 key dots where stacked
     # the stacked INT4 split may run several capped chunks (a partial row each), in launches
@@ -2746,32 +2752,26 @@ def decode_attention(
                     key, q.device, lambda: _decode_split_kernel.warmup(*args, grid=(1,), **consts)
                 )
                 splits = wave_plan(resident, tri)
-        if gluon2:  # the INT2 splits planned for the Gluon kernel's own residency
-            key = (q.device, q.dtype, "gluon-int2", per_head, *gconsts.values())
+
+        def gluon_resident(tag: str, kernel, args_of, kconsts: dict) -> int:
+            """Programs per SM of a Gluon split (measured once per variant)."""
+            key = (q.device, q.dtype, tag, per_head, *kconsts.values())
             resident = cfg.resident_programs or _RESIDENT_PROGRAMS.get(key)
             if resident is None:
                 scratch = torch.empty(1, dtype=torch.float32, device=q.device)
-                gl_grid = _split_grid(lens, (cfg.min_split_len,) * 3, caps, False)
-                args = gluon_args(gl_grid, scratch, scratch)
+                args = args_of(_split_grid(lens, (cfg.min_split_len,) * 3, caps, False), scratch, scratch)  # fmt: skip
                 resident = _variant_resident_programs(
-                    key,
-                    q.device,
-                    lambda: int2_split_gluon_kernel.warmup(*args, grid=(1,), **gconsts),
+                    key, q.device, lambda: kernel.warmup(*args, grid=(1,), **kconsts)
                 )
-            splits = (wave_plan(resident, (m2, 0, 0))[0], *splits[1:])
-        if gluon4:  # the INT4 splits planned for their Gluon kernel's residency
-            key = (q.device, q.dtype, "gluon-int4", per_head, *g4consts.values())
-            resident = cfg.resident_programs or _RESIDENT_PROGRAMS.get(key)
-            if resident is None:
-                scratch = torch.empty(1, dtype=torch.float32, device=q.device)
-                gl_grid = _split_grid(lens, (cfg.min_split_len,) * 3, caps, False)
-                args = gluon4_args(gl_grid, scratch, scratch)
-                resident = _variant_resident_programs(
-                    key,
-                    q.device,
-                    lambda: int4_split_gluon_kernel.warmup(*args, grid=(1,), **g4consts),
-                )
-            splits = (splits[0], wave_plan(resident, (0, m4, 0))[1], splits[2])
+            return resident
+
+        # the INT2 / INT4 splits planned for their Gluon kernels' own residency
+        if gluon2:
+            res2 = gluon_resident("gluon-int2", int2_split_gluon_kernel, gluon_args, gconsts)
+            splits = (wave_plan(res2, (m2, 0, 0))[0], *splits[1:])
+        if gluon4:
+            res4 = gluon_resident("gluon-int4", int4_split_gluon_kernel, gluon4_args, g4consts)
+            splits = (splits[0], wave_plan(res4, (0, m4, 0))[1], splits[2])
     else:
         total, sms = m2 + m4 + mf, _num_sms(q.device)
         splits = tuple(

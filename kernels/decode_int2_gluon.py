@@ -57,10 +57,12 @@ if GLUON_AVAILABLE:
         cp_load,
         cta_barrier,
         group_scales,
-        head_cols,
-        head_rows,
         movmatrix_b,
         slot_of_lane,
+        softmax_step,
+        split_lse,
+        split_totals,
+        value_zeros,
     )
 
 #: cp.async stages: one block in compute, two in flight (4 measured 6-15% slower on the H200)
@@ -284,7 +286,6 @@ redux.sync.max.s32 $1, pg, 0xffffffff;
         o6 = gl.full([16, 8], 0.0, gl.float32, MMA)
         o7 = gl.full([16, 8], 0.0, gl.float32, MMA)
         key_one = qk_scale * 16777216.0
-        tok = gl.arange(0, 16, layout=gl.SliceLayout(1, MMA))
 
         n_blocks = gl.cdiv(end - start, 32)
         gl.static_assert(NS == 3, "the mask FIFO below holds the two blocks in flight")
@@ -325,37 +326,10 @@ redux.sync.max.s32 $1, pg, 0xffffffff;
             qz = mma_v2(kza, sq.index(1).load(DB), acc0) * qk_scale
             s0 = mma_v2(a0, bk, acc0) * key_one + qz
             s1 = mma_v2(a1, bk, acc0) * key_one + qz
-            s0 = gl.where((((mask >> tok) & 1) != 0)[:, None], s0, float("-inf"))
-            s1 = gl.where((((mask >> (tok + 16)) & 1) != 0)[:, None], s1, float("-inf"))
-            # online softmax, rescaled only when some head's max moves by more than
-            # RESCALE_SLACK: 0 keeps p <= 1 (the running max's token exactly 1: no rounding
-            # of the dominant term), 4 (lazy) skips more rescales at p <= 16
-            m_new = gl.maximum(m_i, gl.maximum(gl.max(s0, 0), gl.max(s1, 0)))
-            if gl.max(m_new - m_i, 0) > RESCALE_SLACK:
-                alpha = gl.exp2(m_i - m_new)
-                al = alpha[None, :]
-                lsum = lsum * al
-                zacc = zacc * head_rows(alpha)[:, None]
-                o0 = o0 * al
-                o1 = o1 * al
-                o2 = o2 * al
-                o3 = o3 * al
-                o4 = o4 * al
-                o5 = o5 * al
-                o6 = o6 * al
-                o7 = o7 * al
-                m_i = m_new
-            p0 = gl.exp2(s0 - m_i[None, :])
-            p1 = gl.exp2(s1 - m_i[None, :])
-            lsum = lsum + (p0 + p1)
-            p0h = p0.to(gl.float16)
-            p1h = p1.to(gl.float16)
-            # value zeros: columns 4..7 of p @ [vs | vz] (p's rows: the heads, 8 of 16 used)
-            pu = cat_tokens(movmatrix_b(p0h), movmatrix_b(p1h))
-            pt = gl.permute(pu, (1, 0))
-            pa = gl.reshape(gl.permute(gl.join(pt, gl.zeros_like(pt)), (2, 0, 1)), [16, 32])
-            pa = gl.convert_layout(pa, DA, assert_trivial=True)
-            zacc = mma_v2(pa, svsz.index(st).load(DB), zacc)
+            (p0h, p1h, m_i, lsum, zacc, o0, o1, o2, o3, o4, o5, o6, o7) = softmax_step(
+                s0, s1, mask, m_i, lsum, zacc, o0, o1, o2, o3, o4, o5, o6, o7, RESCALE_SLACK
+            )
+            zacc = value_zeros(p0h, p1h, svsz.index(st), zacc)
             # values: plane k (channels 32k..32k+31, value group k) in two channel tiles
             g00, g01, g10, g11, g20, g21, g30, g31 = group_scales(
                 svsz.index(st).slice(0, 4, dim=1).load(LVS)
@@ -375,13 +349,7 @@ redux.sync.max.s32 $1, pg, 0xffffffff;
             o4, o5 = _pv_plane(p0h, p1h, w02, w12, w22, w32, o4, o5, g20, g21)
             o6, o7 = _pv_plane(p0h, p1h, w03, w13, w23, w33, o6, o7, g30, g31)
         _cp.wait_group(0)
-        l_i = gl.sum(lsum, 0)
-        inv = 1.0 / gl.where(l_i > 0.0, l_i, 1.0)
-        zc = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
-        z0 = head_cols(gl.sum(gl.where((zc == 4)[None, :], zacc, 0.0), 1))
-        z1 = head_cols(gl.sum(gl.where((zc == 5)[None, :], zacc, 0.0), 1))
-        z2 = head_cols(gl.sum(gl.where((zc == 6)[None, :], zacc, 0.0), 1))
-        z3 = head_cols(gl.sum(gl.where((zc == 7)[None, :], zacc, 0.0), 1))
+        l_i, inv, z0, z1, z2, z3 = split_totals(lsum, zacc)
         hq = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
         hmask = hq < G
         row_o = (b * (Hkv * G) + h * G + hq).to(gl.int64) * S_total + s
@@ -394,9 +362,7 @@ redux.sync.max.s32 $1, pg, 0xffffffff;
         _store_tile(po_ptr, prow, hmask, o5, z2, inv, 5)
         _store_tile(po_ptr, prow, hmask, o6, z3, inv, 6)
         _store_tile(po_ptr, prow, hmask, o7, z3, inv, 7)
-        has = l_i > 0.0
-        lse = gl.where(has, m_i + gl.log2(gl.where(has, l_i, 1.0)), float("-inf"))
-        gl.store(plse_ptr + row_o, lse, mask=hmask)
+        gl.store(plse_ptr + row_o, split_lse(m_i, l_i), mask=hmask)
 
 else:
     int2_split_gluon_kernel = None

@@ -54,10 +54,13 @@ if GLUON_AVAILABLE:
         cp_load,
         cta_barrier,
         group_scales,
-        head_cols,
-        head_rows,
         movmatrix_b,
         slot_of_lane,
+        softmax_step,
+        split8,
+        split_lse,
+        split_totals,
+        value_zeros,
     )
 
 #: cp.async stages: one block in compute, two in flight
@@ -190,22 +193,6 @@ redux.sync.or.b32 $0, b, 0xffffffff;
         _cp.commit_group()
 
     @gluon.jit
-    def _split8(x):
-        """[..., 2, 2, 2] -> its 8 sub-tensors, index (i2, i1, i0) in that order."""
-        x0, x1 = gl.split(x)
-        a0, a1 = gl.split(x0)
-        b0, b1 = gl.split(x1)
-        t000, t100 = gl.split(a0)
-        t010, t110 = gl.split(a1)
-        t001, t101 = gl.split(b0)
-        t011, t111 = gl.split(b1)
-        return t000, t001, t010, t011, t100, t101, t110, t111
-
-    @gluon.jit
-    def _da(x):
-        return gl.convert_layout(x, DA, assert_trivial=True)
-
-    @gluon.jit
     def _key_tiles(kw):
         """[32 tokens, 32] int16 key half-words (LK) -> A tiles [16 tokens, 32 k] of (token
         tile m, group g), returned (m0 g0, m0 g1, .., m1 g3); k = e + 2 tig + 8 a + 16 ks is
@@ -219,11 +206,7 @@ redux.sync.or.b32 $0, b, 0xffffffff;
         x = gl.reshape(x, [2, 16, 2, 2, 4, 2, 2, 2])  # m, r, g1, g0, tig, e, ks, a
         x = gl.permute(x, (1, 6, 7, 4, 5, 0, 2, 3))  # r, ks, a, tig, e, m, g1, g0
         x = gl.reshape(x, [16, 32, 2, 2, 2])
-        t000, t001, t010, t011, t100, t101, t110, t111 = _split8(x)
-        return (
-            _da(t000), _da(t001), _da(t010), _da(t011),
-            _da(t100), _da(t101), _da(t110), _da(t111),
-        )  # fmt: skip
+        return split8(x, gl.constexpr(DA))
 
     @gluon.jit
     def _val_tiles(vw):
@@ -237,11 +220,7 @@ redux.sync.or.b32 $0, b, 0xffffffff;
         x = gl.reshape(x, [32, 2, 2, 8, 2, 2])  # tok, g1, g0, i, h, u
         x = gl.permute(x, (4, 3, 0, 1, 2, 5))  # h, i, tok, g1, g0, u
         x = gl.reshape(x, [16, 32, 2, 2, 2])
-        t000, t001, t010, t011, t100, t101, t110, t111 = _split8(x)
-        return (
-            _da(t000), _da(t001), _da(t010), _da(t011),
-            _da(t100), _da(t101), _da(t110), _da(t111),
-        )  # fmt: skip
+        return split8(x, gl.constexpr(DA))
 
     @gluon.jit
     def _q_group(q_ptr, stride_qb, stride_qh, kcs_ptr, sq, b, h, qk_scale,
@@ -345,7 +324,6 @@ redux.sync.or.b32 $0, b, 0xffffffff;
         o6 = gl.full([16, 8], 0.0, gl.float32, MMA)
         o7 = gl.full([16, 8], 0.0, gl.float32, MMA)
         key_one = qk_scale * 16777216.0
-        tok = gl.arange(0, 16, layout=gl.SliceLayout(1, MMA))
 
         n_blocks = gl.cdiv(end - start, 32)
         gl.static_assert(NS == 3, "the mask FIFO below holds the two blocks in flight")
@@ -380,34 +358,10 @@ redux.sync.or.b32 $0, b, 0xffffffff;
             )
             s0 = _scores(a00, a01, a02, a03, sq, ks00, ks10, ks20, ks30, kz00, kz10, kz20, kz30, qs0, qs1, qs2, qs3, key_one)  # fmt: skip
             s1 = _scores(a10, a11, a12, a13, sq, ks01, ks11, ks21, ks31, kz01, kz11, kz21, kz31, qs0, qs1, qs2, qs3, key_one)  # fmt: skip
-            s0 = gl.where((((mask >> tok) & 1) != 0)[:, None], s0, float("-inf"))
-            s1 = gl.where((((mask >> (tok + 16)) & 1) != 0)[:, None], s1, float("-inf"))
-            m_new = gl.maximum(m_i, gl.maximum(gl.max(s0, 0), gl.max(s1, 0)))
-            if gl.max(m_new - m_i, 0) > RESCALE_SLACK:
-                alpha = gl.exp2(m_i - m_new)
-                al = alpha[None, :]
-                lsum = lsum * al
-                zacc = zacc * head_rows(alpha)[:, None]
-                o0 = o0 * al
-                o1 = o1 * al
-                o2 = o2 * al
-                o3 = o3 * al
-                o4 = o4 * al
-                o5 = o5 * al
-                o6 = o6 * al
-                o7 = o7 * al
-                m_i = m_new
-            p0 = gl.exp2(s0 - m_i[None, :])
-            p1 = gl.exp2(s1 - m_i[None, :])
-            lsum = lsum + (p0 + p1)
-            p0h = p0.to(gl.float16)
-            p1h = p1.to(gl.float16)
-            # value zeros: columns 4..7 of p @ [vs | vz] (p's rows: the heads, 8 of 16 used)
-            pu = cat_tokens(movmatrix_b(p0h), movmatrix_b(p1h))
-            pt = gl.permute(pu, (1, 0))
-            pa = gl.reshape(gl.permute(gl.join(pt, gl.zeros_like(pt)), (2, 0, 1)), [16, 32])
-            pa = gl.convert_layout(pa, DA, assert_trivial=True)
-            zacc = mma_v2(pa, ss.index(st).slice(8, 8, dim=1).load(DB), zacc)
+            (p0h, p1h, m_i, lsum, zacc, o0, o1, o2, o3, o4, o5, o6, o7) = softmax_step(
+                s0, s1, mask, m_i, lsum, zacc, o0, o1, o2, o3, o4, o5, o6, o7, RESCALE_SLACK
+            )
+            zacc = value_zeros(p0h, p1h, ss.index(st).slice(8, 8, dim=1), zacc)
             vs00, vs01, vs10, vs11, vs20, vs21, vs30, vs31 = group_scales(
                 ss.index(st).slice(8, 4, dim=1).load(LVS)
             )
@@ -417,13 +371,7 @@ redux.sync.or.b32 $0, b, 0xffffffff;
             o4, o5 = _pv_group(p0h, p1h, v20, v21, o4, o5, vs20, vs21)
             o6, o7 = _pv_group(p0h, p1h, v30, v31, o6, o7, vs30, vs31)
         _cp.wait_group(0)
-        l_i = gl.sum(lsum, 0)
-        inv = 1.0 / gl.where(l_i > 0.0, l_i, 1.0)
-        zc = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
-        z0 = head_cols(gl.sum(gl.where((zc == 4)[None, :], zacc, 0.0), 1))
-        z1 = head_cols(gl.sum(gl.where((zc == 5)[None, :], zacc, 0.0), 1))
-        z2 = head_cols(gl.sum(gl.where((zc == 6)[None, :], zacc, 0.0), 1))
-        z3 = head_cols(gl.sum(gl.where((zc == 7)[None, :], zacc, 0.0), 1))
+        l_i, inv, z0, z1, z2, z3 = split_totals(lsum, zacc)
         hq = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
         hmask = hq < G
         row_o = (b * (Hkv * G) + h * G + hq).to(gl.int64) * S_total + s_first + s
@@ -436,9 +384,7 @@ redux.sync.or.b32 $0, b, 0xffffffff;
         _store_tile4(po_ptr, prow, hmask, o5, z2, inv, 5)
         _store_tile4(po_ptr, prow, hmask, o6, z3, inv, 6)
         _store_tile4(po_ptr, prow, hmask, o7, z3, inv, 7)
-        has = l_i > 0.0
-        lse = gl.where(has, m_i + gl.log2(gl.where(has, l_i, 1.0)), float("-inf"))
-        gl.store(plse_ptr + row_o, lse, mask=hmask)
+        gl.store(plse_ptr + row_o, split_lse(m_i, l_i), mask=hmask)
 
 else:
     int4_split_gluon_kernel = None
@@ -510,14 +456,14 @@ def int4_split_gluon_consts(
     has_head_mask: bool,
     has_key_channel_scale: bool,
     max_registers: int | None = None,
-    lazy_rescale: bool = False,
 ) -> dict:
     """Constexprs and launch options of the kernel (``scale_stride``: elements between one
     (slot, head) row's scales and the next's; ``interleaved``: each row's scales and zeros
     side by side, ``[ks | kz | vs | vz]`` at ``k_scale``; ``has_int2``: the launch has
     INT2 segments, ``int2_lens`` says where each INT4 segment starts, else at 0;
-    ``max_registers``: None =
-    :data:`MAX_REGISTERS`; ``lazy_rescale``: the running max moves only by more than 2**4)."""
+    ``max_registers``: None = :data:`MAX_REGISTERS`). The softmax's running max moves
+    whenever a head's max grows (``RESCALE_SLACK`` 0: the dominant token's ``p`` and
+    ``p * vs`` exact, as the INT2 split's default)."""
     return dict(
         G=group,
         D=head_dim,
@@ -527,7 +473,7 @@ def int4_split_gluon_consts(
         HAS_INT2=has_int2,
         HAS_HEAD_MASK=has_head_mask,
         HAS_KCS=has_key_channel_scale,
-        RESCALE_SLACK=4.0 if lazy_rescale else 0.0,
+        RESCALE_SLACK=0.0,
         num_warps=1,
         maxnreg=max_registers or MAX_REGISTERS,
     )

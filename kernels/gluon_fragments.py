@@ -13,6 +13,7 @@ try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as _cp
+    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 except ImportError:  # a Triton without Gluon: the Triton splits serve every launch
     gluon = None
 
@@ -102,28 +103,33 @@ setp.eq.s16 z, m, 0;
         return gl.convert_layout(x, DB, assert_trivial=True)
 
     @gluon.jit
+    def split8(x, layout: gl.constexpr):
+        """[..., 2, 2, 2] -> its 8 sub-tensors in ``layout`` (each a register renaming, asserted),
+        index (i2, i1, i0) in that order."""
+        x0, x1 = gl.split(x)
+        a0, a1 = gl.split(x0)
+        b0, b1 = gl.split(x1)
+        t000, t100 = gl.split(a0)
+        t010, t110 = gl.split(a1)
+        t001, t101 = gl.split(b0)
+        t011, t111 = gl.split(b1)
+        return (
+            gl.convert_layout(t000, layout, assert_trivial=True),
+            gl.convert_layout(t001, layout, assert_trivial=True),
+            gl.convert_layout(t010, layout, assert_trivial=True),
+            gl.convert_layout(t011, layout, assert_trivial=True),
+            gl.convert_layout(t100, layout, assert_trivial=True),
+            gl.convert_layout(t101, layout, assert_trivial=True),
+            gl.convert_layout(t110, layout, assert_trivial=True),
+            gl.convert_layout(t111, layout, assert_trivial=True),
+        )
+
+    @gluon.jit
     def group_scales(vsv):
         """[32 tokens, 4] per-token scales (LVS) -> group g, token tile m: [16] in the MMA rows
         (returned g0m0, g0m1, g1m0, ...)."""
         x = gl.permute(gl.reshape(vsv, [2, 16, 2, 2]), (1, 2, 3, 0))  # r, g1, g0, m
-        x0, x1 = gl.split(x)
-        a, b = gl.split(x0)
-        g00, g20 = gl.split(a)
-        g10, g30 = gl.split(b)
-        a, b = gl.split(x1)
-        g01, g21 = gl.split(a)
-        g11, g31 = gl.split(b)
-        R: gl.constexpr = gl.SliceLayout(1, MMA)
-        return (
-            gl.convert_layout(g00, R, assert_trivial=True),
-            gl.convert_layout(g01, R, assert_trivial=True),
-            gl.convert_layout(g10, R, assert_trivial=True),
-            gl.convert_layout(g11, R, assert_trivial=True),
-            gl.convert_layout(g20, R, assert_trivial=True),
-            gl.convert_layout(g21, R, assert_trivial=True),
-            gl.convert_layout(g30, R, assert_trivial=True),
-            gl.convert_layout(g31, R, assert_trivial=True),
-        )
+        return split8(x, gl.SliceLayout(1, MMA))
 
     @gluon.jit
     def head_rows(x):
@@ -136,6 +142,72 @@ setp.eq.s16 z, m, 0;
         """[16] per row (heads 0-7, then padding) -> [8] per head (the columns)."""
         a, _ = gl.split(gl.permute(gl.reshape(x, [2, 8]), (1, 0)))
         return gl.convert_layout(a, gl.SliceLayout(0, MMA))
+
+    @gluon.jit
+    def softmax_step(s0, s1, mask, m_i, lsum, zacc, o0, o1, o2, o3, o4, o5, o6, o7,
+                     RESCALE_SLACK: gl.constexpr):  # fmt: skip
+        """One 32-token block of the online softmax (base 2): scores s0, s1 [16 tokens, 8
+        heads] of tokens 0-15 and 16-31, ``mask`` bit t: token t is live. The running max
+        ``m_i`` [8] moves (and the sums lsum, zacc and the value accumulators o0..o7 are
+        rescaled) only when some head's max grows by more than RESCALE_SLACK: 0 keeps
+        p <= 1 (the running max's token exactly 1: no rounding of the dominant term), 4
+        (lazy) skips more rescales at p <= 16. Returns (p0, p1 in fp16, m_i, lsum, zacc,
+        o0..o7)."""
+        tok = gl.arange(0, 16, layout=gl.SliceLayout(1, MMA))
+        s0 = gl.where((((mask >> tok) & 1) != 0)[:, None], s0, float("-inf"))
+        s1 = gl.where((((mask >> (tok + 16)) & 1) != 0)[:, None], s1, float("-inf"))
+        m_new = gl.maximum(m_i, gl.maximum(gl.max(s0, 0), gl.max(s1, 0)))
+        if gl.max(m_new - m_i, 0) > RESCALE_SLACK:
+            alpha = gl.exp2(m_i - m_new)
+            al = alpha[None, :]
+            lsum = lsum * al
+            zacc = zacc * head_rows(alpha)[:, None]
+            o0 = o0 * al
+            o1 = o1 * al
+            o2 = o2 * al
+            o3 = o3 * al
+            o4 = o4 * al
+            o5 = o5 * al
+            o6 = o6 * al
+            o7 = o7 * al
+            m_i = m_new
+        p0 = gl.exp2(s0 - m_i[None, :])
+        p1 = gl.exp2(s1 - m_i[None, :])
+        lsum = lsum + (p0 + p1)
+        return (
+            p0.to(gl.float16), p1.to(gl.float16), m_i, lsum, zacc,
+            o0, o1, o2, o3, o4, o5, o6, o7,
+        )  # fmt: skip
+
+    @gluon.jit
+    def value_zeros(p0h, p1h, vsz, zacc):
+        """zacc += p @ vsz: ``vsz`` the block's [32 tokens, 8] ``[vs | vz]`` rows in shared
+        memory (loaded as the B operand), so columns 4..7 gather ``sum_t p_t vz_tg`` per
+        group (p's rows: the heads, 8 of 16 used)."""
+        pu = cat_tokens(movmatrix_b(p0h), movmatrix_b(p1h))
+        pt = gl.permute(pu, (1, 0))
+        pa = gl.reshape(gl.permute(gl.join(pt, gl.zeros_like(pt)), (2, 0, 1)), [16, 32])
+        pa = gl.convert_layout(pa, DA, assert_trivial=True)
+        return mma_v2(pa, vsz.load(DB), zacc)
+
+    @gluon.jit
+    def split_totals(lsum, zacc):
+        """After the last block: (l per head, 1 / l (1 where nothing was live), the four
+        groups' ``sum p vz`` per head)."""
+        l_i = gl.sum(lsum, 0)
+        inv = 1.0 / gl.where(l_i > 0.0, l_i, 1.0)
+        zc = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
+        z0 = head_cols(gl.sum(gl.where((zc == 4)[None, :], zacc, 0.0), 1))
+        z1 = head_cols(gl.sum(gl.where((zc == 5)[None, :], zacc, 0.0), 1))
+        z2 = head_cols(gl.sum(gl.where((zc == 6)[None, :], zacc, 0.0), 1))
+        z3 = head_cols(gl.sum(gl.where((zc == 7)[None, :], zacc, 0.0), 1))
+        return l_i, inv, z0, z1, z2, z3
+
+    @gluon.jit
+    def split_lse(m_i, l_i):
+        """The split's log2-sum-exp per head (-inf where nothing was live)."""
+        has = l_i > 0.0
+        return gl.where(has, m_i + gl.log2(gl.where(has, l_i, 1.0)), float("-inf"))
 
 
 __all__ = [
@@ -154,4 +226,9 @@ __all__ = [
     "head_rows",
     "movmatrix_b",
     "slot_of_lane",
+    "softmax_step",
+    "split8",
+    "split_lse",
+    "split_totals",
+    "value_zeros",
 ]

@@ -10,30 +10,12 @@ import importlib
 
 import pytest
 import torch
+from gluon_gpu import CUDA, GLUON_GPU, needs_gluon_gpu, rel_err
 from mixed_batch import build_mixed_batch
 
 from agentkv.kernels import DecodeConfig, SegmentMaxLens, decode_attention, decode_attention_ref
-from agentkv.kernels.gluon_fragments import GLUON_AVAILABLE, MIN_CAPABILITY
 
 dattn = importlib.import_module("agentkv.kernels.decode_attention")
-
-CUDA = torch.device("cuda")
-GLUON_GPU = (
-    GLUON_AVAILABLE
-    and torch.cuda.is_available()
-    and torch.cuda.get_device_capability() >= MIN_CAPABILITY
-)
-needs_gluon_gpu = pytest.mark.skipif(
-    not GLUON_GPU, reason="the Gluon INT2 split needs a CUDA GPU of compute capability >= 8.0"
-)
-
-
-def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((a.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-6))
-
-
-def _decode(mb, cfg: DecodeConfig, **kw) -> torch.Tensor:
-    return mb.decode(config=cfg, **kw)
 
 
 def test_dispatch_off_where_it_cannot_run() -> None:
@@ -106,12 +88,12 @@ def test_gluon_split_matches_reference_and_triton_split(
         mb.int4_lens = None
         kw["max_lens"] = SegmentMaxLens(int(mb.int2_lens.max()), 0, 0)
     ref = decode_attention_ref(mb.q, mb.pools, mb.slot_map, mb.seq_lens, mb.head_mask)
-    out = _decode(mb, DecodeConfig(int2_gluon=True), **kw)
-    tri = _decode(mb, DecodeConfig(int2_gluon=False), **kw)
+    out = mb.decode(config=DecodeConfig(int2_gluon=True), **kw)
+    tri = mb.decode(config=DecodeConfig(int2_gluon=False), **kw)
     assert bool(torch.isfinite(out).all())
     tol = 1e-3 if dtype == torch.float16 else 8e-3
-    assert _rel(out, ref) < tol, _rel(out, ref)
-    assert _rel(out, tri) < tol, _rel(out, tri)
+    assert rel_err(out, ref) < tol, rel_err(out, ref)
+    assert rel_err(out, tri) < tol, rel_err(out, tri)
 
 
 @needs_gluon_gpu
@@ -126,8 +108,8 @@ def test_gluon_split_from_flat_to_sharp_softmax(q_scale, tol) -> None:
     mb.q = (mb.q.float() * q_scale).to(torch.float16)
     ref = decode_attention_ref(mb.q, mb.pools, mb.slot_map, mb.seq_lens)
     for split_len in (128, 1024, None):
-        out = _decode(mb, DecodeConfig(int2_gluon=True), split_len=split_len)
-        assert _rel(out, ref) < tol, (split_len, _rel(out, ref))
+        out = mb.decode(config=DecodeConfig(int2_gluon=True), split_len=split_len)
+        assert rel_err(out, ref) < tol, (split_len, rel_err(out, ref))
 
 
 @needs_gluon_gpu
@@ -138,10 +120,10 @@ def test_gluon_split_all_dead_and_empty_requests_give_zeros() -> None:
     for t in ("seq_lens", "int2_lens"):
         setattr(mb, t, getattr(mb, t).clone())
         getattr(mb, t)[1] = 0
-    out = _decode(mb, DecodeConfig(int2_gluon=True), split_len=64)
+    out = mb.decode(config=DecodeConfig(int2_gluon=True), split_len=64)
     assert bool((out[:2] == 0).all())
     ref = decode_attention_ref(mb.q, mb.pools, mb.slot_map, mb.seq_lens)
-    assert _rel(out[2:], ref[2:]) < 1e-3
+    assert rel_err(out[2:], ref[2:]) < 1e-3
 
 
 @needs_gluon_gpu
@@ -159,4 +141,4 @@ def test_gluon_split_per_head_slot_maps() -> None:
         mb.q, mb.pools, sm, lens, int2_lens=lens, config=DecodeConfig(int2_gluon=False)
     )
     ref = decode_attention_ref(mb.q, mb.pools, sm, lens)
-    assert _rel(out, ref) < 1e-3 and _rel(out, tri) < 1e-3
+    assert rel_err(out, ref) < 1e-3 and rel_err(out, tri) < 1e-3

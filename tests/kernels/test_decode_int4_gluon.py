@@ -10,30 +10,17 @@ import importlib
 
 import pytest
 import torch
+from gluon_gpu import CUDA, GLUON_GPU, needs_gluon_gpu, rel_err
 from mixed_batch import build_mixed_batch, separate_int4_scales
 
 from agentkv.kernels import DecodeConfig, SegmentMaxLens, decode_attention, decode_attention_ref
-from agentkv.kernels.gluon_fragments import GLUON_AVAILABLE, MIN_CAPABILITY
 
 dattn = importlib.import_module("agentkv.kernels.decode_attention")
 
-CUDA = torch.device("cuda")
-GLUON_GPU = (
-    GLUON_AVAILABLE
-    and torch.cuda.is_available()
-    and torch.cuda.get_device_capability() >= MIN_CAPABILITY
-)
-needs_gluon_gpu = pytest.mark.skipif(
-    not GLUON_GPU, reason="the Gluon INT4 split needs a CUDA GPU of compute capability >= 8.0"
-)
 #: the Gluon INT4 split forced, and the Triton INT4 split (the Gluon INT2 split on in both,
 #: which a launch with INT2 and Gluon INT4 splits needs)
 ON = DecodeConfig(int4_gluon=True, int2_gluon=True)
 OFF = DecodeConfig(int4_gluon=False, int2_gluon=True)
-
-
-def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((a.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-6))
 
 
 def test_dispatch_off_where_it_cannot_run() -> None:
@@ -114,8 +101,8 @@ def test_gluon_split_matches_reference_and_triton_split(
     tri = mb.decode(config=OFF, **kw)
     assert bool(torch.isfinite(out).all())
     tol = 1e-3 if dtype == torch.float16 else 8e-3
-    assert _rel(out, ref) < tol, _rel(out, ref)
-    assert _rel(out, tri) < tol, _rel(out, tri)
+    assert rel_err(out, ref) < tol, rel_err(out, ref)
+    assert rel_err(out, tri) < tol, rel_err(out, tri)
 
 
 @needs_gluon_gpu
@@ -129,7 +116,7 @@ def test_gluon_split_from_flat_to_sharp_softmax(q_scale, tol) -> None:
     ref = decode_attention_ref(mb.q, mb.pools, mb.slot_map, mb.seq_lens)
     for split_len in (128, 1024, None):
         out = mb.decode(config=ON, split_len=split_len)
-        assert _rel(out, ref) < tol, (split_len, _rel(out, ref))
+        assert rel_err(out, ref) < tol, (split_len, rel_err(out, ref))
 
 
 @needs_gluon_gpu
@@ -147,7 +134,7 @@ def test_gluon_split_scale_layouts_and_key_channel_scale() -> None:
         ref = decode_attention_ref(mb.q, mb.pools, mb.slot_map, mb.seq_lens)
         out = mb.decode(config=ON)
         tri = mb.decode(config=OFF)
-        assert _rel(out, ref) < 1e-3 and _rel(out, tri) < 1e-3, step
+        assert rel_err(out, ref) < 1e-3 and rel_err(out, tri) < 1e-3, step
 
 
 @needs_gluon_gpu
@@ -161,7 +148,7 @@ def test_gluon_split_all_dead_and_empty_requests_give_zeros() -> None:
     out = mb.decode(config=ON, split_len=64)
     assert bool((out[:2] == 0).all())
     ref = decode_attention_ref(mb.q, mb.pools, mb.slot_map, mb.seq_lens)
-    assert _rel(out[2:], ref[2:]) < 1e-3
+    assert rel_err(out[2:], ref[2:]) < 1e-3
 
 
 @needs_gluon_gpu
@@ -176,4 +163,4 @@ def test_gluon_split_per_head_slot_maps() -> None:
     out = decode_attention(mb.q, mb.pools, sm, lens, int2_lens=zero, int4_lens=lens, config=ON)
     tri = decode_attention(mb.q, mb.pools, sm, lens, int2_lens=zero, int4_lens=lens, config=OFF)
     ref = decode_attention_ref(mb.q, mb.pools, sm, lens)
-    assert _rel(out, ref) < 1e-3 and _rel(out, tri) < 1e-3
+    assert rel_err(out, ref) < 1e-3 and rel_err(out, tri) < 1e-3
