@@ -167,7 +167,10 @@ class DecodeConfig:
     with fp16 output, 5.9e-3 uncapped, 1.1e-3 at 1,024 positions and 5.4e-4 at 512 (the
     dequantizing INT2 split and bf16 stay at their rounding floor at any length). Shorter
     splits mean more programs and partial outputs for the merge, not more reads (INT4 at
-    B=8 N=128k: 726 µs at 1,024, 767 at 512).
+    B=8 N=128k: 726 µs at 1,024, 767 at 512). The Gluon INT4 split (``int4_gluon``) takes
+    ``int4_gluon_cap_factor`` times this cap: each block's value dots start from zero and
+    are added to the running sums in fp32, rounding to nearest, so no truncation bias
+    builds up across blocks.
     heads_fastest: the split kernel's grid is (KV head, split, request) instead of (split,
     KV head, request), so the programs of one split's KV heads are neighbours in launch
     order and run together: the token rows they share (one slot-map entry; the 32-byte
@@ -255,16 +258,25 @@ class DecodeConfig:
     in the operand layout from ``ldmatrix`` / ``ldmatrix.trans``; token rows gathered by
     ``cp.async``, four lanes to a row). None: on for CUDA sm_90+ where it applies (head_dim
     128, GQA group <= 8, int32 slot maps, 16-byte aligned pool tensors, not
-    ``int4_legacy``; and for now only the pool's interleaved scales without a per-channel
-    key scale, the layouts its GPU tests have covered), in launches with full segments too
-    from ``int4_gluon_mixed_positions`` INT4 positions x (request, KV head) pairs, and
-    beside an INT2 segment only if that runs on the Gluon INT2 split too (the Triton launch
-    then takes the full segment's splits alone); True: also on sm_80+, the other layouts
-    and any launch, and a ValueError where it cannot run. H200, session 19, kernel time vs
-    the Triton INT4 split: B=8 N=32k 132 vs 160 µs (1.87x vs 1.55x SDPA), B=1 N=32k 29 vs
-    35, B=32 N=4k 70 vs 89, B=8 N=128k 518 vs 648 (docs/benchmarks.md §3).
-    int4_gluon_mixed_positions: see ``int4_gluon`` (2**19 like INT2's; not measured for
-    INT4 on its own)."""
+    ``int4_legacy``; the pool's interleaved scales, with or without a per-channel key
+    scale: with four separate scale tensors it ran 1.5x slower than the Triton split, H200
+    session 20, B=8 N=32k 245 vs 164 µs), in launches with full segments too from
+    ``int4_gluon_mixed_positions`` INT4 positions x (request, KV head) pairs, and beside an
+    INT2 segment only if that runs on the Gluon INT2 split too (the Triton launch then
+    takes the full segment's splits alone); True: also on sm_80+, separate scales and any
+    launch, and a ValueError where it cannot run. H200, session 19, kernel time vs the Triton INT4
+    split: B=8 N=32k 132 vs 160 µs (1.87x vs 1.55x SDPA), B=1 N=32k 29 vs 35, B=32 N=4k
+    70 vs 89, B=8 N=128k 518 vs 648 (docs/benchmarks.md §3).
+    int4_gluon_mixed_positions: see ``int4_gluon`` (2**17: H200, session 20, mixed
+    launches (3/4 INT2 on the Gluon INT2 split) at B=32 N=4k, 32 x 8 x 1,024 INT4 positions,
+    66 instead of 74 µs with the Gluon INT4 split; where the INT2 splits stay on the Triton
+    kernel, below ``int2_gluon_mixed_positions``, so does INT4).
+    int4_gluon_cap_factor: the Gluon INT4 split's longest split, in units of the folded cap
+    (``max_split_len_folded``; 0: uncapped). H200, session 20, fp16 output vs the
+    reference: 5.8e-4 at B=8 N=32k (the wave plan's 1,408 positions per split, under the
+    4 x 1,024 cap: kernel time 123 instead of 133 µs with the 1,024 cap, 2.04x instead of
+    1.90x SDPA), 7.1e-4 at B=8 N=128k uncapped (5,504 positions; 5.0e-4 at 512, the same
+    time within 1%)."""
 
     block_n_full: int = 64
     block_n_int4: int = 32
@@ -306,12 +318,17 @@ class DecodeConfig:
     int2_gluon: bool | None = None
     int2_gluon_mixed_positions: int = 1 << 19
     int4_gluon: bool | None = None
-    int4_gluon_mixed_positions: int = 1 << 19
+    int4_gluon_mixed_positions: int = 1 << 17
+    int4_gluon_cap_factor: int = 4
 
     def __post_init__(self) -> None:
         bd = self.merge_block_d
         if bd is not None and (bd < 16 or bd & (bd - 1)):
             raise ValueError(f"merge_block_d must be a power of two >= 16, got {bd}")
+        if self.int4_gluon_cap_factor < 0:
+            raise ValueError(
+                f"int4_gluon_cap_factor must be >= 0, got {self.int4_gluon_cap_factor}"
+            )
         if self.int4_v_centred and self.int4_v_subnormal:
             raise ValueError(
                 "int4_v_centred needs int4_v_subnormal=False (the centred codes are made "
@@ -2205,8 +2222,9 @@ def _use_gluon_int4(
     """Whether a launch's INT4 splits run on the Gluon kernel (``DecodeConfig.int4_gluon``;
     ``int2_on_triton``: the launch's INT2 splits run on the Triton kernel, which then could
     not skip the INT4 ones; ``p4``: the INT4 pool, whose alignment
-    (:func:`_int4_pool_aligned` with ``sstride`` and ``interleaved``) and layout it checks;
-    None: not checked)."""
+    (:func:`_int4_pool_aligned` with ``sstride`` and ``interleaved``) it checks; None: not
+    checked; ``interleaved``: the pool's scales in one buffer, the layout it runs by
+    default)."""
     wanted = cfg.int4_gluon
     if wanted is False or interpreting:
         return False
@@ -2216,9 +2234,9 @@ def _use_gluon_int4(
     if why is None and p4 is not None and not _int4_pool_aligned(p4, sstride, interleaved):
         why = "INT4 pool tensors on 16-byte boundaries (see _int4_pool_aligned)"
     use = _use_gluon(wanted, "int4_gluon", device, head_dim, group, slot_dtype, interpreting, why)
-    # by default only the pool layout its GPU tests have covered so far
-    verified = p4 is None or (interleaved and p4.k_channel is None)
-    return use and (wanted is True or verified)
+    # by default only with the pool's interleaved scales: with four separate scale tensors
+    # (a lane's 8-byte run per row and tensor) it ran 1.5x slower than the Triton split
+    return use and (wanted is True or interleaved)
 
 
 def _split_len(
@@ -2570,6 +2588,8 @@ def decode_attention(
     if gluon4 and cfg.int4_gluon is None and (m2 or mf):
         gluon4 = b * hkv * m4 >= cfg.int4_gluon_mixed_positions
     t4 = m4 > 0 and not gluon4  # INT4 splits in this module's kernel
+    if gluon4:  # its blocks' dots start from zero and are summed rounding to nearest
+        cap4 = cap * cfg.int4_gluon_cap_factor
     imma = stacked if cfg.int4_imma is None else cfg.int4_imma  # int8 key dots where stacked
     # the stacked INT4 split may run several capped chunks (a partial row each), in launches
     # without INT2 segments (H100, session 16: beside INT2 segments 0.5-2.5% slower; the

@@ -262,9 +262,12 @@ redux.sync.or.b32 $0, b, 0xffffffff;
     @gluon.jit
     def _pv_group(p0h, p1h, va, vb, oa, ob, s0, s1):
         """Group g's two channel tiles: oa, ob += codes @ (p * vs_g)^T (s0, s1: the group's
-        value scales of tokens 0-15 and 16-31)."""
+        value scales of tokens 0-15 and 16-31). The block's dot starts from zero and is
+        added in fp32 (round to nearest): the tensor cores truncate what they add to their
+        accumulator, a bias that would grow with the split."""
         bg = cat_tokens(movmatrix_b(p0h * s0[:, None]), movmatrix_b(p1h * s1[:, None]))
-        return mma_v2(va, bg, oa), mma_v2(vb, bg, ob)
+        zero = gl.zeros_like(oa)
+        return oa + mma_v2(va, bg, zero), ob + mma_v2(vb, bg, zero)
 
     @gluon.jit
     def _store_tile4(po_ptr, prow, hmask, o, z, inv, mt: gl.constexpr):
@@ -361,7 +364,8 @@ redux.sync.or.b32 $0, b, 0xffffffff;
             (p0h, p1h, m_i, lsum, zacc, o0, o1, o2, o3, o4, o5, o6, o7) = softmax_step(
                 s0, s1, mask, m_i, lsum, zacc, o0, o1, o2, o3, o4, o5, o6, o7, RESCALE_SLACK
             )
-            zacc = value_zeros(p0h, p1h, ss.index(st).slice(8, 8, dim=1), zacc)
+            # (from zero and added in fp32, as the value dots: no truncation bias)
+            zacc += value_zeros(p0h, p1h, ss.index(st).slice(8, 8, dim=1), gl.zeros_like(zacc))
             vs00, vs01, vs10, vs11, vs20, vs21, vs30, vs31 = group_scales(
                 ss.index(st).slice(8, 4, dim=1).load(LVS)
             )

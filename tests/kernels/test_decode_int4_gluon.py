@@ -6,6 +6,7 @@ test_decode_attention.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 
 import pytest
@@ -49,6 +50,40 @@ def test_dispatch_off_where_it_cannot_run() -> None:
                 use(DecodeConfig(int4_gluon=True, int4_legacy=legacy), CUDA, d, g, dt, False, int2_tri)  # fmt: skip
         expect = torch.cuda.get_device_capability(CUDA) >= (9, 0)
         assert use(auto, CUDA, 128, 4, torch.int32, interpreting=False) is expect
+
+
+def test_cap_factor_is_checked() -> None:
+    with pytest.raises(ValueError, match="int4_gluon_cap_factor"):
+        DecodeConfig(int4_gluon_cap_factor=-1)
+    assert DecodeConfig().int4_gluon_cap_factor * DecodeConfig().max_split_len_folded == 4096
+
+
+@needs_gluon_gpu
+def test_dispatch_by_pool_layout() -> None:
+    """None: on for the pool's interleaved scales, with or without a per-channel key scale;
+    off for four separate scale tensors (slower there than the Triton split), where True
+    runs it; off for a pool tensor off a 16-byte boundary, where True raises a ValueError
+    naming the alignment."""
+    use = dattn._use_gluon_int4
+    auto, on = DecodeConfig(), DecodeConfig(int4_gluon=True)
+    expect = torch.cuda.get_device_capability(CUDA) >= (9, 0)
+    args = (CUDA, 128, 4, torch.int32, False, False)
+    p4 = build_mixed_batch([(0, 64, 0)], hq=8, hkv=2, d=128, seed=1).pools.int4
+    assert p4.scales_interleaved
+    assert use(auto, *args, p4, p4.scale_row_stride(), True) is expect
+    p4.k_channel = torch.ones(2, 128, device=CUDA)
+    assert use(auto, *args, p4, p4.scale_row_stride(), True) is expect
+    pools = build_mixed_batch([(0, 64, 0)], hq=8, hkv=2, d=128, seed=1).pools
+    separate_int4_scales(pools)
+    p4 = pools.int4
+    assert not use(auto, *args, p4, p4.scale_row_stride(), False)
+    assert use(on, *args, p4, p4.scale_row_stride(), False)
+    # a zeros tensor 4 bytes past a 16-byte boundary
+    buf = torch.empty(p4.k_zero.numel() + 2, dtype=p4.k_zero.dtype, device=CUDA)
+    p4.k_zero = buf[2:].view_as(p4.k_zero)
+    assert not use(auto, *args, p4, p4.scale_row_stride(), False)
+    with pytest.raises(ValueError, match="16-byte"):
+        use(on, *args, p4, p4.scale_row_stride(), False)
 
 
 GLUON_CASES = [
@@ -117,6 +152,21 @@ def test_gluon_split_from_flat_to_sharp_softmax(q_scale, tol) -> None:
     for split_len in (128, 1024, None):
         out = mb.decode(config=ON, split_len=split_len)
         assert rel_err(out, ref) < tol, (split_len, rel_err(out, ref))
+
+
+@needs_gluon_gpu
+@pytest.mark.parametrize("cap_factor", [4, 0])
+def test_gluon_split_long_splits_keep_the_error(cap_factor) -> None:
+    """Splits of 4 x 1,024 positions (its default cap) and one of 16,384 (uncapped), with
+    near-uniform attention (the output small beside the sums it is the difference of):
+    fp16 output within 1e-3 of the reference (a truncating accumulation reached 1.8e-2 at
+    16,384 with the Triton split on the H100, which is why that one is capped at 1,024)."""
+    mb = build_mixed_batch([(0, 16384, 0)], hq=8, hkv=2, d=128, seed=6)
+    mb.q = mb.q.to(torch.float16)
+    ref = decode_attention_ref(mb.q, mb.pools, mb.slot_map, mb.seq_lens)
+    cfg = dataclasses.replace(ON, int4_gluon_cap_factor=cap_factor)
+    out = mb.decode(config=cfg, split_len=16384)
+    assert rel_err(out, ref) < 1e-3, rel_err(out, ref)
 
 
 @needs_gluon_gpu
