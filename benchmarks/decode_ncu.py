@@ -13,6 +13,9 @@ occupancy and its register limit, issue-slot use, warp instructions and the warp
 breakdown (cycles per issued instruction by reason) of each variant. The variants
 ``int4 read-only probe`` / ``int2 read-only probe`` profile ``gather_roofline.py``'s probe
 (``_gather_probe``: the same rows read with the same grid, nothing computed) beside them.
+With ``--source`` it also samples warp stalls per SASS instruction: ``<out>/source_<i>.csv``
+and its summary ``source_<i>_top.txt`` (``--summarize CSV`` prints that summary of a saved
+CSV, on any machine).
 """
 
 from __future__ import annotations
@@ -67,11 +70,17 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "int4 default, 5 stages": ("int4", dict(num_stages=5)),
     "int2 split-fastest grid": ("int2", dict(int2_gluon=False, heads_fastest=False)),
     "int2 Triton split (the default before session 18)": ("int2", dict(int2_gluon=False)),
+    "int4 Triton split (the default before session 19)": ("int4", dict(int4_gluon=False)),
     # gather_roofline.py's read-only probe: the same rows read, nothing computed
     "int4 read-only probe": ("probe", dict(layout="int4 pool")),
     "int2 read-only probe": ("probe", dict(layout="int2 pages")),
 }
-KERNELS = ("_decode_split_kernel", "int2_split_gluon_kernel", "_gather_probe")
+KERNELS = (
+    "_decode_split_kernel",
+    "int2_split_gluon_kernel",
+    "int4_split_gluon_kernel",
+    "_gather_probe",
+)
 
 METRICS = {
     "gpu__time_duration.sum": "duration_ns",
@@ -194,8 +203,16 @@ def main() -> None:
         action="store_true",
         help="also sample warp stalls per SASS instruction (<out>/source_<i>.csv per variant)",
     )
+    ap.add_argument(
+        "--summarize",
+        type=Path,
+        help="only print top_stalls of a saved source CSV (ncu's source page), no profiling",
+    )
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.summarize:
+        print(top_stalls(args.summarize.read_text()), end="")
+        return
     names = [v for v in args.variants.split(";") if v]
     unknown = [v for v in names if v not in VARIANTS]
     if unknown:
@@ -268,6 +285,45 @@ def source_stalls(ncu: str, args: argparse.Namespace, names: list[str]) -> None:
             text=True,
         )
         (args.out / f"source_{i}.csv").write_text(page.stdout or page.stderr)
+        if page.stdout:
+            (args.out / f"source_{i}_top.txt").write_text(top_stalls(page.stdout))
+
+
+def top_stalls(source_csv: str, n: int = 30) -> str:
+    """ncu's source page (``--page source --csv --print-source sass``) -> the kernel's
+    warp-stall reasons (share of all samples) and the ``n`` SASS instructions with the
+    most samples, each with its three largest reasons: where the warps wait, and for
+    what."""
+    lines = source_csv.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith('"Address"')), None)
+    if start is None:
+        return "no source rows\n"
+    rows = list(csv.DictReader(io.StringIO("\n".join(lines[start:]))))
+    reasons = [k for k in rows[0] if k.startswith("stall_") and "Not Issued" not in k]
+
+    def num(x: str | None) -> float:
+        try:
+            return float(str(x).replace(",", ""))
+        except ValueError:
+            return 0.0
+
+    total = sum(num(r["Warp Stall Sampling (All Samples)"]) for r in rows) or 1.0
+    by_reason = {k: sum(num(r[k]) for r in rows) for k in reasons}
+    out = [f"{int(total)} samples over {len(rows)} SASS instructions"]
+    for k, v in sorted(by_reason.items(), key=lambda kv: -kv[1]):
+        if v:
+            out.append(f"  {k[6:]:20s} {100 * v / total:5.1f}%")
+    out.append(f"top {n} instructions (share of samples, executions, top reasons):")
+    ranked = sorted(rows, key=lambda r: -num(r["Warp Stall Sampling (All Samples)"]))
+    for r in ranked[:n]:
+        share = 100 * num(r["Warp Stall Sampling (All Samples)"]) / total
+        top = sorted(((num(r[k]), k[6:]) for k in reasons), reverse=True)[:3]
+        why = " ".join(f"{k}={100 * v / total:.1f}" for v, k in top if v)
+        out.append(
+            f"{share:5.1f}% {r['Address'][-5:]} {r['Source'].strip()[:56]:56s} "
+            f"x{num(r['Instructions Executed']):.0f} {why}"
+        )
+    return "\n".join(out) + "\n"
 
 
 if __name__ == "__main__":
