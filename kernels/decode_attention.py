@@ -264,9 +264,11 @@ class DecodeConfig:
     ``int4_gluon_mixed_positions`` INT4 positions x (request, KV head) pairs, and beside an
     INT2 segment only if that runs on the Gluon INT2 split too (the Triton launch then
     takes the full segment's splits alone); True: also on sm_80+, separate scales and any
-    launch, and a ValueError where it cannot run. H200, session 19, kernel time vs the Triton INT4
-    split: B=8 N=32k 132 vs 160 µs (1.87x vs 1.55x SDPA), B=1 N=32k 29 vs 35, B=32 N=4k
-    70 vs 89, B=8 N=128k 518 vs 648 (docs/benchmarks.md §3).
+    launch, and a ValueError where it cannot run. H200, kernel time vs the Triton INT4
+    split: session 19, B=8 N=32k 132 vs 160 µs (1.87x vs 1.55x SDPA), B=1 N=32k 29 vs 35,
+    B=32 N=4k 70 vs 89, B=8 N=128k 518 vs 648; session 20 (longer splits, see
+    ``int4_gluon_cap_factor``), B=8 N=32k 123 vs 174 µs (2.04x vs 1.45x SDPA)
+    (docs/benchmarks.md §3).
     int4_gluon_mixed_positions: see ``int4_gluon`` (2**17: H200, session 20, mixed
     launches (3/4 INT2 on the Gluon INT2 split) at B=32 N=4k, 32 x 8 x 1,024 INT4 positions,
     66 instead of 74 µs with the Gluon INT4 split; where the INT2 splits stay on the Triton
