@@ -59,7 +59,7 @@ from .decode_int4_gluon import (
     int4_split_gluon_consts,
     int4_split_gluon_kernel,
 )
-from .gluon_fragments import GLUON_AVAILABLE, MIN_CAPABILITY
+from .gluon_fragments import GLUON_AVAILABLE, MIN_CAPABILITY, head_mask_args, query_slot_args
 from .packing import (
     INT4_CENTRE,
     dequant_int2_quads,
@@ -2558,7 +2558,7 @@ def decode_attention(
         interleaved = p4.scales_interleaved
     if not all(t.is_contiguous() for t in q4[:2] + q2):
         raise ValueError("quantized pools must be contiguous (INT4 scales: see Int4Pool)")
-    hm = dummy
+    hm = None  # (the uint8 head mask, contiguous along positions)
     if head_mask is not None:
         hm = head_mask.to(torch.uint8) if head_mask.dtype == torch.bool else head_mask
         if hm.stride(-1) != 1:
@@ -2653,20 +2653,13 @@ def decode_attention(
 
     def split_args(grid: SplitGrid, part_o, part_lse, s_first: int = 0) -> tuple:
         return (
-            q,
-            q.stride(0),
-            q.stride(1),
-            slot_map,
-            slot_map.stride(0),
-            slot_map.stride(1) if per_head else 0,
+            *query_slot_args(q, slot_map),
             seq_lens,
             n2,
             n4,
             stride_lb,
             stride_lh,
-            hm,
-            hm.stride(0) if head_mask is not None else 0,
-            hm.stride(1) if head_mask is not None else 0,
+            *head_mask_args(hm, dummy),
             f.k,
             f.v,
             f.k.stride(0),
@@ -2697,7 +2690,7 @@ def decode_attention(
             n2,
             stride_lb,
             stride_lh,
-            hm if head_mask is not None else None,
+            hm,
             p2,
             part_o,
             part_lse,
@@ -2716,7 +2709,7 @@ def decode_attention(
             n4,
             stride_lb,
             stride_lh,
-            hm if head_mask is not None else None,
+            hm,
             p4,
             part_o,
             part_lse,

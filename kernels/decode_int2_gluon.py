@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import torch
 
-from .gluon_fragments import GLUON_AVAILABLE
+from .gluon_fragments import GLUON_AVAILABLE, head_mask_args, query_slot_args
 from .packing import INT2_WORD_PLANES
 
 if GLUON_AVAILABLE:
@@ -60,8 +60,7 @@ if GLUON_AVAILABLE:
         movmatrix_b,
         slot_of_lane,
         softmax_step,
-        split_lse,
-        split_totals,
+        store_split,
         value_zeros,
     )
 
@@ -349,20 +348,10 @@ redux.sync.max.s32 $1, pg, 0xffffffff;
             o4, o5 = _pv_plane(p0h, p1h, w02, w12, w22, w32, o4, o5, g20, g21)
             o6, o7 = _pv_plane(p0h, p1h, w03, w13, w23, w33, o6, o7, g30, g31)
         _cp.wait_group(0)
-        l_i, inv, z0, z1, z2, z3 = split_totals(lsum, zacc)
-        hq = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
-        hmask = hq < G
-        row_o = (b * (Hkv * G) + h * G + hq).to(gl.int64) * S_total + s
-        prow = row_o * D
-        _store_tile(po_ptr, prow, hmask, o0, z0, inv, 0)
-        _store_tile(po_ptr, prow, hmask, o1, z0, inv, 1)
-        _store_tile(po_ptr, prow, hmask, o2, z1, inv, 2)
-        _store_tile(po_ptr, prow, hmask, o3, z1, inv, 3)
-        _store_tile(po_ptr, prow, hmask, o4, z2, inv, 4)
-        _store_tile(po_ptr, prow, hmask, o5, z2, inv, 5)
-        _store_tile(po_ptr, prow, hmask, o6, z3, inv, 6)
-        _store_tile(po_ptr, prow, hmask, o7, z3, inv, 7)
-        gl.store(plse_ptr + row_o, split_lse(m_i, l_i), mask=hmask)
+        store_split(
+            po_ptr, plse_ptr, b * (Hkv * G) + h * G, s, S_total, G, D,
+            m_i, lsum, zacc, o0, o1, o2, o3, o4, o5, o6, o7, _store_tile,
+        )  # fmt: skip
 
 else:
     int2_split_gluon_kernel = None
@@ -386,21 +375,12 @@ def int2_split_gluon_args(
 ) -> tuple:
     """The kernel's positional arguments (``slot_map`` [B, L] or [B, Hkv, L]; ``head_mask``
     None or uint8 [B, Hkv, L]; ``int2``: the :class:`~.pools.Int2Pool`)."""
-    per_head = slot_map.dim() == 3
-    hm = head_mask if head_mask is not None else slot_map
     return (
-        q,
-        q.stride(0),
-        q.stride(1),
-        slot_map,
-        slot_map.stride(0),
-        slot_map.stride(1) if per_head else 0,
+        *query_slot_args(q, slot_map),
         int2_lens,
         stride_lb,
         stride_lh,
-        hm,
-        hm.stride(0) if head_mask is not None else 0,
-        hm.stride(1) if head_mask is not None else 0,
+        *head_mask_args(head_mask, slot_map),
         int2.k,
         int2.v,
         int2.k_scale,

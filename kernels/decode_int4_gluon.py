@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import torch
 
-from .gluon_fragments import GLUON_AVAILABLE
+from .gluon_fragments import GLUON_AVAILABLE, head_mask_args, query_slot_args
 
 if GLUON_AVAILABLE:
     from triton.experimental import gluon
@@ -58,8 +58,7 @@ if GLUON_AVAILABLE:
         slot_of_lane,
         softmax_step,
         split8,
-        split_lse,
-        split_totals,
+        store_split,
         value_zeros,
     )
 
@@ -375,20 +374,10 @@ redux.sync.or.b32 $0, b, 0xffffffff;
             o4, o5 = _pv_group(p0h, p1h, v20, v21, o4, o5, vs20, vs21)
             o6, o7 = _pv_group(p0h, p1h, v30, v31, o6, o7, vs30, vs31)
         _cp.wait_group(0)
-        l_i, inv, z0, z1, z2, z3 = split_totals(lsum, zacc)
-        hq = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
-        hmask = hq < G
-        row_o = (b * (Hkv * G) + h * G + hq).to(gl.int64) * S_total + s_first + s
-        prow = row_o * D
-        _store_tile4(po_ptr, prow, hmask, o0, z0, inv, 0)
-        _store_tile4(po_ptr, prow, hmask, o1, z0, inv, 1)
-        _store_tile4(po_ptr, prow, hmask, o2, z1, inv, 2)
-        _store_tile4(po_ptr, prow, hmask, o3, z1, inv, 3)
-        _store_tile4(po_ptr, prow, hmask, o4, z2, inv, 4)
-        _store_tile4(po_ptr, prow, hmask, o5, z2, inv, 5)
-        _store_tile4(po_ptr, prow, hmask, o6, z3, inv, 6)
-        _store_tile4(po_ptr, prow, hmask, o7, z3, inv, 7)
-        gl.store(plse_ptr + row_o, split_lse(m_i, l_i), mask=hmask)
+        store_split(
+            po_ptr, plse_ptr, b * (Hkv * G) + h * G, s_first + s, S_total, G, D,
+            m_i, lsum, zacc, o0, o1, o2, o3, o4, o5, o6, o7, _store_tile4,
+        )  # fmt: skip
 
 else:
     int4_split_gluon_kernel = None
@@ -415,23 +404,14 @@ def int4_split_gluon_args(
     """The kernel's positional arguments (``slot_map`` [B, L] or [B, Hkv, L]; ``head_mask``
     None or uint8 [B, Hkv, L]; ``int4``: the :class:`~.pools.Int4Pool`; ``int2_lens``:
     where each INT4 segment starts, read only with the constexpr ``HAS_INT2``)."""
-    per_head = slot_map.dim() == 3
-    hm = head_mask if head_mask is not None else slot_map
     kcs = int4.k_channel if int4.k_channel is not None else int4.k_scale
     return (
-        q,
-        q.stride(0),
-        q.stride(1),
-        slot_map,
-        slot_map.stride(0),
-        slot_map.stride(1) if per_head else 0,
+        *query_slot_args(q, slot_map),
         int2_lens,
         int4_lens,
         stride_lb,
         stride_lh,
-        hm,
-        hm.stride(0) if head_mask is not None else 0,
-        hm.stride(1) if head_mask is not None else 0,
+        *head_mask_args(head_mask, slot_map),
         int4.k,
         int4.v,
         int4.k_scale,

@@ -22,6 +22,30 @@ GLUON_AVAILABLE = gluon is not None
 #: the oldest compute capability the kernels' PTX runs on (cp.async, redux.sync, movmatrix)
 MIN_CAPABILITY = (8, 0)
 
+
+def query_slot_args(q, slot_map) -> tuple:
+    """The decode kernels' first launch arguments: ``q`` [B, Hq, D] and its request and head
+    strides, ``slot_map`` [B, L] or [B, Hkv, L] and its request and KV-head strides (0 for a
+    map shared by the heads)."""
+    per_head = slot_map.dim() == 3
+    return (
+        q,
+        q.stride(0),
+        q.stride(1),
+        slot_map,
+        slot_map.stride(0),
+        slot_map.stride(1) if per_head else 0,
+    )
+
+
+def head_mask_args(head_mask, stand_in) -> tuple:
+    """The head mask's launch arguments: uint8 [B, Hkv, L] and its request and KV-head
+    strides; with no mask, ``stand_in`` (a tensor the kernel never reads) and zeros."""
+    if head_mask is None:
+        return stand_in, 0, 0
+    return head_mask, head_mask.stride(0), head_mask.stride(1)
+
+
 if GLUON_AVAILABLE:
     # Triton 3.6 names the cp.async copy async_copy_global_to_shared and the CTA barrier
     # thread_barrier; later ones async_load and barrier
@@ -209,8 +233,32 @@ setp.eq.s16 z, m, 0;
         has = l_i > 0.0
         return gl.where(has, m_i + gl.log2(gl.where(has, l_i, 1.0)), float("-inf"))
 
+    @gluon.jit
+    def store_split(po_ptr, plse_ptr, row0, col, S_total, G: gl.constexpr, D: gl.constexpr,
+                    m_i, lsum, zacc, o0, o1, o2, o3, o4, o5, o6, o7,
+                    store_tile: gl.constexpr):  # fmt: skip
+        """After the last block: the G query heads' partial rows ``(row0 + i) S_total + col``
+        of po ([rows, D] fp32, normalised; ``store_tile(po_ptr, prow, hmask, o, z, inv, mt)``
+        writes value tile mt, whose channels the kernel's code layout fixes) and plse."""
+        l_i, inv, z0, z1, z2, z3 = split_totals(lsum, zacc)
+        hq = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
+        hmask = hq < G
+        row_o = (row0 + hq).to(gl.int64) * S_total + col
+        prow = row_o * D
+        store_tile(po_ptr, prow, hmask, o0, z0, inv, 0)
+        store_tile(po_ptr, prow, hmask, o1, z0, inv, 1)
+        store_tile(po_ptr, prow, hmask, o2, z1, inv, 2)
+        store_tile(po_ptr, prow, hmask, o3, z1, inv, 3)
+        store_tile(po_ptr, prow, hmask, o4, z2, inv, 4)
+        store_tile(po_ptr, prow, hmask, o5, z2, inv, 5)
+        store_tile(po_ptr, prow, hmask, o6, z3, inv, 6)
+        store_tile(po_ptr, prow, hmask, o7, z3, inv, 7)
+        gl.store(plse_ptr + row_o, split_lse(m_i, l_i), mask=hmask)
+
 
 __all__ = [
+    "head_mask_args",
+    "query_slot_args",
     "DA",
     "DB",
     "GLUON_AVAILABLE",
@@ -230,5 +278,6 @@ __all__ = [
     "split8",
     "split_lse",
     "split_totals",
+    "store_split",
     "value_zeros",
 ]

@@ -10,10 +10,17 @@ import importlib
 
 import pytest
 import torch
-from gluon_gpu import CUDA, GLUON_GPU, needs_gluon_gpu, rel_err
+from gluon_gpu import (
+    CUDA,
+    GLUON_GPU,
+    assert_matches_reference_and_triton,
+    needs_gluon_gpu,
+    reference_cases,
+    rel_err,
+)
 from mixed_batch import build_mixed_batch
 
-from agentkv.kernels import DecodeConfig, SegmentMaxLens, decode_attention, decode_attention_ref
+from agentkv.kernels import DecodeConfig, decode_attention, decode_attention_ref
 
 dattn = importlib.import_module("agentkv.kernels.decode_attention")
 
@@ -45,7 +52,7 @@ def test_dispatch_off_where_it_cannot_run() -> None:
 
 
 GLUON_CASES = [
-    # id: (lens [(int2 pages, int4 tokens, full tokens)], hq, hkv, dead, pattern, head_mask, pad)
+    # id, then gluon_gpu.CASE_FIELDS
     ("int2_gqa4", [(9, 0, 0), (5, 0, 0)], 8, 2, 0.0, "random", 0.0, 0),
     ("int2_gqa8_dead", [(7, 0, 0), (12, 0, 0), (1, 0, 0)], 16, 2, 0.4, "random", 0.0, 5),
     ("int2_gqa1_headmask", [(6, 0, 0), (3, 0, 0)], 2, 2, 0.2, "random", 0.3, 3),
@@ -56,13 +63,7 @@ GLUON_CASES = [
 
 
 @needs_gluon_gpu
-@pytest.mark.parametrize(
-    ("lens", "hq", "hkv", "dead", "pattern", "hm", "pad"),
-    [c[1:] for c in GLUON_CASES],
-    ids=[c[0] for c in GLUON_CASES],
-)
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("split_len", [64, 256, None])
+@reference_cases(GLUON_CASES)
 def test_gluon_split_matches_reference_and_triton_split(
     lens, hq, hkv, dead, pattern, hm, pad, dtype, split_len
 ) -> None:
@@ -71,29 +72,16 @@ def test_gluon_split_matches_reference_and_triton_split(
     cells, head masks, shuffled page rows, empty and one-page requests, GQA groups 1-8:
     within 1e-3 (fp16; bf16: its rounding) of the float32 reference and of the Triton INT2
     split."""
-    mb = build_mixed_batch(
-        lens,
-        hq=hq,
-        hkv=hkv,
-        d=128,
-        dtype=dtype,
-        dead_fraction=dead,
-        dead_pattern=pattern,
-        head_mask_fraction=hm,
-        pad=pad,
-        seed=hq * 7 + len(lens),
+    case = (lens, hq, hkv, dead, pattern, hm, pad)
+    assert_matches_reference_and_triton(
+        case,
+        dtype,
+        split_len,
+        hq * 7 + len(lens),
+        DecodeConfig(int2_gluon=True),
+        DecodeConfig(int2_gluon=False),
+        0,
     )
-    kw: dict = {"split_len": split_len}
-    if all(t4 == tf == 0 for _, t4, tf in lens):  # INT2 only: one launch
-        mb.int4_lens = None
-        kw["max_lens"] = SegmentMaxLens(int(mb.int2_lens.max()), 0, 0)
-    ref = decode_attention_ref(mb.q, mb.pools, mb.slot_map, mb.seq_lens, mb.head_mask)
-    out = mb.decode(config=DecodeConfig(int2_gluon=True), **kw)
-    tri = mb.decode(config=DecodeConfig(int2_gluon=False), **kw)
-    assert bool(torch.isfinite(out).all())
-    tol = 1e-3 if dtype == torch.float16 else 8e-3
-    assert rel_err(out, ref) < tol, rel_err(out, ref)
-    assert rel_err(out, tri) < tol, rel_err(out, tri)
 
 
 @needs_gluon_gpu

@@ -11,10 +11,17 @@ import importlib
 
 import pytest
 import torch
-from gluon_gpu import CUDA, GLUON_GPU, needs_gluon_gpu, rel_err
+from gluon_gpu import (
+    CUDA,
+    GLUON_GPU,
+    assert_matches_reference_and_triton,
+    needs_gluon_gpu,
+    reference_cases,
+    rel_err,
+)
 from mixed_batch import build_mixed_batch, separate_int4_scales
 
-from agentkv.kernels import DecodeConfig, SegmentMaxLens, decode_attention, decode_attention_ref
+from agentkv.kernels import DecodeConfig, decode_attention, decode_attention_ref
 
 dattn = importlib.import_module("agentkv.kernels.decode_attention")
 
@@ -87,7 +94,7 @@ def test_dispatch_by_pool_layout() -> None:
 
 
 GLUON_CASES = [
-    # id: (lens [(int2 pages, int4 tokens, full tokens)], hq, hkv, dead, pattern, head_mask, pad)
+    # id, then gluon_gpu.CASE_FIELDS
     ("int4_gqa4", [(0, 300, 0), (0, 170, 0)], 8, 2, 0.0, "random", 0.0, 0),
     ("int4_gqa8_dead", [(0, 230, 0), (0, 400, 0), (0, 7, 0)], 16, 2, 0.4, "random", 0.0, 5),
     ("int4_gqa1_headmask", [(0, 190, 0), (0, 97, 0)], 2, 2, 0.2, "random", 0.3, 3),
@@ -100,13 +107,7 @@ GLUON_CASES = [
 
 
 @needs_gluon_gpu
-@pytest.mark.parametrize(
-    ("lens", "hq", "hkv", "dead", "pattern", "hm", "pad"),
-    [c[1:] for c in GLUON_CASES],
-    ids=[c[0] for c in GLUON_CASES],
-)
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("split_len", [64, 256, None])
+@reference_cases(GLUON_CASES)
 def test_gluon_split_matches_reference_and_triton_split(
     lens, hq, hkv, dead, pattern, hm, pad, dtype, split_len
 ) -> None:
@@ -115,29 +116,8 @@ def test_gluon_split_matches_reference_and_triton_split(
     DEAD cells and runs, head masks, shuffled slots, empty and one-token requests, GQA groups
     1-8: within 1e-3 (fp16; bf16: its rounding) of the float32 reference and of the Triton
     INT4 split."""
-    mb = build_mixed_batch(
-        lens,
-        hq=hq,
-        hkv=hkv,
-        d=128,
-        dtype=dtype,
-        dead_fraction=dead,
-        dead_pattern=pattern,
-        head_mask_fraction=hm,
-        pad=pad,
-        seed=hq * 11 + len(lens),
-    )
-    kw: dict = {"split_len": split_len}
-    if all(p == tf == 0 for p, _, tf in lens):  # INT4 only: one launch
-        mb.int2_lens = None
-        kw["max_lens"] = SegmentMaxLens(0, int(mb.int4_lens.max()), 0)
-    ref = decode_attention_ref(mb.q, mb.pools, mb.slot_map, mb.seq_lens, mb.head_mask)
-    out = mb.decode(config=ON, **kw)
-    tri = mb.decode(config=OFF, **kw)
-    assert bool(torch.isfinite(out).all())
-    tol = 1e-3 if dtype == torch.float16 else 8e-3
-    assert rel_err(out, ref) < tol, rel_err(out, ref)
-    assert rel_err(out, tri) < tol, rel_err(out, tri)
+    case = (lens, hq, hkv, dead, pattern, hm, pad)
+    assert_matches_reference_and_triton(case, dtype, split_len, hq * 11 + len(lens), ON, OFF, 1)
 
 
 @needs_gluon_gpu
