@@ -37,8 +37,8 @@ Host cost vs kernel time. ``time_us`` (do_bench) includes any host floor: when a
 Python + launch work outlasts the L2 flush it queues behind, the GPU idles inside the timed
 window. So every row also records ``kernel_us`` (a CUDA graph of (flush, call) pairs minus
 the flushes: the kernels alone), ``host_us`` / ``stream_us`` (100 back-to-back calls timed
-by the CPU clock / by CUDA events), ``python_us`` (the call with both Triton launches
-stubbed) and ``launch_us`` = host - python, plus the SM clock, throttle reasons, power and
+by the CPU clock / by CUDA events), ``python_us`` (the call with every kernel launch
+stubbed; before session 21 the Gluon splits' launches were not, so they counted there) and ``launch_us`` = host - python, plus the SM clock, throttle reasons, power and
 the host's load before the row (``gpu_state``); nvidia-smi samples the GPU every 200 ms
 into ``<out>.gpu.csv``, and each shape ends with a drift check (its first agentkv row timed
 again). The tune's objective is ``kernel_us`` (``--tune-timer do_bench`` for the old
@@ -182,8 +182,8 @@ def _host_probe(fn, calls: int = 100, no_launch_fn=None) -> dict:
     flush) / calls; ``stream_us`` = CUDA events around the same calls / calls (GPU time incl.
     any idle gaps the host leaves); ``cpu_busy`` = process CPU time / wall time over the
     loop (< 1: the thread was descheduled or blocked);
-    ``python_us`` (when ``no_launch_fn`` is given: the same call with both Triton launches
-    stubbed out) = the Python part before the launches; ``launch_us`` = host_us - python_us
+    ``python_us`` (when ``no_launch_fn`` is given: the same call with every kernel launch
+    stubbed out, the Gluon splits' too) = the Python part before the launches; ``launch_us`` = host_us - python_us
     (Triton's binder, cache lookup, C launcher, cuLaunchKernel)."""
     if DEVICE.type != "cuda":
         return {}
@@ -373,18 +373,35 @@ def _ours(s: Shape, impl: str, dead: bool, cfg: DecodeConfig, q: torch.Tensor | 
     return fn
 
 
+#: the kernels ``decode_attention`` launches, by their names in its module: the split, the
+#: merge and the Gluon INT2 / INT4 splits (None without Gluon)
+LAUNCHED_KERNELS = (
+    "_decode_split_kernel",
+    "_merge_splits_kernel",
+    "int2_split_gluon_kernel",
+    "int4_split_gluon_kernel",
+)
+
+
 def _ours_no_launch(s: Shape, impl: str, dead: bool, cfg: DecodeConfig):
-    """``_ours`` with the two Triton launches stubbed out (the Python part alone)."""
+    """``_ours`` with every kernel launch stubbed out (the Python part alone)."""
     fn = _ours(s, impl, dead, cfg)
-    mod = sys.modules[decode_attention.__module__]
+    return without_launches(sys.modules[decode_attention.__module__], fn)
+
+
+def without_launches(mod, fn):
+    """``fn`` with the kernels of :data:`LAUNCHED_KERNELS` in module ``mod`` replaced by
+    :class:`_NoLaunch` for the call (restored after it)."""
 
     def stubbed():
-        kernels = mod._decode_split_kernel, mod._merge_splits_kernel
-        mod._decode_split_kernel = mod._merge_splits_kernel = _NoLaunch()
+        kernels = {name: getattr(mod, name) for name in LAUNCHED_KERNELS}
+        for name in kernels:
+            setattr(mod, name, _NoLaunch())
         try:
             return fn()
         finally:
-            mod._decode_split_kernel, mod._merge_splits_kernel = kernels
+            for name, kernel in kernels.items():
+                setattr(mod, name, kernel)
 
     return stubbed
 
@@ -733,8 +750,8 @@ def main() -> None:
             "timing": "time_us: triton.testing.do_bench median, warmup 25 ms, rep 100 ms, L2 "
             "flushed (includes any host floor); kernel_us: CUDA graph of 20 x (L2 flush, call) "
             "minus 20 x flush, median of 7 replays (no host work); host_us / stream_us: 100 "
-            "back-to-back calls, CPU clock / CUDA events; python_us: the call with both Triton "
-            "launches stubbed; launch_us = host_us - python_us",
+            "back-to-back calls, CPU clock / CUDA events; python_us: the call with every kernel "
+            "launch stubbed; launch_us = host_us - python_us",
             "host": _host_info(),
             "dead_pattern": "dead_fraction 0.5: 'random' = each position DEAD with p=0.5; "
             "'runs' = half of the 512-token runs of each request DEAD; masked by slot id 0",
