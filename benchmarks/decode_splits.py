@@ -37,6 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from decode_attention import (  # noqa: E402
+    LAUNCHED_KERNELS,
     DecodeConfig,
     Shape,
     _flush_buffer,
@@ -47,12 +48,8 @@ from decode_attention import (  # noqa: E402
     _warm_gpu,
 )
 
-KERNELS = (
-    "_decode_split_kernel",
-    "_merge_splits_kernel",
-    "int2_split_gluon_kernel",
-    "int4_split_gluon_kernel",
-)
+#: the split (Triton), the merge, the Gluon INT2 and INT4 splits
+KERNELS = LAUNCHED_KERNELS
 
 
 def kernel_means(fn, calls: int = 10) -> dict[str, float]:
