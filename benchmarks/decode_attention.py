@@ -38,8 +38,9 @@ Python + launch work outlasts the L2 flush it queues behind, the GPU idles insid
 window. So every row also records ``kernel_us`` (a CUDA graph of (flush, call) pairs minus
 the flushes: the kernels alone), ``host_us`` / ``stream_us`` (100 back-to-back calls timed
 by the CPU clock / by CUDA events), ``python_us`` (the call with every kernel launch
-stubbed; before session 21 the Gluon splits' launches were not, so they counted there) and ``launch_us`` = host - python, plus the SM clock, throttle reasons, power and
-the host's load before the row (``gpu_state``); nvidia-smi samples the GPU every 200 ms
+stubbed; before session 21 the Gluon splits' launches were not, so they counted there) and
+``launch_us`` = host - python, plus the SM clock, throttle reasons, power and the host's
+load before the row (``gpu_state``); nvidia-smi samples the GPU every 200 ms
 into ``<out>.gpu.csv``, and each shape ends with a drift check (its first agentkv row timed
 again). The tune's objective is ``kernel_us`` (``--tune-timer do_bench`` for the old
 one); configs that launch the same kernels are timed once, and the best 3 are timed again
@@ -183,8 +184,9 @@ def _host_probe(fn, calls: int = 100, no_launch_fn=None) -> dict:
     any idle gaps the host leaves); ``cpu_busy`` = process CPU time / wall time over the
     loop (< 1: the thread was descheduled or blocked);
     ``python_us`` (when ``no_launch_fn`` is given: the same call with every kernel launch
-    stubbed out, the Gluon splits' too) = the Python part before the launches; ``launch_us`` = host_us - python_us
-    (Triton's binder, cache lookup, C launcher, cuLaunchKernel)."""
+    stubbed out, the Gluon splits' too) = the Python part before the launches;
+    ``launch_us`` = host_us - python_us (Triton's binder, cache lookup, C launcher,
+    cuLaunchKernel)."""
     if DEVICE.type != "cuda":
         return {}
     fn()
