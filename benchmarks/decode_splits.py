@@ -48,9 +48,6 @@ from decode_attention import (  # noqa: E402
     _warm_gpu,
 )
 
-#: the split (Triton), the merge, the Gluon INT2 and INT4 splits
-KERNELS = LAUNCHED_KERNELS
-
 
 def kernel_means(fn, calls: int = 10) -> dict[str, float]:
     """Mean device time per call of each decode kernel (the splits, the merge), microseconds."""
@@ -62,9 +59,9 @@ def kernel_means(fn, calls: int = 10) -> dict[str, float]:
             flush.zero_()
             fn()
         torch.cuda.synchronize()
-    out = dict.fromkeys(KERNELS, 0.0)
+    out = dict.fromkeys(LAUNCHED_KERNELS, 0.0)
     for ev in prof.events():
-        for k in KERNELS:
+        for k in LAUNCHED_KERNELS:
             if k in ev.name:
                 out[k] += ev.device_time / calls
     return out
@@ -76,13 +73,14 @@ def measure(s: Shape, impl: str, cfg: DecodeConfig, sdpa_us: float) -> dict:
     _warm_gpu(0.1)
     us = _kernel_us(fn)
     per = kernel_means(fn)
+    gluon = per["int2_split_gluon_kernel"] + per["int4_split_gluon_kernel"]
     return {
         "kernel_us": us,
         "vs_sdpa": sdpa_us / us if us else None,
         # the Triton and the Gluon splits
-        "split_us": per[KERNELS[0]] + per[KERNELS[2]] + per[KERNELS[3]],
-        "gluon_split_us": per[KERNELS[2]] + per[KERNELS[3]],
-        "merge_us": per[KERNELS[1]],
+        "split_us": per["_decode_split_kernel"] + gluon,
+        "gluon_split_us": gluon,
+        "merge_us": per["_merge_splits_kernel"],
         **errs,
     }
 
