@@ -49,11 +49,13 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .backend import Backend, resolve_backend, triton_interpreting
 from .decode_attention_reference import decode_attention_ref
+from .decode_int2_gluon import STAGES as INT2_GLUON_STAGES
 from .decode_int2_gluon import (
     int2_split_gluon_args,
     int2_split_gluon_consts,
     int2_split_gluon_kernel,
 )
+from .decode_int4_gluon import STAGES as INT4_GLUON_STAGES
 from .decode_int4_gluon import (
     int4_split_gluon_args,
     int4_split_gluon_consts,
@@ -278,7 +280,17 @@ class DecodeConfig:
     reference: 5.8e-4 at B=8 N=32k (the wave plan's 1,408 positions per split, under the
     4 x 1,024 cap: kernel time 123 instead of 133 µs with the 1,024 cap, 2.04x instead of
     1.90x SDPA), 7.1e-4 at B=8 N=128k uncapped (5,504 positions; 5.0e-4 at 512, the same
-    time within 1%)."""
+    time within 1%).
+    int4_gluon_stages: the Gluon INT4 split's cp.async stages (2 or 3: one or two 32-token
+    blocks in flight while one is computed; default 3). Its shared memory, hence its
+    programs per SM, follow (3: 17,408 bytes, 12 per SM; 2: 12,288, 16 per SM, its 128
+    registers' limit); H200, session 22, split kernel, 2 vs 3: B=8 N=32k 141.6 vs 113.7 µs,
+    B=32 N=32k 593 vs 533, B=32 N=4k 74 vs 66 (the copies' latency is not hidden by one block).
+    int2_gluon_stages: the same for the Gluon INT2 split (default 2: 10,240 bytes; 3: 13,312;
+    16 programs per SM either way, its registers' limit). H200, session 22, split kernel, 2
+    vs 3 (two rounds): B=1 N=32k 15.1 vs 18.3 µs, B=32 N=32k 265 vs 274, B=8 N=128k 271 vs
+    276, B=8 N=32k 73.8 vs 73.8, B=32 N=4k 42.5 vs 44.4.
+    """
 
     block_n_full: int = 64
     block_n_int4: int = 32
@@ -322,6 +334,8 @@ class DecodeConfig:
     int4_gluon: bool | None = None
     int4_gluon_mixed_positions: int = 1 << 17
     int4_gluon_cap_factor: int = 4
+    int4_gluon_stages: int = INT4_GLUON_STAGES
+    int2_gluon_stages: int = INT2_GLUON_STAGES
 
     def __post_init__(self) -> None:
         bd = self.merge_block_d
@@ -331,6 +345,9 @@ class DecodeConfig:
             raise ValueError(
                 f"int4_gluon_cap_factor must be >= 0, got {self.int4_gluon_cap_factor}"
             )
+        for knob in ("int4_gluon_stages", "int2_gluon_stages"):
+            if getattr(self, knob) not in (2, 3):
+                raise ValueError(f"{knob} must be 2 or 3, got {getattr(self, knob)}")
         if self.int4_v_centred and self.int4_v_subnormal:
             raise ValueError(
                 "int4_v_centred needs int4_v_subnormal=False (the centred codes are made "
@@ -2724,11 +2741,23 @@ def decode_attention(
     # the Gluon splits' softmax: exact max (p <= 1) unless lazy is asked for (H200: within
     # noise of lazy, and the dominant token's p * vs is not rounded)
     lazy2 = cfg.int2_lazy_rescale is True
-    gconsts = int2_split_gluon_consts(g, d, head_mask is not None, regs, lazy2) if gluon2 else {}
+    gconsts = {}
+    if gluon2:
+        gconsts = int2_split_gluon_consts(
+            g, d, head_mask is not None, regs, lazy2, cfg.int2_gluon_stages
+        )
     g4consts = {}
     if gluon4:
         g4consts = int4_split_gluon_consts(
-            g, d, sstride, interleaved, has2, head_mask is not None, kcs is not None, regs
+            g,
+            d,
+            sstride,
+            interleaved,
+            has2,
+            head_mask is not None,
+            kcs is not None,
+            regs,
+            cfg.int4_gluon_stages,
         )
 
     lens = (m2, m4, mf)

@@ -21,7 +21,7 @@ could not give, Gluon's explicit layouts do:
   ``redux.sync`` ORs the live rows into a 32-bit mask and takes the page. The block's rows
   (page-contiguous: 1 KiB of key codes, 1 KiB of value codes) are copied to shared memory
   with ``cp.async`` (``NS`` stages, rows that no position maps to are not read), and the
-  slot map is read two blocks ahead of its use.
+  slot map is read ``NS`` blocks ahead of its use.
 * **Zeros by the tensor cores.** ``q . kz`` is one more dot (the page's zeros as 16 equal
   rows against the query), added to the scores after their dot; ``sum p vz`` is a dot of
   ``p`` (the heads as rows) against the block's ``[vs | vz]`` rows.
@@ -64,10 +64,12 @@ if GLUON_AVAILABLE:
         value_zeros,
     )
 
-#: cp.async stages: one block in compute, two in flight (4 measured 6-15% slower on the H200)
-STAGES = 3
+#: cp.async stages: one block in compute, one in flight (H200, session 22, split kernel vs 3
+#: stages: B=1 N=32k -17%, B=32 N=32k -3.5%, B=8 N=128k -2%, B=8 N=32k and B=32 N=4k within
+#: noise; 16 fewer instructions per block, 10 instead of 13 KiB; 4 stages were 6-15% slower)
+STAGES = 2
 #: registers per thread: 128 (no spills on sm_90) lets an SM hold 16 one-warp programs
-#: (shared memory: 13 KiB each) where the compiler's 158 would give 12
+#: (shared memory: 10 KiB each) where the compiler's 158 would give 12
 MAX_REGISTERS = 128
 
 if GLUON_AVAILABLE:
@@ -287,14 +289,15 @@ redux.sync.max.s32 $1, pg, 0xffffffff;
         key_one = qk_scale * 16777216.0
 
         n_blocks = gl.cdiv(end - start, 32)
-        gl.static_assert(NS == 3, "the mask FIFO below holds the two blocks in flight")
-        # prologue: blocks 0 and 1 in flight; mk0, mk1: their live-row masks
+        gl.static_assert((NS == 2) or (NS == 3), "the mask FIFO below holds NS - 1 blocks")
+        # prologue: blocks 0 .. NS - 2 in flight; mk0 (, mk1): their live-row masks
         sl = slot_of_lane(slot_row, hm_row, start, end, dead_id, has_hm)
         mk0, pg = _mask_page(sl, dead_id, int2_base)
         _issue(k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, sk, sv, sks, skz, svsz, 0, mk0, pg, Hkv, h, D)  # fmt: skip
-        sl = slot_of_lane(slot_row, hm_row, start + 32, end, dead_id, has_hm)
-        mk1, pg = _mask_page(sl, dead_id, int2_base)
-        _issue(k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, sk, sv, sks, skz, svsz, 1, mk1, pg, Hkv, h, D)  # fmt: skip
+        if NS == 3:
+            sl = slot_of_lane(slot_row, hm_row, start + 32, end, dead_id, has_hm)
+            mk1, pg = _mask_page(sl, dead_id, int2_base)
+            _issue(k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, sk, sv, sks, skz, svsz, 1, mk1, pg, Hkv, h, D)  # fmt: skip
         # the slots of blocks n + NS - 1 and n + NS, read ahead of their use
         sl_a = slot_of_lane(slot_row, hm_row, start + 32 * (NS - 1), end, dead_id, has_hm)
         sl_b = slot_of_lane(slot_row, hm_row, start + 32 * NS, end, dead_id, has_hm)
@@ -308,8 +311,11 @@ redux.sync.max.s32 $1, pg, 0xffffffff;
             cta_barrier()
             st = n % NS
             mask = mk0
-            mk0 = mk1
-            mk1 = mk_a
+            if NS == 3:
+                mk0 = mk1
+                mk1 = mk_a
+            else:
+                mk0 = mk_a
             # scores of tokens 0-15 and 16-31 for the 8 (padded) query heads, plus q . kz (all
             # 16 rows of that product are equal)
             a0, a1 = _key_tiles(sk.index(st).load(LKW))
@@ -404,13 +410,15 @@ def int2_split_gluon_consts(
     has_head_mask: bool,
     max_registers: int | None = None,
     lazy_rescale: bool = False,
+    stages: int = STAGES,
 ) -> dict:
     """Constexprs and launch options of the kernel (``max_registers``: None =
-    :data:`MAX_REGISTERS`; ``lazy_rescale``: the running max moves only by more than 2**4)."""
+    :data:`MAX_REGISTERS`; ``lazy_rescale``: the running max moves only by more than 2**4;
+    ``stages``: cp.async stages, 2 or 3, the blocks in flight plus the one in compute)."""
     return dict(
         G=group,
         D=head_dim,
-        NS=STAGES,
+        NS=stages,
         HAS_HEAD_MASK=has_head_mask,
         RESCALE_SLACK=4.0 if lazy_rescale else 0.0,
         num_warps=1,

@@ -62,7 +62,8 @@ if GLUON_AVAILABLE:
         value_zeros,
     )
 
-#: cp.async stages: one block in compute, two in flight
+#: cp.async stages: one block in compute, two in flight (H200, session 22: 2 stages give 16
+#: programs per SM instead of 12 and ran 8-24% slower: the copies' latency shows)
 STAGES = 3
 #: registers per thread (ptxas ``.maxnreg``)
 MAX_REGISTERS = 128
@@ -97,15 +98,16 @@ if GLUON_AVAILABLE:
     SHC = gl.SwizzledSharedLayout(8, 2, 4, order=[1, 0])
 
     # key word (channels 8 w .. 8 w + 7 of one token: byte j holds 2 j, 2 j + 1) -> output
-    # ks + 2 a holds channels (4 ks + a, 4 ks + a + 2), as fp16 subnormals; a = 1 left x16
+    # ks + 2 a holds channels (2 ks + a, 2 ks + a + 4), as fp16 subnormals; a = 1 left x16
+    # (bytes 0 and 2 pair up, then 1 and 3: one shift, where pairing 0-1 and 2-3 took two
+    # byte permutes)
     KEY4_ASM = gl.constexpr(
         """{
-.reg .b32 u, t;
-prmt.b32 u, $4, 0, 0x7170;
-prmt.b32 t, $4, 0, 0x7372;
-and.b32 $0, u, 0x000F000F;
+.reg .b32 t;
+shr.b32 t, $4, 8;
+and.b32 $0, $4, 0x000F000F;
 and.b32 $1, t, 0x000F000F;
-and.b32 $2, u, 0x00F000F0;
+and.b32 $2, $4, 0x00F000F0;
 and.b32 $3, t, 0x00F000F0;
 }"""
     )
@@ -195,7 +197,7 @@ redux.sync.or.b32 $0, b, 0xffffffff;
     def _key_tiles(kw):
         """[32 tokens, 32] int16 key half-words (LK) -> A tiles [16 tokens, 32 k] of (token
         tile m, group g), returned (m0 g0, m0 g1, .., m1 g3); k = e + 2 tig + 8 a + 16 ks is
-        channel 32 g + 8 tig + 4 ks + a + 2 e (a = 1: x16)."""
+        channel 32 g + 8 tig + 2 ks + a + 4 e (a = 1: x16)."""
         o0, o1, o2, o3 = gl.inline_asm_elementwise(
             KEY4_ASM, "=r,=r,=r,=r,r", [kw], dtype=(gl.float16,) * 4, is_pure=True, pack=2
         )
@@ -226,36 +228,48 @@ redux.sync.or.b32 $0, b, 0xffffffff;
                  G: gl.constexpr, D: gl.constexpr, HAS_KCS: gl.constexpr, g: gl.constexpr):  # fmt: skip
         """Group g's query (times the per-channel key scale) into ``sq[g]`` as the key dot's B
         operand [32 k, 8 heads] (k order of :func:`_key_tiles`, rows with a = 1 times 1/16);
-        returns ``qk_scale * sum(q_g)`` per head (the accumulator's columns)."""
+        returns ``qk_scale * sum(q_g)`` per head ([8] fp32, the B operand's columns)."""
         kk = gl.arange(0, 32, layout=gl.SliceLayout(1, DB))
         hh = gl.arange(0, 8, layout=gl.SliceLayout(0, DB))
         a = (kk // 8) % 2
-        cc = 32 * g + 8 * ((kk // 2) % 4) + 4 * (kk // 16) + a + 2 * (kk % 2)
+        cc = 32 * g + 8 * ((kk // 2) % 4) + 2 * (kk // 16) + a + 4 * (kk % 2)
         qp = q_ptr + b * stride_qb + (h * G + hh)[None, :] * stride_qh + cc[:, None]
         qv = gl.load(qp, mask=(hh < G)[None, :], other=0.0).to(gl.float32)
         if HAS_KCS:
             qv = qv * gl.load(kcs_ptr + h * D + cc)[:, None]
         sq.index(g).store((qv * gl.where(a == 1, 0.0625, 1.0)[:, None]).to(gl.float16))
-        return gl.convert_layout(gl.sum(qv, 0) * qk_scale, gl.SliceLayout(0, MMA))
+        return gl.sum(qv, 0) * qk_scale
 
     @gluon.jit
-    def _scores(a0, a1, a2, a3, sq, ks0, ks1, ks2, ks3, kz0, kz1, kz2, kz3, qs0, qs1, qs2, qs3,
-                key_one):  # fmt: skip
+    def _zero_dot_operands(qs0, qs1, qs2, qs3):
+        """The key zeros' dot's B operand [16 k, 8 heads] against a stage's ``[ks | kz | vs |
+        vz]`` rows (k = 4 + g: ``qs_g``, the other rows 0), split into fp16 hi and lo parts
+        (their sum is ``qs_g`` to ~2**-22: the dot's products are exact)."""
+        kk = gl.arange(0, 16, layout=gl.SliceLayout(1, DB))[:, None]
+        bz = gl.where(kk == 4, qs0[None, :], 0.0)
+        bz = gl.where(kk == 5, qs1[None, :], bz)
+        bz = gl.where(kk == 6, qs2[None, :], bz)
+        bz = gl.where(kk == 7, qs3[None, :], bz)
+        hi = bz.to(gl.float16)
+        return hi, (bz - hi.to(gl.float32)).to(gl.float16)
+
+    @gluon.jit
+    def _scores(a0, a1, a2, a3, sq, ks0, ks1, ks2, ks3, sst, bz_hi, bz_lo, key_one):
         """One token tile's scores [16 tokens, 8 heads]: sum_g (ks_g key_one) D_g + kz_g qs_g
-        (ks_g, kz_g: the tile's key scales and zeros of group g, [16] fp16 per row)."""
+        (ks_g: the tile's key scales of group g, [16] fp16 per row; ``sst``: the tile's 16
+        ``[ks | kz | vs | vz]`` rows in shared memory: ``sum_g kz_g qs_g`` is their dot with
+        :func:`_zero_dot_operands`' B, started from zero)."""
         acc = gl.full([16, 8], 0.0, gl.float32, MMA)
+        zrows = sst.load(DA)
+        z = mma_v2(zrows, bz_hi, mma_v2(zrows, bz_lo, acc))
         d0 = mma_v2(a0, sq.index(0).load(DB), acc)
         d1 = mma_v2(a1, sq.index(1).load(DB), acc)
         d2 = mma_v2(a2, sq.index(2).load(DB), acc)
         d3 = mma_v2(a3, sq.index(3).load(DB), acc)
-        s = d0 * (ks0.to(gl.float32) * key_one)[:, None]
+        s = z + d0 * (ks0.to(gl.float32) * key_one)[:, None]
         s += d1 * (ks1.to(gl.float32) * key_one)[:, None]
         s += d2 * (ks2.to(gl.float32) * key_one)[:, None]
         s += d3 * (ks3.to(gl.float32) * key_one)[:, None]
-        s += kz0.to(gl.float32)[:, None] * qs0[None, :]
-        s += kz1.to(gl.float32)[:, None] * qs1[None, :]
-        s += kz2.to(gl.float32)[:, None] * qs2[None, :]
-        s += kz3.to(gl.float32)[:, None] * qs3[None, :]
         return s
 
     @gluon.jit
@@ -313,6 +327,7 @@ redux.sync.or.b32 $0, b, 0xffffffff;
         qs1 = _q_group(q_ptr, stride_qb, stride_qh, kcs_ptr, sq, b, h, qk_scale, G, D, HAS_KCS, 1)  # fmt: skip
         qs2 = _q_group(q_ptr, stride_qb, stride_qh, kcs_ptr, sq, b, h, qk_scale, G, D, HAS_KCS, 2)  # fmt: skip
         qs3 = _q_group(q_ptr, stride_qb, stride_qh, kcs_ptr, sq, b, h, qk_scale, G, D, HAS_KCS, 3)  # fmt: skip
+        bz_hi, bz_lo = _zero_dot_operands(qs0, qs1, qs2, qs3)
 
         m_i = gl.full([8], -1.0e30, gl.float32, gl.SliceLayout(0, MMA))
         lsum = gl.full([16, 8], 0.0, gl.float32, MMA)
@@ -328,14 +343,15 @@ redux.sync.or.b32 $0, b, 0xffffffff;
         key_one = qk_scale * 16777216.0
 
         n_blocks = gl.cdiv(end - start, 32)
-        gl.static_assert(NS == 3, "the mask FIFO below holds the two blocks in flight")
-        # prologue: blocks 0 and 1 in flight; mk0, mk1: their live-row masks
+        gl.static_assert((NS == 2) or (NS == 3), "the mask FIFO below holds NS - 1 blocks")
+        # prologue: blocks 0 .. NS - 2 in flight; mk0 (, mk1): their live-row masks
         sl = slot_of_lane(slot_row, hm_row, start, end, dead_id, has_hm)
         mk0 = _live_mask(sl, dead_id)
         _issue4(k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, sk, sv, ss, 0, sl, dead_id, int4_base, Hkv, h, D, SSTRIDE, INTERLEAVED)  # fmt: skip
-        sl = slot_of_lane(slot_row, hm_row, start + 32, end, dead_id, has_hm)
-        mk1 = _live_mask(sl, dead_id)
-        _issue4(k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, sk, sv, ss, 1, sl, dead_id, int4_base, Hkv, h, D, SSTRIDE, INTERLEAVED)  # fmt: skip
+        if NS == 3:
+            sl = slot_of_lane(slot_row, hm_row, start + 32, end, dead_id, has_hm)
+            mk1 = _live_mask(sl, dead_id)
+            _issue4(k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, sk, sv, ss, 1, sl, dead_id, int4_base, Hkv, h, D, SSTRIDE, INTERLEAVED)  # fmt: skip
         # the slots of blocks n + NS - 1 and n + NS, read ahead of their use
         sl_a = slot_of_lane(slot_row, hm_row, start + 32 * (NS - 1), end, dead_id, has_hm)
         sl_b = slot_of_lane(slot_row, hm_row, start + 32 * NS, end, dead_id, has_hm)
@@ -349,17 +365,17 @@ redux.sync.or.b32 $0, b, 0xffffffff;
             cta_barrier()
             st = n % NS
             mask = mk0
-            mk0 = mk1
-            mk1 = mk_a
+            if NS == 3:
+                mk0 = mk1
+                mk1 = mk_a
+            else:
+                mk0 = mk_a
             a00, a01, a02, a03, a10, a11, a12, a13 = _key_tiles(sk.index(st).load(LK))
             ks00, ks01, ks10, ks11, ks20, ks21, ks30, ks31 = group_scales(
                 ss.index(st).slice(0, 4, dim=1).load(LVS)
             )
-            kz00, kz01, kz10, kz11, kz20, kz21, kz30, kz31 = group_scales(
-                ss.index(st).slice(4, 4, dim=1).load(LVS)
-            )
-            s0 = _scores(a00, a01, a02, a03, sq, ks00, ks10, ks20, ks30, kz00, kz10, kz20, kz30, qs0, qs1, qs2, qs3, key_one)  # fmt: skip
-            s1 = _scores(a10, a11, a12, a13, sq, ks01, ks11, ks21, ks31, kz01, kz11, kz21, kz31, qs0, qs1, qs2, qs3, key_one)  # fmt: skip
+            s0 = _scores(a00, a01, a02, a03, sq, ks00, ks10, ks20, ks30, ss.index(st).slice(0, 16, dim=0), bz_hi, bz_lo, key_one)  # fmt: skip
+            s1 = _scores(a10, a11, a12, a13, sq, ks01, ks11, ks21, ks31, ss.index(st).slice(16, 16, dim=0), bz_hi, bz_lo, key_one)  # fmt: skip
             (p0h, p1h, m_i, lsum, zacc, o0, o1, o2, o3, o4, o5, o6, o7) = softmax_step(
                 s0, s1, mask, m_i, lsum, zacc, o0, o1, o2, o3, o4, o5, o6, o7, RESCALE_SLACK
             )
@@ -440,8 +456,10 @@ def int4_split_gluon_consts(
     has_head_mask: bool,
     has_key_channel_scale: bool,
     max_registers: int | None = None,
+    stages: int = STAGES,
 ) -> dict:
-    """Constexprs and launch options of the kernel (``scale_stride``: elements between one
+    """Constexprs and launch options of the kernel (``stages``: cp.async stages, 2 or 3, the
+    blocks in flight plus the one in compute; ``scale_stride``: elements between one
     (slot, head) row's scales and the next's; ``interleaved``: each row's scales and zeros
     side by side, ``[ks | kz | vs | vz]`` at ``k_scale``; ``has_int2``: the launch has
     INT2 segments, ``int2_lens`` says where each INT4 segment starts, else at 0;
@@ -451,7 +469,7 @@ def int4_split_gluon_consts(
     return dict(
         G=group,
         D=head_dim,
-        NS=STAGES,
+        NS=stages,
         SSTRIDE=scale_stride,
         INTERLEAVED=interleaved,
         HAS_INT2=has_int2,

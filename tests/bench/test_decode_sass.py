@@ -2,8 +2,8 @@
 sm_90 on a machine without a GPU (Triton's interpreter cannot run Gluon, so this is the CPU's
 check of the kernels' construction): every layout change in their loops is asserted trivial
 while they are traced, and the compiled loops keep the register and instruction budget they
-were tuned to (128 registers, no spills; INT2 ~520-530, INT4 ~610 instructions per 32-token
-block on the common path).
+were tuned to (128 registers, no spills; INT2 ~510-525, INT4 ~590-625 instructions per
+32-token block on the common path).
 The compiles run in a child process without ``TRITON_INTERPRET`` (under the interpreter
 Triton's own ``@jit`` functions are interpreter objects the compiler cannot take)."""
 
@@ -60,18 +60,21 @@ def _triton_version() -> tuple[int, int]:
 
 def test_gluon_splits_compile_within_their_budget() -> None:
     got = _child_stats()
-    # INT4: no spills with Triton 3.6 (the GPU's); 3.9 (CI's) spills 16-32 bytes
-    spill4 = 0 if _triton_version() == (3, 6) else 64
+    # INT4: with Triton 3.6 (the GPU's) 8 bytes on separate scales, none on interleaved
+    # ones; 3.9 (CI's) spills 16-32 bytes
+    spill4 = 8 if _triton_version() == (3, 6) else 64
     for stats in got["STATS4"]:
         assert stats["regs"] <= 128 and stats["spill_stack_bytes"] <= spill4, stats
-        # the common path: 598-625 with Triton 3.6, 585-600 with 3.9
+        # the common path: 591-625 with Triton 3.6
         assert 450 < stats["lane_instructions_per_token_skipping"] < 720, stats
         ops = dict(map(tuple, stats["top_ops"]))
-        # 16 score (4 groups x 2 token tiles x K 32) + 16 value + 2 zero dots per block
-        assert ops.get("HMMA.16816.F32") == 34, stats
+        # 16 score (4 groups x 2 token tiles x K 32) + 4 key-zero (2 token tiles x the
+        # hi and lo parts of q's sums) + 16 value + 2 zero dots per block
+        assert ops.get("HMMA.16816.F32") == 38, stats
     for stats in got["STATS"]:
         assert stats["regs"] <= 128 and stats["spill_stack_bytes"] == 0, stats
-        # the common path (the rescale branch skipped): 521-531 with Triton 3.6 and 3.9
+        # the common path (the rescale branch skipped), 2 stages: 509-523 with Triton 3.6
+        # and 3.9
         assert 400 < stats["lane_instructions_per_token_skipping"] < 600, stats
         ops = dict(map(tuple, stats["top_ops"]))
         # 16 score + 8 q.kz + 16 value + 2 zero dots per 32-token block

@@ -47,6 +47,35 @@ def reference_cases(cases: list[tuple]):
     return wrap
 
 
+def same_bits_cases(cases: list[tuple]):
+    """Parametrize a test over ``cases`` ((id, *CASE_FIELDS) each) x split lengths 64 and
+    1,024 (fixed: the compared configs may plan different splits)."""
+
+    def wrap(fn):
+        fn = pytest.mark.parametrize("split_len", [64, 1024])(fn)
+        ids = [c[0] for c in cases]
+        return pytest.mark.parametrize(CASE_FIELDS, [c[1:] for c in cases], ids=ids)(fn)
+
+    return wrap
+
+
+def case_batch(case: tuple, dtype: torch.dtype, seed: int):
+    """The mixed batch of one case (CASE_FIELDS' values), head_dim 128."""
+    lens, hq, hkv, dead, pattern, hm, pad = case
+    return build_mixed_batch(
+        lens,
+        hq=hq,
+        hkv=hkv,
+        d=128,
+        dtype=dtype,
+        dead_fraction=dead,
+        dead_pattern=pattern,
+        head_mask_fraction=hm,
+        pad=pad,
+        seed=seed,
+    )
+
+
 def assert_matches_reference_and_triton(
     case: tuple,
     dtype: torch.dtype,
@@ -61,19 +90,8 @@ def assert_matches_reference_and_triton(
     reference and of each other. ``segment``: the Gluon split's (0 INT2, 1 INT4); where
     every request has only that segment, the other quantized one is left out and the host
     bounds say so (one launch, the Gluon kernel alone)."""
-    lens, hq, hkv, dead, pattern, hm, pad = case
-    mb = build_mixed_batch(
-        lens,
-        hq=hq,
-        hkv=hkv,
-        d=128,
-        dtype=dtype,
-        dead_fraction=dead,
-        dead_pattern=pattern,
-        head_mask_fraction=hm,
-        pad=pad,
-        seed=seed,
-    )
+    lens = case[0]
+    mb = case_batch(case, dtype, seed)
     kw: dict = {"split_len": split_len}
     if all(sum(r) == r[segment] for r in lens):  # that segment only: one launch
         seg_lens = mb.int2_lens if segment == 0 else mb.int4_lens
@@ -91,3 +109,15 @@ def assert_matches_reference_and_triton(
     tol = 1e-3 if dtype == torch.float16 else 8e-3
     assert rel_err(out, ref) < tol, rel_err(out, ref)
     assert rel_err(out, tri) < tol, rel_err(out, tri)
+
+
+def assert_same_bits(case: tuple, split_len: int, seed: int, a: DecodeConfig, b: DecodeConfig):
+    """Decode one fp16 case (CASE_FIELDS' values) with ``a`` and ``b``, configs that change
+    how a split is scheduled, not what it sums (e.g. its pipeline depth): the same bits, and
+    within 1e-3 of the float32 reference."""
+    mb = case_batch(case, torch.float16, seed)
+    ref = decode_attention_ref(mb.q, mb.pools, mb.slot_map, mb.seq_lens, mb.head_mask)
+    out_a = mb.decode(config=a, split_len=split_len)
+    out_b = mb.decode(config=b, split_len=split_len)
+    assert torch.equal(out_a, out_b), rel_err(out_a, out_b)
+    assert rel_err(out_a, ref) < 1e-3, rel_err(out_a, ref)

@@ -14,9 +14,11 @@ from gluon_gpu import (
     CUDA,
     GLUON_GPU,
     assert_matches_reference_and_triton,
+    assert_same_bits,
     needs_gluon_gpu,
     reference_cases,
     rel_err,
+    same_bits_cases,
 )
 from mixed_batch import build_mixed_batch
 
@@ -82,6 +84,22 @@ def test_gluon_split_matches_reference_and_triton_split(
         DecodeConfig(int2_gluon=False),
         0,
     )
+
+
+@needs_gluon_gpu
+@same_bits_cases(GLUON_CASES)
+def test_gluon_split_two_stages_give_the_same_bits(
+    lens, hq, hkv, dead, pattern, hm, pad, split_len
+) -> None:
+    """The two-stage pipeline (one block in flight, the default, also at 96 registers) sums
+    the same pages in the same order as the three-stage one: the same output bits."""
+    case = (lens, hq, hkv, dead, pattern, hm, pad)
+    three = DecodeConfig(int2_gluon=True, int2_gluon_stages=3)
+    for two in (
+        DecodeConfig(int2_gluon=True, int2_gluon_stages=2),
+        DecodeConfig(int2_gluon=True, int2_gluon_stages=2, max_registers=96),
+    ):
+        assert_same_bits(case, split_len, hq * 13 + len(lens), three, two)
 
 
 @needs_gluon_gpu

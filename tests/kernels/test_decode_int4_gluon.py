@@ -15,9 +15,11 @@ from gluon_gpu import (
     CUDA,
     GLUON_GPU,
     assert_matches_reference_and_triton,
+    assert_same_bits,
     needs_gluon_gpu,
     reference_cases,
     rel_err,
+    same_bits_cases,
 )
 from mixed_batch import build_mixed_batch, separate_int4_scales
 
@@ -63,6 +65,16 @@ def test_cap_factor_is_checked() -> None:
     with pytest.raises(ValueError, match="int4_gluon_cap_factor"):
         DecodeConfig(int4_gluon_cap_factor=-1)
     assert DecodeConfig().int4_gluon_cap_factor * DecodeConfig().max_split_len_folded == 4096
+
+
+@pytest.mark.parametrize("knob", ["int4_gluon_stages", "int2_gluon_stages"])
+def test_gluon_stages_are_checked(knob) -> None:
+    """The Gluon splits' pipelines are written for 2 or 3 stages: anything else is refused
+    when the config is made, not when a launch compiles."""
+    for bad in (1, 4):
+        with pytest.raises(ValueError, match=knob):
+            DecodeConfig(**{knob: bad})
+    assert (DecodeConfig().int4_gluon_stages, DecodeConfig().int2_gluon_stages) == (3, 2)
 
 
 @needs_gluon_gpu
@@ -118,6 +130,18 @@ def test_gluon_split_matches_reference_and_triton_split(
     INT4 split."""
     case = (lens, hq, hkv, dead, pattern, hm, pad)
     assert_matches_reference_and_triton(case, dtype, split_len, hq * 11 + len(lens), ON, OFF, 1)
+
+
+@needs_gluon_gpu
+@same_bits_cases(GLUON_CASES)
+def test_gluon_split_two_stages_give_the_same_bits(
+    lens, hq, hkv, dead, pattern, hm, pad, split_len
+) -> None:
+    """The two-stage pipeline (one block in flight, ``int4_gluon_stages=2``) sums the same
+    blocks in the same order as the three-stage one: the same output bits."""
+    case = (lens, hq, hkv, dead, pattern, hm, pad)
+    two = dataclasses.replace(ON, int4_gluon_stages=2)
+    assert_same_bits(case, split_len, hq * 13 + len(lens), ON, two)
 
 
 @needs_gluon_gpu
