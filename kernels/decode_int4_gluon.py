@@ -8,15 +8,18 @@ takes the techniques of :mod:`.decode_int2_gluon` to the INT4 token pool:
 
 * **Swapped operands.** Per channel group ``g``, ``D_g^T = codes_g @ q_g^T`` (tokens as the
   16 MMA rows, the GQA group as 8 columns); the scores are ``sum_g ks_g D_g + kz_g sum(q_g)``
-  in fp32 (each token's scales are per row of the accumulator). Values:
-  ``O^T = codes^T @ (p * vs_g)^T``, channels as rows, one group's 32 channels per two tiles.
+  in fp32 (each token's scales are per row of the accumulator; the ``kz`` term is itself a
+  dot: the staged ``[ks | kz | vs | vz]`` rows against ``sum(q_g)`` in fp16 hi + lo parts,
+  exact products). Values: ``O^T = codes^T @ (p * vs_g)^T``, channels as rows, one group's
+  32 channels per two tiles.
 * **Codes made in the operand layout, as fp16 subnormals.** The key words arrive by
   ``ldmatrix`` (a lane holds 8 channels of one token per group) and turn into pairs of fp16
-  subnormals with a byte permute and one ``and`` per pair (``(n << 4e) 2**-24``: the odd
-  channel of a byte is left in place, ``x16``, the query row takes the ``1/16``). The value
-  words arrive by ``ldmatrix.trans``, so a register holds one channel byte pair of two
-  consecutive tokens: an ``and`` (and a shift for the second byte) gives the value dot's
-  token pairs directly. Every ``convert_layout`` in the loop is asserted trivial.
+  subnormals with one shift per word (bytes 0-2 and 1-3 paired) and one ``and`` per pair
+  (``(n << 4e) 2**-24``: the odd channel of a byte is left in place, ``x16``, the query row
+  takes the ``1/16``). The value words arrive by ``ldmatrix.trans``, so a register holds
+  one channel byte pair of two consecutive tokens: an ``and`` (and a shift for the second
+  byte) gives the value dot's token pairs directly. Every ``convert_layout`` in the loop is
+  asserted trivial.
 * **Scores to the value operand in registers** (``movmatrix``), ``sum_t p_t vz_tg`` by a dot of
   ``p`` against the block's ``[vs | vz]`` rows, as in the INT2 kernel.
 * **Token-slot gathers by ``cp.async``, four lanes to a row.** Lane ``l`` reads position
