@@ -45,15 +45,19 @@ SCALE_DTYPE = torch.float16
 def row_stride(t: torch.Tensor) -> int | None:
     """Elements between consecutive rows (the last dim) of ``t`` when every row is
     contiguous and the rows are evenly spaced in order (a contiguous tensor, or a view of
-    one field of an interleaved buffer); else None."""
-    if t.stride(-1) != 1:
+    one field of an interleaved buffer); else None, also where rows overlap (an expanded
+    view: a write through it would collide)."""
+    stride, shape = t.stride(), t.shape  # (read once: every call on a decode step's path)
+    if stride[-1] != 1:
         return None
-    ss = t.stride(-2) if t.dim() > 1 else t.shape[-1]
+    ss = stride[-2] if len(stride) > 1 else shape[-1]
+    if ss < shape[-1] and t.numel() > shape[-1]:
+        return None
     expect = ss
-    for i in range(t.dim() - 2, -1, -1):
-        if t.shape[i] > 1 and t.stride(i) != expect:
+    for i in range(len(stride) - 2, -1, -1):
+        if shape[i] > 1 and stride[i] != expect:
             return None
-        expect *= t.shape[i]
+        expect *= shape[i]
     return ss
 
 

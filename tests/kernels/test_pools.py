@@ -7,6 +7,7 @@ import torch
 
 from agentkv.kernels import DEAD, KVPools, resolve_backend
 from agentkv.kernels.backend import triton_interpreting
+from agentkv.kernels.pools import row_stride
 
 
 def test_unified_address_space() -> None:
@@ -19,6 +20,25 @@ def test_unified_address_space() -> None:
     assert p.int4.k.shape == (6, 2, 32) and p.int4.k_scale.shape == (6, 2, 2)
     assert p.int2.k.shape == (2, 2, 32, 16) and p.int2.k_scale.shape == (2, 2, 64)
     assert p.int2.v_scale.shape == (2, 2, 32, 2)
+
+
+def test_row_stride_of_pools_fields_and_views() -> None:
+    """Evenly spaced contiguous rows give their spacing; anything else None."""
+    p = KVPools.allocate(4, 6, 0, num_kv_heads=8, head_dim=128)
+    i4 = p.int4
+    assert row_stride(i4.k) == 64
+    # the interleaved scale buffer's four fields: rows 4 x D / 32 apart
+    assert {row_stride(t) for t in (i4.k_scale, i4.k_zero, i4.v_scale, i4.v_zero)} == {16}
+    assert i4.scale_row_stride() == 16 and i4.scales_interleaved
+    x = torch.zeros(6, 8, 10)
+    assert row_stride(x) == 10 and row_stride(x[:, :, :4]) == 10
+    assert row_stride(x.transpose(0, 1)) is None  # rows out of order
+    assert row_stride(x[:, ::2]) == 20  # every other row: still evenly spaced
+    assert row_stride(x[:, :4]) is None  # rows 10 apart, then a jump of 50
+    assert row_stride(x[:, :, ::2]) is None  # a row not contiguous
+    assert row_stride(x[:1]) == 10 and row_stride(torch.zeros(5)) == 5
+    assert row_stride(torch.zeros(1, 3).expand(4, 3)) is None  # rows overlap
+    assert row_stride(torch.zeros(1, 3).expand(1, 3)) == 3
 
 
 def test_absent_pools_and_bytes() -> None:
