@@ -21,7 +21,7 @@ could not give, Gluon's explicit layouts do:
   ``redux.sync`` ORs the live rows into a 32-bit mask and takes the page. The block's rows
   (page-contiguous: 1 KiB of key codes, 1 KiB of value codes) are copied to shared memory
   with ``cp.async`` (``NS`` stages, rows that no position maps to are not read), and the
-  slot map is read ``NS`` blocks ahead of its use.
+  slot map is read ``NS - 1`` and ``NS`` blocks ahead of its use.
 * **Zeros by the tensor cores.** ``q . kz`` is one more dot (the page's zeros as 16 equal
   rows against the query), added to the scores after their dot; ``sum p vz`` is a dot of
   ``p`` (the heads as rows) against the block's ``[vs | vz]`` rows.

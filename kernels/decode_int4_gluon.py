@@ -66,7 +66,7 @@ if GLUON_AVAILABLE:
     )
 
 #: cp.async stages: one block in compute, two in flight (H200, session 22: 2 stages give 16
-#: programs per SM instead of 12 and ran 8-24% slower: the copies' latency shows)
+#: programs per SM instead of 12 and ran up to 25% slower: the copies' latency shows)
 STAGES = 3
 #: registers per thread (ptxas ``.maxnreg``)
 MAX_REGISTERS = 128
