@@ -34,6 +34,12 @@ def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
 CASE_FIELDS = ("lens", "hq", "hkv", "dead", "pattern", "hm", "pad")
 
 
+def _over_cases(fn, cases: list[tuple]):
+    """``fn`` parametrized over ``cases`` ((id, *CASE_FIELDS) each), ids the cases' ids."""
+    ids = [c[0] for c in cases]
+    return pytest.mark.parametrize(CASE_FIELDS, [c[1:] for c in cases], ids=ids)(fn)
+
+
 def reference_cases(cases: list[tuple]):
     """Parametrize a test over ``cases`` ((id, *CASE_FIELDS) each) x fp16 / bf16 x split
     lengths 64, 256 and the planned one."""
@@ -41,8 +47,7 @@ def reference_cases(cases: list[tuple]):
     def wrap(fn):
         fn = pytest.mark.parametrize("split_len", [64, 256, None])(fn)
         fn = pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])(fn)
-        ids = [c[0] for c in cases]
-        return pytest.mark.parametrize(CASE_FIELDS, [c[1:] for c in cases], ids=ids)(fn)
+        return _over_cases(fn, cases)
 
     return wrap
 
@@ -52,9 +57,7 @@ def same_bits_cases(cases: list[tuple]):
     1,024 (fixed: the compared configs may plan different splits)."""
 
     def wrap(fn):
-        fn = pytest.mark.parametrize("split_len", [64, 1024])(fn)
-        ids = [c[0] for c in cases]
-        return pytest.mark.parametrize(CASE_FIELDS, [c[1:] for c in cases], ids=ids)(fn)
+        return _over_cases(pytest.mark.parametrize("split_len", [64, 1024])(fn), cases)
 
     return wrap
 
