@@ -39,15 +39,19 @@ $(SGL_STAMP): pyproject.toml Makefile
 demo: $(STAMP)
 	$(PY) examples/browsing/browsing_demo.py
 
+# the suite on TEST_WORKERS processes (pytest-xdist; a test file stays on one worker, so
+# its module fixtures load once)
+TEST_WORKERS ?= 2
+
 test: setup chromium gemma3-tokenizer
-	TRITON_INTERPRET=1 $(PY) -m pytest -q -ra
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile
 	$(MAKE) test-sglang
 
 test-sglang: $(SGL_STAMP)
 	HF_HUB_OFFLINE=1 TRITON_INTERPRET=1 $(SGL_PY) -m pytest -q -ra -p no:cacheprovider tests/integrations/sglang
 
 test-fast: setup chromium gemma3-tokenizer
-	TRITON_INTERPRET=1 $(PY) -m pytest -q -ra -m "not slow"
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -ra -m "not slow" -n $(TEST_WORKERS) --dist loadfile
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -231,11 +231,15 @@ class DecodeConfig:
     split kernel: B=8 N=128k 713 -> 671 us (-6%), B=32 N=32k 665 -> 644 (-3%), B=8 N=32k
     169 -> 166 (-1.5%), B=32 N=128k 2,853 -> 2,824 (-1%); with INT2 segments in the launch
     it was 0.5-2.5% slower, hence off there.
-    pdl: launch the merge as a programmatic dependent launch (Hopper and newer): the split
-    kernel lets it launch as soon as its last programs have started, and the merge waits
-    in-kernel (``griddepcontrol.wait``) for the splits' stores, so the launch gap between
-    the two kernels (about 3 µs in a CUDA graph) overlaps the splits' tail. None: on for
-    CUDA devices of compute capability >= 9 (never under the interpreter).
+    pdl: launch the merge as a programmatic dependent launch (Hopper and newer,
+    :func:`launch_chain`): the last split kernel lets it launch as soon as its last
+    programs have started, and the merge waits in-kernel (``griddepcontrol.wait``) for the
+    splits' stores, so the launch gap (about 3 µs in a CUDA graph) overlaps the splits'
+    tail. None: on for CUDA devices of compute capability >= 9 (never under the
+    interpreter). pdl_splits (with pdl): chain the split launches too (where one call has
+    two or three: the Gluon INT2 split, the Gluon INT4 split, this module's split), each
+    later one running its programs on the SMs the previous grid's tail leaves idle and
+    waiting for that grid at its end.
     merge_block_d: output channels per merge program (a power of two, 16 to head_dim; None:
     head_dim when there are at least as many (request, query head) rows as SMs, else 32,
     so a small batch's merge runs on more of the GPU).
@@ -328,6 +332,7 @@ class DecodeConfig:
     program_overhead_len: int = 128
     chunked_splits: bool = True
     pdl: bool | None = None
+    pdl_splits: bool = False
     merge_block_d: int | None = None
     int2_gluon: bool | None = None
     int2_gluon_mixed_positions: int = 1 << 19
@@ -1428,6 +1433,7 @@ def _decode_split_kernel(
     LAUNCH_DEPENDENTS: tl.constexpr = False,
     INT2_ELSEWHERE: tl.constexpr = False,
     INT4_ELSEWHERE: tl.constexpr = False,
+    WAIT_PRIOR: tl.constexpr = False,
 ):
     NG: tl.constexpr = D // 32
     Q: tl.constexpr = D // 4
@@ -2092,6 +2098,8 @@ def _decode_split_kernel(
     if not HAS_FULL:  # noqa: SIM102
         if s >= S2 + S4:  # no segment at all (every bound 0): an empty split
             _store_lse(plse_ptr, row_o, m_i, l_i, hmask)
+    if WAIT_PRIOR:  # a programmatic dependent of a Gluon split: complete after it
+        gdc_wait()
 
 
 @triton.jit
@@ -2354,6 +2362,47 @@ def _split_grid(
     s2, s4, sf = (-(-m // sl) for m, sl in zip(lens, rows, strict=True))
     p4 = -(-s4 // k4)
     return SplitGrid(rows, k4, s2, s4, max(1, s2 + s4 + sf), p4, max(1, s2 + p4 + sf))
+
+
+@dataclass(frozen=True)
+class ChainLink:
+    """One split launch's place in a decode call's launch chain (stream order: the Gluon
+    INT2 split, the Gluon INT4 split, this module's split, then the merge).
+
+    pdl: launched as a programmatic dependent of the previous launch (sm_90+), so its
+    programs start on the SMs the previous grid's tail leaves idle; launch_dependents: its
+    programs let the next launch start once all of them have started
+    (``griddepcontrol.launch_dependents``); wait_prior: each program waits at its end for the
+    previous grid's completion and stores (``griddepcontrol.wait``), so this grid completes
+    after every grid before it and the merge, which waits for the last one, sees all their
+    partial rows."""
+
+    pdl: bool
+    launch_dependents: bool
+    wait_prior: bool
+
+
+def launch_chain(
+    pdl: bool, launched: tuple[bool, ...], splits: bool = False
+) -> tuple[ChainLink, ...]:
+    """Per split launch (``launched``: whether it runs, in stream order), its
+    :class:`ChainLink`. With ``pdl`` the last launch that runs lets the merge, a
+    programmatic dependent, start early; with ``splits`` too every launch lets the next one
+    start early and every launch after the first is a programmatic dependent that waits for
+    the previous grid at its end. Without ``pdl`` (no sm_90, the interpreter,
+    ``DecodeConfig.pdl`` False) every launch is plain."""
+    links, first = [], True
+    last = max((i for i, on in enumerate(launched) if on), default=-1)
+    for i, on in enumerate(launched):
+        later = pdl and splits and on and not first
+        links.append(ChainLink(later, pdl and on and (splits or i == last), later))
+        first = first and not on
+    return tuple(links)
+
+
+def _pdl_launch(link: ChainLink) -> dict:
+    """A split launch's keyword arguments for its :class:`ChainLink`."""
+    return {"launch_pdl": True} if link.pdl else {}
 
 
 @functools.lru_cache(maxsize=1024)
@@ -2626,6 +2675,11 @@ def decode_attention(
     regs = None if interpreting else cfg.max_registers
     # the merge as a programmatic dependent launch where the GPU has it (sm_90+)
     pdl = cfg.pdl is not False and not interpreting and _pdl_capable(q.device)
+    # the launches' programmatic dependencies (this module's split: whenever it runs)
+    # this module's split runs unless the Gluon splits take every segment there is (then
+    # the plan below gives it no program)
+    runs_here = mf > 0 or t2 or t4 or not (gluon2 or gluon4)
+    link2, link4, link = launch_chain(pdl, (gluon2, gluon4, runs_here), cfg.pdl_splits)
     consts = dict(
         G=g,
         BLOCK_H=max(16, g_pow2),
@@ -2660,12 +2714,14 @@ def decode_attention(
         INT4_SCALE_STRIDE=sstride,
         INT4_SCALE_TILE=scale_tile,
         INT4_CHUNKS=False,  # set below where the plan gives INT4 programs several chunks
-        LAUNCH_DEPENDENTS=pdl,
+        LAUNCH_DEPENDENTS=link.launch_dependents,
         INT2_ELSEWHERE=gluon2,
         INT4_ELSEWHERE=gluon4,
+        WAIT_PRIOR=link.wait_prior,
         num_warps=cfg.warps(t4, t2),
         num_stages=cfg.stages(t4, t2),
         **({"maxnreg": regs} if regs else {}),
+        **_pdl_launch(link),
     )
 
     def split_args(grid: SplitGrid, part_o, part_lse, s_first: int = 0) -> tuple:
@@ -2744,8 +2800,15 @@ def decode_attention(
     gconsts = {}
     if gluon2:
         gconsts = int2_split_gluon_consts(
-            g, d, head_mask is not None, regs, lazy2, cfg.int2_gluon_stages
-        )
+            g,
+            d,
+            head_mask is not None,
+            regs,
+            lazy2,
+            cfg.int2_gluon_stages,
+            link2.launch_dependents,
+            link2.wait_prior,
+        ) | _pdl_launch(link2)
     g4consts = {}
     if gluon4:
         g4consts = int4_split_gluon_consts(
@@ -2758,7 +2821,9 @@ def decode_attention(
             kcs is not None,
             regs,
             cfg.int4_gluon_stages,
-        )
+            link4.launch_dependents,
+            link4.wait_prior,
+        ) | _pdl_launch(link4)
 
     lens = (m2, m4, mf)
     caps = (cap2, cap4, 0)
@@ -2831,18 +2896,16 @@ def decode_attention(
     part_o = torch.empty(b, hq, s_total, d, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(b, hq, s_total, dtype=torch.float32, device=q.device)
     out = torch.empty(b, hq, d, dtype=q.dtype, device=q.device)
+    # this module's programs: those past the splits the Gluon kernels ran (INT2, then INT4)
+    s_first = (grid.s2 if gluon2 else 0) + (grid.p4 if gluon4 else 0)
+    programs = grid.programs - s_first
     if gluon2:
         int2_split_gluon_kernel[(hkv, grid.s2, b)](*gluon_args(grid, part_o, part_lse), **gconsts)
     if gluon4:
         int4_split_gluon_kernel[(hkv, grid.s4, b)](*gluon4_args(grid, part_o, part_lse), **g4consts)
-    # this module's programs: those past the splits the Gluon kernels ran (INT2, then INT4)
-    s_first = (grid.s2 if gluon2 else 0) + (grid.p4 if gluon4 else 0)
-    programs = grid.programs - s_first
     if programs > 0:
         launch = (hkv, programs, b) if cfg.heads_fastest else (programs, hkv, b)
         _decode_split_kernel[launch](*split_args(grid, part_o, part_lse, s_first), **consts)
-    else:  # the Gluon kernels ran alone: the merge waits for them the plain way
-        pdl = False
     # few (request, query head) rows: more, narrower merge programs (a split of D)
     block_d = cfg.merge_block_d
     if block_d is None:

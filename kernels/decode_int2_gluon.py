@@ -56,6 +56,8 @@ if GLUON_AVAILABLE:
         cat_tokens,
         cp_load,
         cta_barrier,
+        grid_dependency_end,
+        grid_dependency_start,
         group_scales,
         movmatrix_b,
         slot_of_lane,
@@ -237,12 +239,16 @@ redux.sync.max.s32 $1, pg, 0xffffffff;
         stride_lh, hm_ptr, stride_mb, stride_mh, k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr,
         po_ptr, plse_ptr, qk_scale, dead_id, int2_base, Hkv, split_len, S_total,
         G: gl.constexpr, D: gl.constexpr, NS: gl.constexpr, HAS_HEAD_MASK: gl.constexpr,
-        RESCALE_SLACK: gl.constexpr,
+        RESCALE_SLACK: gl.constexpr, LAUNCH_DEPENDENTS: gl.constexpr = False,
+        WAIT_PRIOR: gl.constexpr = False,
     ):  # fmt: skip
         """One INT2 split: positions [s split_len, (s + 1) split_len) of the INT2 segment
         (``lens``: its length per request, or per request and KV head) of request b, KV head
         h. Writes the G query heads' partial rows ``(b Hq + h G + i) S_total + s`` of po
-        ([rows, D] fp32, normalised) and plse (log2-sum-exp, -inf where nothing was live)."""
+        ([rows, D] fp32, normalised) and plse (log2-sum-exp, -inf where nothing was live).
+        LAUNCH_DEPENDENTS / WAIT_PRIOR: the launch chain's programmatic dependencies
+        (:func:`.gluon_fragments.grid_dependency_start` / ``_end``)."""
+        grid_dependency_start(LAUNCH_DEPENDENTS)
         h = gl.program_id(0)
         s = gl.program_id(1)
         b = gl.program_id(2)
@@ -358,6 +364,7 @@ redux.sync.max.s32 $1, pg, 0xffffffff;
             po_ptr, plse_ptr, b * (Hkv * G) + h * G, s, S_total, G, D,
             m_i, lsum, zacc, o0, o1, o2, o3, o4, o5, o6, o7, _store_tile,
         )  # fmt: skip
+        grid_dependency_end(WAIT_PRIOR)
 
 else:
     int2_split_gluon_kernel = None
@@ -411,16 +418,22 @@ def int2_split_gluon_consts(
     max_registers: int | None = None,
     lazy_rescale: bool = False,
     stages: int = STAGES,
+    launch_dependents: bool = False,
+    wait_prior: bool = False,
 ) -> dict:
     """Constexprs and launch options of the kernel (``max_registers``: None =
     :data:`MAX_REGISTERS`; ``lazy_rescale``: the running max moves only by more than 2**4;
-    ``stages``: cp.async stages, 2 or 3, the blocks in flight plus the one in compute)."""
+    ``stages``: cp.async stages, 2 or 3, the blocks in flight plus the one in compute;
+    ``launch_dependents`` / ``wait_prior``: its place in a programmatic launch chain, see
+    :func:`.decode_attention.launch_chain`)."""
     return dict(
         G=group,
         D=head_dim,
         NS=stages,
         HAS_HEAD_MASK=has_head_mask,
         RESCALE_SLACK=4.0 if lazy_rescale else 0.0,
+        LAUNCH_DEPENDENTS=launch_dependents,
+        WAIT_PRIOR=wait_prior,
         num_warps=1,
         maxnreg=max_registers or MAX_REGISTERS,
     )

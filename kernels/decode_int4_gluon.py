@@ -56,6 +56,8 @@ if GLUON_AVAILABLE:
         cat_tokens,
         cp_load,
         cta_barrier,
+        grid_dependency_end,
+        grid_dependency_start,
         group_scales,
         movmatrix_b,
         slot_of_lane,
@@ -302,12 +304,16 @@ redux.sync.or.b32 $0, b, 0xffffffff;
         split_len, S_total, s_first,
         G: gl.constexpr, D: gl.constexpr, NS: gl.constexpr, SSTRIDE: gl.constexpr,
         INTERLEAVED: gl.constexpr, HAS_INT2: gl.constexpr, HAS_HEAD_MASK: gl.constexpr, HAS_KCS: gl.constexpr, RESCALE_SLACK: gl.constexpr,
+        LAUNCH_DEPENDENTS: gl.constexpr = False, WAIT_PRIOR: gl.constexpr = False,
     ):  # fmt: skip
         """One INT4 split: positions [n2 + s split_len, n2 + (s + 1) split_len) of request b's
         INT4 segment (``lens2``: where it starts, n2, with HAS_INT2, else 0; ``lens4``: its
         length; per request or per request and KV head), KV head h. Writes the G query heads' partial rows
         ``(b Hq + h G + i) S_total + s_first + s`` of po ([rows, D] fp32, normalised) and
-        plse (log2-sum-exp, -inf where nothing was live)."""
+        plse (log2-sum-exp, -inf where nothing was live). LAUNCH_DEPENDENTS / WAIT_PRIOR: the
+        launch chain's programmatic dependencies (:func:`.gluon_fragments.grid_dependency_start`
+        / ``_end``)."""
+        grid_dependency_start(LAUNCH_DEPENDENTS)
         h = gl.program_id(0)
         s = gl.program_id(1)
         b = gl.program_id(2)
@@ -397,6 +403,7 @@ redux.sync.or.b32 $0, b, 0xffffffff;
             po_ptr, plse_ptr, b * (Hkv * G) + h * G, s_first + s, S_total, G, D,
             m_i, lsum, zacc, o0, o1, o2, o3, o4, o5, o6, o7, _store_tile4,
         )  # fmt: skip
+        grid_dependency_end(WAIT_PRIOR)
 
 else:
     int4_split_gluon_kernel = None
@@ -460,8 +467,12 @@ def int4_split_gluon_consts(
     has_key_channel_scale: bool,
     max_registers: int | None = None,
     stages: int = STAGES,
+    launch_dependents: bool = False,
+    wait_prior: bool = False,
 ) -> dict:
-    """Constexprs and launch options of the kernel (``stages``: cp.async stages, 2 or 3, the
+    """Constexprs and launch options of the kernel (``launch_dependents`` / ``wait_prior``:
+    its place in a programmatic launch chain, see :func:`.decode_attention.launch_chain`;
+    ``stages``: cp.async stages, 2 or 3, the
     blocks in flight plus the one in compute; ``scale_stride``: elements between one
     (slot, head) row's scales and the next's; ``interleaved``: each row's scales and zeros
     side by side, ``[ks | kz | vs | vz]`` at ``k_scale``; ``has_int2``: the launch has
@@ -479,6 +490,8 @@ def int4_split_gluon_consts(
         HAS_HEAD_MASK=has_head_mask,
         HAS_KCS=has_key_channel_scale,
         RESCALE_SLACK=0.0,
+        LAUNCH_DEPENDENTS=launch_dependents,
+        WAIT_PRIOR=wait_prior,
         num_warps=1,
         maxnreg=max_registers or MAX_REGISTERS,
     )

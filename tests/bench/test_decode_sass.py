@@ -34,6 +34,17 @@ for group, il, hm, kcs in {CASES4!r}:
     k = compile_gluon_int4(group, interleaved=il, HAS_HEAD_MASK=hm, HAS_KCS=kcs)
     out.append(dict(sass_stats(k, tokens_per_iter=32, warps=1), case=[group, il, hm, kcs]))
 print("STATS4", json.dumps(out))
+out = {{}}
+for name, compile_split in (("int2", compile_gluon_int2), ("int4", compile_gluon_int4)):
+    for flags in (False, True):
+        k = compile_split(4, LAUNCH_DEPENDENTS=flags, WAIT_PRIOR=flags)
+        st = sass_stats(k, tokens_per_iter=32, warps=1)
+        out[name + " " + str(flags)] = dict(
+            launch_dependents=k.asm["ptx"].count("griddepcontrol.launch_dependents"),
+            wait=k.asm["ptx"].count("griddepcontrol.wait"),
+            loop=st["lane_instructions_per_token_skipping"],
+        )
+print("CHAIN", json.dumps(out))
 """
 
 
@@ -45,9 +56,9 @@ def _child_stats() -> dict[str, list[dict]]:
     got = {}
     for ln in res.stdout.splitlines():
         tag, _, payload = ln.partition(" ")
-        if tag in ("STATS", "STATS4"):
+        if tag in ("STATS", "STATS4", "CHAIN"):
             got[tag] = json.loads(payload)
-    assert set(got) == {"STATS", "STATS4"}, res.stderr[-3000:]
+    assert set(got) == {"STATS", "STATS4", "CHAIN"}, res.stderr[-3000:]
     return got
 
 
@@ -79,3 +90,11 @@ def test_gluon_splits_compile_within_their_budget() -> None:
         ops = dict(map(tuple, stats["top_ops"]))
         # 16 score + 8 q.kz + 16 value + 2 zero dots per 32-token block
         assert ops.get("HMMA.16816.F32") == 42, stats
+    # the launch chain's flags (decode_attention.launch_chain): one
+    # griddepcontrol.launch_dependents at the start, one griddepcontrol.wait at the end,
+    # outside the loop (its instructions unchanged); none without them
+    for name in ("int2", "int4"):
+        plain, chained = got["CHAIN"][f"{name} False"], got["CHAIN"][f"{name} True"]
+        assert (plain["launch_dependents"], plain["wait"]) == (0, 0), plain
+        assert (chained["launch_dependents"], chained["wait"]) == (1, 1), chained
+        assert chained["loop"] == plain["loop"], (plain, chained)

@@ -22,7 +22,12 @@ from agentkv.kernels import (
     plan_split_len,
     validate_decode_inputs,
 )
-from agentkv.kernels.decode_attention import plan_wave_splits, resident_programs
+from agentkv.kernels.decode_attention import (
+    ChainLink,
+    launch_chain,
+    plan_wave_splits,
+    resident_programs,
+)
 
 #: the module (``agentkv.kernels.decode_attention`` the attribute is the function)
 dattn = importlib.import_module("agentkv.kernels.decode_attention")
@@ -400,17 +405,32 @@ INT4_CONFIGS = [
 ]
 
 
-@pytest.mark.parametrize(("name", "cfg"), INT4_CONFIGS, ids=[c[0] for c in INT4_CONFIGS])
+#: (group, head_dim, dtype) of the variant tests: every variant at the first and the last
+#: (both dtypes, GQA 4 and 1, D 128 and 64), the main paths at all (the suite's time budget)
+INT4_SHAPES = [
+    pytest.param(4, 128, torch.float16, id="g4d128-fp16"),
+    pytest.param(1, 64, torch.bfloat16, id="g1d64-bf16"),
+    pytest.param(4, 128, torch.bfloat16, id="g4d128-bf16"),
+    pytest.param(3, 64, torch.float16, id="g3d64-fp16"),
+]
+INT4_EVERY_SHAPE = {"default", "folded_bn64", "dequant_v", "legacy", "centred"}
+
+
+def _variant_cases(configs: list[tuple], shapes: list, every_shape: set[str]) -> list:
+    """(name, cfg, *shape) params: every config at the first two shapes, those named in
+    ``every_shape`` at all of them."""
+    return [
+        pytest.param(name, cfg, *sh.values, id=f"{sh.id}-{name}")
+        for i, sh in enumerate(shapes)
+        for name, cfg in configs
+        if i < 2 or name in every_shape
+    ]
+
+
 @pytest.mark.parametrize(
-    ("group", "d", "dtype"),
-    [
-        (4, 128, torch.float16),
-        (4, 128, torch.bfloat16),
-        (3, 64, torch.float16),
-        (1, 64, torch.bfloat16),
-    ],
-    ids=["g4d128-fp16", "g4d128-bf16", "g3d64-fp16", "g1d64-bf16"],
-)  # both dtypes at the main shape; the odd groups once each (the suite's time budget)
+    ("name", "cfg", "group", "d", "dtype"),
+    _variant_cases(INT4_CONFIGS, INT4_SHAPES, INT4_EVERY_SHAPE),
+)
 def test_int4_variants_match_reference(name, cfg, group, d, dtype) -> None:
     mb = build_mixed_batch(
         [(0, 90, 0), (1, 40, 9)],
@@ -503,11 +523,17 @@ INT2_CONFIGS = [
 ]
 
 
-@pytest.mark.parametrize(("name", "cfg"), INT2_CONFIGS, ids=[c[0] for c in INT2_CONFIGS])
 @pytest.mark.parametrize(
-    ("group", "d", "dtype"),
-    [(4, 128, torch.float16), (4, 128, torch.bfloat16), (3, 64, torch.float16)],
-    ids=["g4d128-fp16", "g4d128-bf16", "g3d64-fp16"],
+    ("name", "cfg", "group", "d", "dtype"),
+    _variant_cases(
+        INT2_CONFIGS,
+        [
+            pytest.param(4, 128, torch.float16, id="g4d128-fp16"),
+            pytest.param(3, 64, torch.bfloat16, id="g3d64-bf16"),
+            pytest.param(4, 128, torch.bfloat16, id="g4d128-bf16"),
+        ],
+        {"fold", "fold_lazy", "dequantizing"},
+    ),
 )
 def test_int2_variants_match_reference(name, cfg, group, d, dtype) -> None:
     """Both INT2 splits (folded: page key scales in the query, token value scales in p,
@@ -665,6 +691,27 @@ def test_merge_channel_blocks_give_the_whole_row_merge(block_d: int) -> None:
         mb, torch.float16, split_len=64, config=DecodeConfig(merge_block_d=block_d, pdl=True)
     )
     assert torch.equal(forced, part)  # a dependent launch reads what the splits wrote
+
+
+def test_launch_chain_orders_the_split_launches() -> None:
+    """With pdl, the last split launch that runs lets the merge start early; with the
+    splits chained too, the first launch that runs is plain and lets the next one start
+    early, and every later one is a programmatic dependent that waits for the one before it
+    at its end (so the merge, waiting for the last, sees every grid's partial rows). A
+    launch that does not run takes no part; without pdl every launch is plain."""
+    plain = ChainLink(pdl=False, launch_dependents=False, wait_prior=False)
+    first = ChainLink(pdl=False, launch_dependents=True, wait_prior=False)
+    later = ChainLink(pdl=True, launch_dependents=True, wait_prior=True)
+    for chained in (False, True):
+        assert launch_chain(True, (False, False, True), chained) == (plain, plain, first)
+        assert launch_chain(True, (False, True, False), chained) == (plain, first, plain)
+        assert launch_chain(False, (True, True, True), chained) == (plain, plain, plain)
+    assert launch_chain(True, (True, True, True)) == (plain, plain, first)
+    assert launch_chain(True, (True, False, True)) == (plain, plain, first)
+    assert launch_chain(True, (True, True, False)) == (plain, first, plain)
+    assert launch_chain(True, (True, True, True), True) == (first, later, later)
+    assert launch_chain(True, (False, True, True), True) == (plain, first, later)
+    assert launch_chain(True, (True, False, True), True) == (first, plain, later)
 
 
 @pytest.mark.parametrize("block_d", [0, 8, 48, 100])

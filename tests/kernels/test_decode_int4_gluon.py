@@ -16,6 +16,7 @@ from gluon_gpu import (
     GLUON_GPU,
     assert_matches_reference_and_triton,
     assert_same_bits,
+    case_batch,
     needs_gluon_gpu,
     reference_cases,
     rel_err,
@@ -142,6 +143,37 @@ def test_gluon_split_two_stages_give_the_same_bits(
     case = (lens, hq, hkv, dead, pattern, hm, pad)
     two = dataclasses.replace(ON, int4_gluon_stages=2)
     assert_same_bits(case, split_len, hq * 13 + len(lens), ON, two)
+
+
+@needs_gluon_gpu
+@same_bits_cases(GLUON_CASES)
+@pytest.mark.parametrize("splits", [False, True], ids=["merge", "splits"])
+def test_launch_chain_gives_the_bits_of_plain_launches(
+    lens, hq, hkv, dead, pattern, hm, pad, split_len, splits
+) -> None:
+    """On sm_90+ (``pdl``, the default there) the merge is a programmatic dependent of the
+    last split launch; with ``pdl_splits`` the Gluon INT2 split, the Gluon INT4 split and
+    the Triton split are chained too: the same bits as plain launches one after the other."""
+    case = (lens, hq, hkv, dead, pattern, hm, pad)
+    chained = dataclasses.replace(ON, pdl_splits=splits)
+    plain = dataclasses.replace(ON, pdl=False)
+    assert_same_bits(case, split_len, hq * 17 + len(lens), chained, plain)
+
+
+@needs_gluon_gpu
+def test_launch_chain_waits_for_a_long_first_grid() -> None:
+    """``pdl_splits``: a long INT2 grid (16,384 positions per request on the Gluon INT2
+    split), a short INT4 one and a shorter full one chained behind it: the later grids finish long before
+    the first, and each waits for the one before it at its end, so the merge reads every
+    INT2 partial row. Twenty calls, each the bits of plain launches (a missing wait would
+    let the merge read rows not yet written: ``part_o`` is uninitialised memory)."""
+    mb = case_batch(([(512, 256, 64)] * 4, 32, 8, 0.1, "random", 0.0, 0), torch.float16, 5)
+    plain = mb.decode(config=dataclasses.replace(ON, pdl=False))
+    ref = decode_attention_ref(mb.q, mb.pools, mb.slot_map, mb.seq_lens, mb.head_mask)
+    assert rel_err(plain, ref) < 1e-3
+    chained = dataclasses.replace(ON, pdl_splits=True)
+    for _ in range(20):
+        assert torch.equal(mb.decode(config=chained), plain)
 
 
 @needs_gluon_gpu
