@@ -2675,9 +2675,8 @@ def decode_attention(
     regs = None if interpreting else cfg.max_registers
     # the merge as a programmatic dependent launch where the GPU has it (sm_90+)
     pdl = cfg.pdl is not False and not interpreting and _pdl_capable(q.device)
-    # the launches' programmatic dependencies (this module's split: whenever it runs)
-    # this module's split runs unless the Gluon splits take every segment there is (then
-    # the plan below gives it no program)
+    # the launches' programmatic dependencies; this module's split runs unless the Gluon
+    # splits take every segment there is (then the plan below gives it no program)
     runs_here = mf > 0 or t2 or t4 or not (gluon2 or gluon4)
     link2, link4, link = launch_chain(pdl, (gluon2, gluon4, runs_here), cfg.pdl_splits)
     consts = dict(

@@ -714,6 +714,84 @@ def test_launch_chain_orders_the_split_launches() -> None:
     assert launch_chain(True, (True, False, True), True) == (first, plain, later)
 
 
+class _LaunchRecorder:
+    """Stands in for a kernel: records each launch's grid and keyword arguments."""
+
+    def __init__(self, name: str, seen: list) -> None:
+        self.name, self.seen = name, seen
+
+    def __getitem__(self, grid):
+        return lambda *args, **kw: self.seen.append((self.name, kw))
+
+
+@pytest.mark.parametrize(
+    ("segments", "chained", "expect"),
+    [
+        # segments: (INT2 pages, INT4 tokens, full tokens) per request; expect: per launch in
+        # order, (kernel, launch_pdl, LAUNCH_DEPENDENTS, WAIT_PRIOR), the merge's last
+        ("int4", False, [("g4", 0, 1, 0), ("merge", 1, 0, 0)]),
+        ("int2", False, [("g2", 0, 1, 0), ("merge", 1, 0, 0)]),
+        ("mixed", False, [("g2", 0, 0, 0), ("g4", 0, 1, 0), ("merge", 1, 0, 0)]),
+        ("mixed", True, [("g2", 0, 1, 0), ("g4", 1, 1, 1), ("merge", 1, 0, 0)]),
+        ("int4_full", False, [("g4", 0, 0, 0), ("tri", 0, 1, 0), ("merge", 1, 0, 0)]),
+        ("int4_full", True, [("g4", 0, 1, 0), ("tri", 1, 1, 1), ("merge", 1, 0, 0)]),
+        ("all", True, [("g2", 0, 1, 0), ("g4", 1, 1, 1), ("tri", 1, 1, 1), ("merge", 1, 0, 0)]),
+        ("full", False, [("tri", 0, 1, 0), ("merge", 1, 0, 0)]),
+        ("all", None, [("g2", 0, 0, 0), ("g4", 0, 0, 0), ("tri", 0, 0, 0), ("merge", 0, 0, 0)]),
+    ],
+)
+def test_launches_chain_where_the_gluon_splits_run(monkeypatch, segments, chained, expect):
+    """The host side of the launch chain on sm_90 (the GPU, the Gluon dispatch and every
+    kernel stood in for; the kernels themselves: test_decode_int4_gluon.py): whichever
+    kernel runs the last split launch lets the merge start early, the Triton split runs only
+    where a segment is left for it, and with ``pdl_splits`` each later split launch is a
+    programmatic dependent that waits for the one before it (``chained`` None: pdl off)."""
+    mod = importlib.import_module("agentkv.kernels.decode_attention")
+    seen: list = []
+    names = {
+        "int2_split_gluon_kernel": "g2",
+        "int4_split_gluon_kernel": "g4",
+        "_decode_split_kernel": "tri",
+        "_merge_splits_kernel": "merge",
+    }
+    for attr, name in names.items():
+        monkeypatch.setattr(mod, attr, _LaunchRecorder(name, seen))
+    monkeypatch.setattr(mod, "triton_interpreting", lambda: False)
+    monkeypatch.setattr(mod, "_pdl_capable", lambda device: True)
+    monkeypatch.setattr(mod, "_use_gluon_int2", lambda *a: True)
+    monkeypatch.setattr(mod, "_use_gluon_int4", lambda *a: True)
+    lens = {
+        "int4": (0, 96, 0),
+        "int2": (3, 0, 0),
+        "mixed": (3, 96, 0),
+        "int4_full": (0, 96, 40),
+        "all": (3, 96, 40),
+        "full": (0, 0, 96),
+    }[segments]
+    mb = build_mixed_batch([lens, lens], hq=8, hkv=2, d=128, seed=3)
+    bounds = SegmentMaxLens(32 * lens[0], lens[1], lens[2])
+    cfg = DecodeConfig(
+        int2_gluon=True,
+        int4_gluon=True,
+        pdl=chained is not None,
+        pdl_splits=bool(chained),
+        resident_programs=8,
+    )
+    mb.decode(config=cfg, max_lens=bounds)
+    got = [
+        (
+            name,
+            int(kw.get("launch_pdl", False)),
+            int(kw.get("LAUNCH_DEPENDENTS", False)),
+            int(kw.get("WAIT_PRIOR", False)),
+        )
+        for name, kw in seen
+    ]
+    assert got == expect
+    merge = seen[-1][1]
+    assert merge["GDC_WAIT"] == (chained is not None)
+
+
 @pytest.mark.parametrize("block_d", [0, 8, 48, 100])
 def test_merge_block_d_must_be_a_power_of_two_of_at_least_16(block_d: int) -> None:
     with pytest.raises(ValueError, match="merge_block_d"):
