@@ -163,10 +163,11 @@ def test_launch_chain_gives_the_bits_of_plain_launches(
 @needs_gluon_gpu
 def test_launch_chain_waits_for_a_long_first_grid() -> None:
     """``pdl_splits``: a long INT2 grid (16,384 positions per request on the Gluon INT2
-    split), a short INT4 one and a shorter full one chained behind it: the later grids finish long before
-    the first, and each waits for the one before it at its end, so the merge reads every
-    INT2 partial row. Twenty calls, each the bits of plain launches (a missing wait would
-    let the merge read rows not yet written: ``part_o`` is uninitialised memory)."""
+    split), a short INT4 one and a shorter full one chained behind it. The later grids
+    finish long before the first, and each waits for the one before it at its end, so the
+    merge reads every INT2 partial row. Twenty calls, each the bits of plain launches (a
+    missing wait would let the merge read rows not yet written: ``part_o`` is
+    uninitialised memory)."""
     mb = case_batch(([(512, 256, 64)] * 4, 32, 8, 0.1, "random", 0.0, 0), torch.float16, 5)
     plain = mb.decode(config=dataclasses.replace(ON, pdl=False))
     ref = decode_attention_ref(mb.q, mb.pools, mb.slot_map, mb.seq_lens, mb.head_mask)
