@@ -2369,17 +2369,15 @@ class ChainLink:
     """One split launch's place in a decode call's launch chain (stream order: the Gluon
     INT2 split, the Gluon INT4 split, this module's split, then the merge).
 
-    pdl: launched as a programmatic dependent of the previous launch (sm_90+), so its
-    programs start on the SMs the previous grid's tail leaves idle; launch_dependents: its
-    programs let the next launch start once all of them have started
-    (``griddepcontrol.launch_dependents``); wait_prior: each program waits at its end for the
-    previous grid's completion and stores (``griddepcontrol.wait``), so this grid completes
-    after every grid before it and the merge, which waits for the last one, sees all their
-    partial rows."""
+    dependent: launched as a programmatic dependent of the previous split launch (sm_90+),
+    so its programs start on the SMs the previous grid's tail leaves idle, and each waits
+    at its end for that grid's completion and stores (``griddepcontrol.wait``): the grid
+    completes after every grid before it, and the merge, which waits for the last one,
+    sees all their partial rows. launch_dependents: its programs let the next launch start
+    once all of them have started (``griddepcontrol.launch_dependents``)."""
 
-    pdl: bool
+    dependent: bool
     launch_dependents: bool
-    wait_prior: bool
 
 
 def launch_chain(
@@ -2388,21 +2386,20 @@ def launch_chain(
     """Per split launch (``launched``: whether it runs, in stream order), its
     :class:`ChainLink`. With ``pdl`` the last launch that runs lets the merge, a
     programmatic dependent, start early; with ``splits`` too every launch lets the next one
-    start early and every launch after the first is a programmatic dependent that waits for
-    the previous grid at its end. Without ``pdl`` (no sm_90, the interpreter,
-    ``DecodeConfig.pdl`` False) every launch is plain."""
+    start early and every launch after the first is a dependent. Without ``pdl`` (no sm_90,
+    the interpreter, ``DecodeConfig.pdl`` False) every launch is plain."""
     links, first = [], True
     last = max((i for i, on in enumerate(launched) if on), default=-1)
     for i, on in enumerate(launched):
-        later = pdl and splits and on and not first
-        links.append(ChainLink(later, pdl and on and (splits or i == last), later))
+        dependent = pdl and splits and on and not first
+        links.append(ChainLink(dependent, pdl and on and (splits or i == last)))
         first = first and not on
     return tuple(links)
 
 
 def _pdl_launch(link: ChainLink) -> dict:
     """A split launch's keyword arguments for its :class:`ChainLink`."""
-    return {"launch_pdl": True} if link.pdl else {}
+    return {"launch_pdl": True} if link.dependent else {}
 
 
 @functools.lru_cache(maxsize=1024)
@@ -2716,7 +2713,7 @@ def decode_attention(
         LAUNCH_DEPENDENTS=link.launch_dependents,
         INT2_ELSEWHERE=gluon2,
         INT4_ELSEWHERE=gluon4,
-        WAIT_PRIOR=link.wait_prior,
+        WAIT_PRIOR=link.dependent,
         num_warps=cfg.warps(t4, t2),
         num_stages=cfg.stages(t4, t2),
         **({"maxnreg": regs} if regs else {}),
@@ -2806,7 +2803,7 @@ def decode_attention(
             lazy2,
             cfg.int2_gluon_stages,
             link2.launch_dependents,
-            link2.wait_prior,
+            link2.dependent,
         ) | _pdl_launch(link2)
     g4consts = {}
     if gluon4:
@@ -2821,7 +2818,7 @@ def decode_attention(
             regs,
             cfg.int4_gluon_stages,
             link4.launch_dependents,
-            link4.wait_prior,
+            link4.dependent,
         ) | _pdl_launch(link4)
 
     lens = (m2, m4, mf)
@@ -2895,13 +2892,13 @@ def decode_attention(
     part_o = torch.empty(b, hq, s_total, d, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(b, hq, s_total, dtype=torch.float32, device=q.device)
     out = torch.empty(b, hq, d, dtype=q.dtype, device=q.device)
-    # this module's programs: those past the splits the Gluon kernels ran (INT2, then INT4)
-    s_first = (grid.s2 if gluon2 else 0) + (grid.p4 if gluon4 else 0)
-    programs = grid.programs - s_first
     if gluon2:
         int2_split_gluon_kernel[(hkv, grid.s2, b)](*gluon_args(grid, part_o, part_lse), **gconsts)
     if gluon4:
         int4_split_gluon_kernel[(hkv, grid.s4, b)](*gluon4_args(grid, part_o, part_lse), **g4consts)
+    # this module's programs: those past the splits the Gluon kernels ran (INT2, then INT4)
+    s_first = (grid.s2 if gluon2 else 0) + (grid.p4 if gluon4 else 0)
+    programs = grid.programs - s_first
     if programs > 0:
         launch = (hkv, programs, b) if cfg.heads_fastest else (programs, hkv, b)
         _decode_split_kernel[launch](*split_args(grid, part_o, part_lse, s_first), **consts)

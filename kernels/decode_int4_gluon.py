@@ -46,6 +46,7 @@ if GLUON_AVAILABLE:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as _cp
     from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
     from .gluon_fragments import (
         DA,
@@ -56,8 +57,6 @@ if GLUON_AVAILABLE:
         cat_tokens,
         cp_load,
         cta_barrier,
-        grid_dependency_end,
-        grid_dependency_start,
         group_scales,
         movmatrix_b,
         slot_of_lane,
@@ -311,9 +310,10 @@ redux.sync.or.b32 $0, b, 0xffffffff;
         length; per request or per request and KV head), KV head h. Writes the G query heads' partial rows
         ``(b Hq + h G + i) S_total + s_first + s`` of po ([rows, D] fp32, normalised) and
         plse (log2-sum-exp, -inf where nothing was live). LAUNCH_DEPENDENTS / WAIT_PRIOR: the
-        launch chain's programmatic dependencies (:func:`.gluon_fragments.grid_dependency_start`
-        / ``_end``)."""
-        grid_dependency_start(LAUNCH_DEPENDENTS)
+        launch chain's programmatic dependencies (:func:`.decode_attention.launch_chain`:
+        ``griddepcontrol.launch_dependents`` at the start, ``griddepcontrol.wait`` at the end)."""
+        if LAUNCH_DEPENDENTS:  # the next launch (a programmatic dependent) may start
+            gdc_launch_dependents()
         h = gl.program_id(0)
         s = gl.program_id(1)
         b = gl.program_id(2)
@@ -403,7 +403,8 @@ redux.sync.or.b32 $0, b, 0xffffffff;
             po_ptr, plse_ptr, b * (Hkv * G) + h * G, s_first + s, S_total, G, D,
             m_i, lsum, zacc, o0, o1, o2, o3, o4, o5, o6, o7, _store_tile4,
         )  # fmt: skip
-        grid_dependency_end(WAIT_PRIOR)
+        if WAIT_PRIOR:  # a programmatic dependent: complete only after the previous grid
+            gdc_wait()
 
 else:
     int4_split_gluon_kernel = None

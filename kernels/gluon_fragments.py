@@ -234,28 +234,6 @@ setp.eq.s16 z, m, 0;
         return gl.where(has, m_i + gl.log2(gl.where(has, l_i, 1.0)), float("-inf"))
 
     @gluon.jit
-    def grid_dependency_start(LAUNCH_DEPENDENTS: gl.constexpr):
-        """At a split's start, with LAUNCH_DEPENDENTS: the next kernel in the stream, launched
-        as a programmatic dependent (sm_90+), may start once every program of this grid has
-        passed here (``griddepcontrol.launch_dependents``)."""
-        if LAUNCH_DEPENDENTS:
-            gl.inline_asm_elementwise(
-                "griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
-                is_pure=False, pack=1,
-            )  # fmt: skip
-
-    @gluon.jit
-    def grid_dependency_end(WAIT_PRIOR: gl.constexpr):
-        """At a split's end, with WAIT_PRIOR (the grid was launched as a programmatic
-        dependent of the previous split in the stream): wait for that grid's completion and
-        stores (``griddepcontrol.wait``), so this grid completes after it and a kernel that
-        waits for this one (the merge) sees both grids' partial rows."""
-        if WAIT_PRIOR:
-            gl.inline_asm_elementwise(
-                "griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1
-            )
-
-    @gluon.jit
     def store_split(po_ptr, plse_ptr, row0, col, S_total, G: gl.constexpr, D: gl.constexpr,
                     m_i, lsum, zacc, o0, o1, o2, o3, o4, o5, o6, o7,
                     store_tile: gl.constexpr):  # fmt: skip
@@ -291,8 +269,6 @@ __all__ = [
     "cat_tokens",
     "cp_load",
     "cta_barrier",
-    "grid_dependency_end",
-    "grid_dependency_start",
     "group_scales",
     "head_cols",
     "head_rows",

@@ -24,27 +24,27 @@ CHILD = f"""
 import json, sys
 sys.path.insert(0, {str(BENCH)!r})
 from decode_sass import compile_gluon_int2, compile_gluon_int4, sass_stats
+
+def stats(k):
+    # (the launch chain's instructions: griddepcontrol.launch_dependents, .wait)
+    ptx = k.asm["ptx"]
+    chain = [ptx.count("griddepcontrol.launch_dependents"), ptx.count("griddepcontrol.wait")]
+    return dict(sass_stats(k, tokens_per_iter=32, warps=1), chain=chain)
+
 out = []
 for group, hm in {CASES!r}:
-    st = sass_stats(compile_gluon_int2(group, HAS_HEAD_MASK=hm), tokens_per_iter=32, warps=1)
-    out.append(dict(st, group=group, head_mask=hm))
+    out.append(dict(stats(compile_gluon_int2(group, HAS_HEAD_MASK=hm)), group=group, head_mask=hm))
 print("STATS", json.dumps(out))
 out = []
 for group, il, hm, kcs in {CASES4!r}:
     k = compile_gluon_int4(group, interleaved=il, HAS_HEAD_MASK=hm, HAS_KCS=kcs)
-    out.append(dict(sass_stats(k, tokens_per_iter=32, warps=1), case=[group, il, hm, kcs]))
+    out.append(dict(stats(k), case=[group, il, hm, kcs]))
 print("STATS4", json.dumps(out))
-out = {{}}
-for name, compile_split in (("int2", compile_gluon_int2), ("int4", compile_gluon_int4)):
-    for flags in (False, True):
-        k = compile_split(4, LAUNCH_DEPENDENTS=flags, WAIT_PRIOR=flags)
-        st = sass_stats(k, tokens_per_iter=32, warps=1)
-        out[name + " " + str(flags)] = dict(
-            launch_dependents=k.asm["ptx"].count("griddepcontrol.launch_dependents"),
-            wait=k.asm["ptx"].count("griddepcontrol.wait"),
-            loop=st["lane_instructions_per_token_skipping"],
-        )
-print("CHAIN", json.dumps(out))
+# the first cases' kernels (GQA 4) with the launch chain's flags
+print("CHAIN", json.dumps([
+    stats(compile_split(4, LAUNCH_DEPENDENTS=True, WAIT_PRIOR=True))
+    for compile_split in (compile_gluon_int2, compile_gluon_int4)
+]))
 """
 
 
@@ -93,8 +93,8 @@ def test_gluon_splits_compile_within_their_budget() -> None:
     # the launch chain's flags (decode_attention.launch_chain): one
     # griddepcontrol.launch_dependents at the start, one griddepcontrol.wait at the end,
     # outside the loop (its instructions unchanged); none without them
-    for name in ("int2", "int4"):
-        plain, chained = got["CHAIN"][f"{name} False"], got["CHAIN"][f"{name} True"]
-        assert (plain["launch_dependents"], plain["wait"]) == (0, 0), plain
-        assert (chained["launch_dependents"], chained["wait"]) == (1, 1), chained
-        assert chained["loop"] == plain["loop"], (plain, chained)
+    for plain, chained in zip((got["STATS"][0], got["STATS4"][0]), got["CHAIN"], strict=True):
+        assert plain["chain"] == [0, 0], plain
+        assert chained["chain"] == [1, 1], chained
+        loop = "lane_instructions_per_token_skipping"
+        assert chained[loop] == plain[loop], (plain[loop], chained[loop])

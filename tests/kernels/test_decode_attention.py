@@ -699,9 +699,9 @@ def test_launch_chain_orders_the_split_launches() -> None:
     early, and every later one is a programmatic dependent that waits for the one before it
     at its end (so the merge, waiting for the last, sees every grid's partial rows). A
     launch that does not run takes no part; without pdl every launch is plain."""
-    plain = ChainLink(pdl=False, launch_dependents=False, wait_prior=False)
-    first = ChainLink(pdl=False, launch_dependents=True, wait_prior=False)
-    later = ChainLink(pdl=True, launch_dependents=True, wait_prior=True)
+    plain = ChainLink(dependent=False, launch_dependents=False)
+    first = ChainLink(dependent=False, launch_dependents=True)
+    later = ChainLink(dependent=True, launch_dependents=True)
     for chained in (False, True):
         assert launch_chain(True, (False, False, True), chained) == (plain, plain, first)
         assert launch_chain(True, (False, True, False), chained) == (plain, first, plain)
