@@ -290,6 +290,13 @@ class Shape:
         self.slots_mixed = torch.cat(
             [self.slots_int2[:, :n2], self.slots_int4[:, n2:]], dim=1
         ).contiguous()
+        # "tiered" (``--impls tiered`` in decode_splits.py): the mixed layout with its last
+        # ``full_tail`` positions (a recent window) in the full pool: three segments
+        self.full_tail = min(512, n // 8) // 64 * 64
+        t = n - self.full_tail
+        self.slots_tiered = torch.cat(
+            [self.slots_int2[:, :n2], self.slots_int4[:, n2:t], self.slots_full[:, t:]], dim=1
+        ).contiguous()
         self.dead_random = torch.rand(b, n, device=dev, generator=g) < 0.5
         # clustered eviction (whole spans, e.g. old tool results): half of the 512-token runs
         runs = n // 512
@@ -317,12 +324,20 @@ class Shape:
             sm, n2, n4, ml = self.slots_int4, None, full_len, SegmentMaxLens(0, n, 0)
         elif impl == "int2":
             sm, n2, n4, ml = self.slots_int2, full_len, None, SegmentMaxLens(n, 0, 0)
-        else:
+        elif impl == "mixed":
             m = self.n2_mixed
             sm = self.slots_mixed
             n2 = torch.full_like(zero, m)
             n4 = torch.full_like(zero, n - m)
             ml = SegmentMaxLens(m, n - m, 0)
+        elif impl == "tiered":
+            m, w = self.n2_mixed, self.full_tail
+            sm = self.slots_tiered
+            n2 = torch.full_like(zero, m)
+            n4 = torch.full_like(zero, n - m - w)
+            ml = SegmentMaxLens(m, n - m - w, w)
+        else:
+            raise ValueError(f"unknown impl {impl!r}")
         if dead:
             sm = torch.where(self.dead, torch.zeros_like(sm), sm)
         return dict(
@@ -339,8 +354,10 @@ class Shape:
         if impl in ("bf16", "sglang"):
             return total + int(live.sum()) * 2 * HKV * D * 2
         cols = torch.arange(n, device=live.device)[None, :].expand(b, n)
-        in2 = cols < (n if impl == "int2" else self.n2_mixed if impl == "mixed" else 0)
-        live4, live2 = live & ~in2, live & in2
+        in2 = cols < (n if impl == "int2" else self.n2_mixed if impl in ("mixed", "tiered") else 0)
+        in_full = cols >= n - (self.full_tail if impl == "tiered" else 0)
+        total += int((live & in_full).sum()) * 2 * HKV * D * 2
+        live4, live2 = live & ~in2 & ~in_full, live & in2
         ng = D // 32
         # INT4: per token all heads' codes (Hkv*D/2 B) + scales/zeros (Hkv*ng*2 B each), K and V
         total += int(live4.sum()) * 2 * HKV * (D // 2 + 2 * ng * 2)

@@ -88,7 +88,11 @@ def measure(s: Shape, impl: str, cfg: DecodeConfig, sdpa_us: float) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", default="8,131072;32,32768;8,32768", help="B,N;B,N;...")
-    ap.add_argument("--impls", default="int4")
+    ap.add_argument(
+        "--impls",
+        default="int4",
+        help="of int4, int2, mixed (3/4 INT2, then INT4), tiered (mixed, its last 512 in bf16)",
+    )
     ap.add_argument(
         "--variants",
         default='default={};uncapped={"max_split_len_folded": 0}',

@@ -235,11 +235,19 @@ class DecodeConfig:
     :func:`launch_chain`): the last split kernel lets it launch as soon as its last
     programs have started, and the merge waits in-kernel (``griddepcontrol.wait``) for the
     splits' stores, so the launch gap (about 3 µs in a CUDA graph) overlaps the splits'
-    tail. None: on for CUDA devices of compute capability >= 9 (never under the
-    interpreter). pdl_splits (with pdl): chain the split launches too (where one call has
-    two or three: the Gluon INT2 split, the Gluon INT4 split, this module's split), each
-    later one running its programs on the SMs the previous grid's tail leaves idle and
-    waiting for that grid at its end.
+    tail. True: on for CUDA devices of compute capability >= 9 (never under the
+    interpreter). None: the same, but only in launches with fewer (request, query head)
+    rows than SMs (the narrow merge of ``merge_block_d``), or with ``pdl_splits``. H200,
+    session 24, kernel time without / with the dependent merge (two rounds each): B=1 gains
+    (INT2 N=4k 11.4 -> 10.6 µs, INT4 N=32k 29.4 -> 28.7, mixed N=4k 20.9 -> 20.5), B=8
+    N=32k even, and wider merges lose (B=16 N=8k INT4 70.4 -> 72.7, mixed 64.0 -> 66.1; B=32
+    N=4k mixed 63.2 -> 67.3 in one run and 64.1 -> 64.3 in the next, three segments 78.5 ->
+    85.0; not profiled). pdl_splits (with pdl): chain the split launches too (where one call
+    has two or three: the Gluon INT2 split, the Gluon INT4 split, this module's split),
+    each later one running its programs on the SMs the previous grid's tail leaves idle and
+    waiting for that grid at its end. Off by default: H200, sessions 23-24, mixed launches
+    8-12% slower at B=8 N=32k and B=32 N=4k, and slower at B=1 and B=2 too (B=1 N=4k 23.6
+    vs 20.4 µs).
     merge_block_d: output channels per merge program (a power of two, 16 to head_dim; None:
     head_dim when there are at least as many (request, query head) rows as SMs, else 32,
     so a small batch's merge runs on more of the GPU).
@@ -248,16 +256,19 @@ class DecodeConfig:
     ``movmatrix``; same math and partial rows), the other segments' splits on this module's
     kernel in a second launch. None: on for CUDA devices of compute capability >= 9 where it
     applies (head_dim 128, GQA group <= 8, int32 slot maps, ``int2_fold``; never under the
-    interpreter; in launches with INT4 or full segments too, only from
-    ``int2_gluon_mixed_positions`` INT2 positions x (request, KV head) pairs); True: also on
-    sm_80+ and in any launch, and a ValueError where it cannot run. H200, session 18, kernel
-    time (the splits and the merge) vs the Triton INT2 split: INT2 at B=8 N=32k 90 vs 144
-    µs, B=8 N=128k 295 vs 476, B=1 N=32k 23.7 vs 24.8; mixed (3/4 INT2, 1/4 INT4) at B=8
-    N=32k 114 vs 164, B=32 N=4k 74 vs 84, but (Gluon forced) B=1 N=32k 38 vs 32 and B=2 N=4k
-    28 vs 23, where the two launches' partly filled waves cost more than the faster INT2
-    split saves (docs/benchmarks.md §3).
-    int2_gluon_mixed_positions: see ``int2_gluon`` (2**19: between B=32 x 8 heads x 3,072
-    and B=1 x 8 x 24,576 INT2 positions).
+    interpreter), in launches with INT4 or full segments too; True: also on sm_80+, and a
+    ValueError where it cannot run. H200, session 18, kernel time (the splits and the
+    merge) vs the Triton INT2 split: INT2 at B=8 N=32k 90 vs 144 µs, B=8 N=128k 295 vs 476,
+    B=1 N=32k 23.7 vs 24.8; mixed (3/4 INT2, 1/4 INT4) at B=8 N=32k 114 vs 164, B=32 N=4k
+    74 vs 84 (docs/benchmarks.md §3). Small mixed launches kept the Triton split until
+    session 24 (below 2**19 INT2 positions x (request, KV head) pairs: with the INT4 splits
+    on the Triton kernel, two partly filled waves cost more than the faster INT2 split
+    saved, B=1 N=32k 38 vs 32 µs); with both Gluon splits and the dependent merge they win
+    there too. H200, session 24, default then vs both Gluon splits (two rounds each):
+    mixed B=1 N=32k 32.4 vs 28.9 µs, B=4 N=16k 51.3 vs 39.8, B=1 N=4k 20.7 vs 19.1, B=2
+    N=4k 20.7 vs 21.2; with a bf16 recent window too (three segments, the Triton split
+    running the window) B=1 N=32k 61.0 vs 38.0, B=4 N=16k 105.8 vs 51.6, B=2 N=4k 31.6 vs
+    28.4; from B=8 N=32k the same launches either way.
     int4_gluon: the same for the INT4 segment's splits, on the Gluon kernel of
     :mod:`.decode_int4_gluon` (per channel group a key dot with swapped operands, the
     token's scales applied to its accumulator row in fp32; codes as fp16 subnormals made
@@ -266,19 +277,16 @@ class DecodeConfig:
     128, GQA group <= 8, int32 slot maps, 16-byte aligned pool tensors, not
     ``int4_legacy``; the pool's interleaved scales, with or without a per-channel key
     scale: with four separate scale tensors it ran 1.5x slower than the Triton split, H200
-    session 20, B=8 N=32k 245 vs 164 µs), in launches with full segments too from
-    ``int4_gluon_mixed_positions`` INT4 positions x (request, KV head) pairs, and beside an
+    session 20, B=8 N=32k 245 vs 164 µs), in launches with full segments too, and beside an
     INT2 segment only if that runs on the Gluon INT2 split too (the Triton launch then
     takes the full segment's splits alone); True: also on sm_80+, separate scales and any
-    launch, and a ValueError where it cannot run. H200, kernel time vs the Triton INT4
+    launch, and a ValueError where it cannot run. In mixed launches: see ``int2_gluon``
+    (H200, session 20, mixed launches at B=32 N=4k 66 instead of 74 µs with the Gluon
+    INT4 split). H200, kernel time vs the Triton INT4
     split: session 19, B=8 N=32k 132 vs 160 µs (1.87x vs 1.55x SDPA), B=1 N=32k 29 vs 35,
     B=32 N=4k 70 vs 89, B=8 N=128k 518 vs 648; session 20 (longer splits, see
     ``int4_gluon_cap_factor``), B=8 N=32k 123 vs 174 µs (2.04x vs 1.45x SDPA)
     (docs/benchmarks.md §3).
-    int4_gluon_mixed_positions: see ``int4_gluon`` (2**17: H200, session 20, mixed
-    launches (3/4 INT2 on the Gluon INT2 split) at B=32 N=4k, 32 x 8 x 1,024 INT4 positions,
-    66 instead of 74 µs with the Gluon INT4 split; where the INT2 splits stay on the Triton
-    kernel, below ``int2_gluon_mixed_positions``, so does INT4).
     int4_gluon_cap_factor: the Gluon INT4 split's longest split, in units of the folded cap
     (``max_split_len_folded``; 0: uncapped). H200, session 20, fp16 output vs the
     reference: 5.8e-4 at B=8 N=32k (the wave plan's 1,408 positions per split, under the
@@ -335,9 +343,7 @@ class DecodeConfig:
     pdl_splits: bool = False
     merge_block_d: int | None = None
     int2_gluon: bool | None = None
-    int2_gluon_mixed_positions: int = 1 << 19
     int4_gluon: bool | None = None
-    int4_gluon_mixed_positions: int = 1 << 17
     int4_gluon_cap_factor: int = 4
     int4_gluon_stages: int = INT4_GLUON_STAGES
     int2_gluon_stages: int = INT2_GLUON_STAGES
@@ -2641,17 +2647,12 @@ def decode_attention(
     interpreting = triton_interpreting()
     # the INT2 splits on the Gluon kernel (its own launch), the other segments' here
     gluon2 = m2 > 0 and _use_gluon_int2(cfg, q.device, d, g, slot_map.dtype, interpreting)
-    if gluon2 and cfg.int2_gluon is None and (m4 or mf):  # two launches: only where it pays
-        # (or where the INT4 splits are forced onto theirs, which needs it)
-        gluon2 = b * hkv * m2 >= cfg.int2_gluon_mixed_positions or cfg.int4_gluon is True
     t2 = m2 > 0 and not gluon2  # INT2 splits in this module's kernel
     # the INT4 splits likewise; this module's launch then runs a contiguous run of programs
     # (the full segment's), so not beside INT2 splits of its own
     gluon4 = m4 > 0 and _use_gluon_int4(
         cfg, q.device, d, g, slot_map.dtype, interpreting, t2, p4, sstride, interleaved
     )
-    if gluon4 and cfg.int4_gluon is None and (m2 or mf):
-        gluon4 = b * hkv * m4 >= cfg.int4_gluon_mixed_positions
     t4 = m4 > 0 and not gluon4  # INT4 splits in this module's kernel
     if gluon4:  # its blocks' dots start from zero and are summed rounding to nearest
         cap4 = cap * cfg.int4_gluon_cap_factor
@@ -2670,8 +2671,11 @@ def decode_attention(
     )
     scale_tile = cfg.int4_scale_tile and stacked and interleaved and not centred
     regs = None if interpreting else cfg.max_registers
-    # the merge as a programmatic dependent launch where the GPU has it (sm_90+)
-    pdl = cfg.pdl is not False and not interpreting and _pdl_capable(q.device)
+    # the merge as a programmatic dependent launch where the GPU has it (sm_90+); by
+    # default only where it is narrow (few rows: the early launch paid at B=1, lost at B>=16)
+    narrow = b * hq < _num_sms(q.device)
+    wanted = cfg.pdl is True or (cfg.pdl is None and (narrow or cfg.pdl_splits))
+    pdl = wanted and not interpreting and _pdl_capable(q.device)
     # the launches' programmatic dependencies; this module's split runs unless the Gluon
     # splits take every segment there is (then the plan below gives it no program)
     runs_here = mf > 0 or t2 or t4 or not (gluon2 or gluon4)
@@ -2905,7 +2909,7 @@ def decode_attention(
     # few (request, query head) rows: more, narrower merge programs (a split of D)
     block_d = cfg.merge_block_d
     if block_d is None:
-        block_d = d if b * hq >= _num_sms(q.device) else 32
+        block_d = 32 if narrow else d
     block_d = min(block_d, d)
     _merge_splits_kernel[(b * hq, d // block_d)](
         part_o,

@@ -9,6 +9,7 @@ import re
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -47,3 +48,34 @@ def test_without_launches_stubs_and_restores(monkeypatch) -> None:
     assert out.shape == (b, hq, d)
     assert all(isinstance(k, bench._NoLaunch) for k in seen[0].values())
     assert {name: getattr(mod, name) for name in bench.LAUNCHED_KERNELS} == before
+
+
+def test_tiered_layout_is_mixed_with_a_bf16_window() -> None:
+    """``--impls tiered`` (decode_splits.py): the mixed layout's INT2 segment, then INT4, then
+    the last ``full_tail`` positions on the full bf16 pool; its segment bounds cover every
+    position, and its byte count is the mixed one with the window's INT4 rows (codes and
+    scales) read as bf16 rows instead."""
+    s = bench.Shape(2, 1024)
+    w, n2, n = s.full_tail, s.n2_mixed, s.n
+    assert w == 128 and n2 == 768
+    kw = s.inputs("tiered", False)
+    ml = kw["max_lens"]
+    assert (ml.int2, ml.int4, ml.full) == (n2, n - n2 - w, w)
+    assert torch.equal(kw["int2_lens"] + kw["int4_lens"] + w, kw["seq_lens"])
+    sm = kw["slot_map"]
+    assert torch.equal(sm[:, :n2], s.slots_int2[:, :n2])
+    assert torch.equal(sm[:, n2 : n - w], s.slots_int4[:, n2 : n - w])
+    assert torch.equal(sm[:, n - w :], s.slots_full[:, n - w :])
+    int4_row = bench.D // 2 + 2 * (bench.D // 32) * 2  # codes + fp16 scale and zero per group
+    per_token = 2 * bench.HKV * (bench.D * 2 - int4_row)  # K and V, every KV head
+    assert s.bytes_read("tiered", False) - s.bytes_read("mixed", False) == s.b * w * per_token
+    # the window's output is exact: the reference over it alone is SDPA's over the bf16 K/V
+    window = bench.decode_attention_ref(
+        s.q.float(), s.pools, sm[:, n - w :].contiguous(), torch.full_like(kw["seq_lens"], w)
+    )
+    k = s.k[:, :, n - w :].float().repeat_interleave(bench.HQ // bench.HKV, 1)
+    v = s.v[:, :, n - w :].float().repeat_interleave(bench.HQ // bench.HKV, 1)
+    sdpa = torch.nn.functional.scaled_dot_product_attention(s.q[:, :, None].float(), k, v)
+    torch.testing.assert_close(window, sdpa[:, :, 0], rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="unknown impl"):
+        s.inputs("int3", False)

@@ -793,6 +793,40 @@ def test_launches_chain_where_the_gluon_splits_run(monkeypatch, segments, chaine
     assert merge["GDC_WAIT"] == (chained is not None)
 
 
+@pytest.mark.parametrize(
+    ("sms", "pdl", "pdl_splits", "expect"),
+    [
+        # 2 requests x 8 query heads = 16 merge rows; expect: per launch, launch_pdl
+        (32, None, False, [0, 0, 1]),  # fewer rows than SMs: the merge is a dependent
+        (16, None, False, [0, 0, 0]),  # as many rows as SMs: every launch plain
+        (16, None, True, [0, 1, 1]),  # chained splits: on wherever they are asked for
+        (16, True, False, [0, 0, 1]),  # asked for: on at any width
+        (32, False, False, [0, 0, 0]),  # off
+    ],
+)
+def test_merge_is_a_dependent_launch_by_default_only_where_it_is_narrow(
+    monkeypatch, sms, pdl, pdl_splits, expect
+):
+    """``DecodeConfig.pdl`` None launches the merge as a programmatic dependent only where
+    the launch has fewer (request, query head) rows than the GPU has SMs (H200: a gain at
+    B=1, a loss at B >= 16); the merge then also splits the channels (``merge_block_d``
+    32). The GPU and the kernels are stood in for, as above."""
+    seen: list = []
+    for attr in ("int4_split_gluon_kernel", "_decode_split_kernel", "_merge_splits_kernel"):
+        monkeypatch.setattr(dattn, attr, _LaunchRecorder(attr, seen))
+    monkeypatch.setattr(dattn, "triton_interpreting", lambda: False)
+    monkeypatch.setattr(dattn, "_pdl_capable", lambda device: True)
+    monkeypatch.setattr(dattn, "_num_sms", lambda device: sms)
+    monkeypatch.setattr(dattn, "_use_gluon_int4", lambda *a: True)
+    mb = build_mixed_batch([(0, 96, 40)] * 2, hq=8, hkv=2, d=128, seed=3)
+    cfg = DecodeConfig(int4_gluon=True, pdl=pdl, pdl_splits=pdl_splits, resident_programs=8)
+    mb.decode(config=cfg, max_lens=SegmentMaxLens(0, 96, 40))
+    assert [int(kw.get("launch_pdl", False)) for _, kw in seen] == expect
+    merge = seen[-1][1]
+    assert merge["GDC_WAIT"] == bool(expect[-1])
+    assert merge["BLOCK_D"] == (32 if sms > 16 else 128)
+
+
 @pytest.mark.parametrize("block_d", [0, 8, 48, 100])
 def test_merge_block_d_must_be_a_power_of_two_of_at_least_16(block_d: int) -> None:
     with pytest.raises(ValueError, match="merge_block_d"):

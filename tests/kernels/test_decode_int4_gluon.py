@@ -151,11 +151,12 @@ def test_gluon_split_two_stages_give_the_same_bits(
 def test_launch_chain_gives_the_bits_of_plain_launches(
     lens, hq, hkv, dead, pattern, hm, pad, split_len, splits
 ) -> None:
-    """On sm_90+ (``pdl``, the default there) the merge is a programmatic dependent of the
-    last split launch; with ``pdl_splits`` the Gluon INT2 split, the Gluon INT4 split and
-    the Triton split are chained too: the same bits as plain launches one after the other."""
+    """On sm_90+ (``pdl``; by default there in narrow launches) the merge is a programmatic
+    dependent of the last split launch; with ``pdl_splits`` the Gluon INT2 split, the Gluon
+    INT4 split and the Triton split are chained too: the same bits as plain launches one
+    after the other."""
     case = (lens, hq, hkv, dead, pattern, hm, pad)
-    chained = dataclasses.replace(ON, pdl_splits=splits)
+    chained = dataclasses.replace(ON, pdl=True, pdl_splits=splits)
     plain = dataclasses.replace(ON, pdl=False)
     assert_same_bits(case, split_len, hq * 17 + len(lens), chained, plain)
 
