@@ -41,6 +41,7 @@ import functools
 import math
 import warnings
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import triton
@@ -242,12 +243,18 @@ class DecodeConfig:
     (INT2 N=4k 11.4 -> 10.6 µs, INT4 N=32k 29.4 -> 28.7, mixed N=4k 20.9 -> 20.5), B=8
     N=32k even, and wider merges lose (B=16 N=8k INT4 70.4 -> 72.7, mixed 64.0 -> 66.1; B=32
     N=4k mixed 63.2 -> 67.3 in one run and 64.1 -> 64.3 in the next, three segments 78.5 ->
-    85.0; not profiled). pdl_splits (with pdl): chain the split launches too (where one call
-    has two or three: the Gluon INT2 split, the Gluon INT4 split, this module's split),
-    each later one running its programs on the SMs the previous grid's tail leaves idle and
-    waiting for that grid at its end. Off by default: H200, sessions 23-24, mixed launches
-    8-12% slower at B=8 N=32k and B=32 N=4k, and slower at B=1 and B=2 too (B=1 N=4k 23.6
-    vs 20.4 µs).
+    85.0; not profiled; the harness's A/A spread is ±5%). pdl_splits (with pdl): chain the
+    split launches too (where one call has two or three: the Gluon INT2 split, the Gluon
+    INT4 split, this module's split), each chained one running its programs on the SMs the
+    previous grid's tail leaves idle and waiting for that grid at its end. True: every
+    launch after the first; "last": only the last one; None: "last" where the last is this
+    module's split running a full (bf16) segment alone, shorter than the quantized
+    segments, behind a Gluon split (a recent window), else False. H200, session 24: all
+    chained, mixed INT2 + INT4 launches were 8-12% slower at B=8 N=32k and B=32 N=4k and
+    slower at B=1 and B=2 too (B=1 N=4k 23.6 vs 20.4 µs; the INT4 split chained behind the
+    INT2 one alone, 24.2 vs 20.0); a 512-position bf16 window chained behind the Gluon INT4
+    split gained (three segments: B=1 N=4k 27.3 -> 20.8 µs, B=1 N=32k 38.0 -> 33.4, B=4
+    N=16k 50.5 -> 43.8, B=32 N=4k 80.2 -> 75.1, B=8 N=32k 111.5 -> 111.0).
     merge_block_d: output channels per merge program (a power of two, 16 to head_dim; None:
     head_dim when there are at least as many (request, query head) rows as SMs, else 32,
     so a small batch's merge runs on more of the GPU).
@@ -340,7 +347,7 @@ class DecodeConfig:
     program_overhead_len: int = 128
     chunked_splits: bool = True
     pdl: bool | None = None
-    pdl_splits: bool = False
+    pdl_splits: bool | Literal["last"] | None = None
     merge_block_d: int | None = None
     int2_gluon: bool | None = None
     int4_gluon: bool | None = None
@@ -355,6 +362,10 @@ class DecodeConfig:
         if self.int4_gluon_cap_factor < 0:
             raise ValueError(
                 f"int4_gluon_cap_factor must be >= 0, got {self.int4_gluon_cap_factor}"
+            )
+        if self.pdl_splits not in (None, False, True, "last"):
+            raise ValueError(
+                f"pdl_splits must be None, False, True or 'last', got {self.pdl_splits!r}"
             )
         for knob in ("int4_gluon_stages", "int2_gluon_stages"):
             if getattr(self, knob) not in (2, 3):
@@ -2387,19 +2398,23 @@ class ChainLink:
 
 
 def launch_chain(
-    pdl: bool, launched: tuple[bool, ...], splits: bool = False
+    pdl: bool, launched: tuple[bool, ...], splits: bool | Literal["last"] = False
 ) -> tuple[ChainLink, ...]:
     """Per split launch (``launched``: whether it runs, in stream order), its
     :class:`ChainLink`. With ``pdl`` the last launch that runs lets the merge, a
-    programmatic dependent, start early; with ``splits`` too every launch lets the next one
-    start early and every launch after the first is a dependent. Without ``pdl`` (no sm_90,
-    the interpreter, ``DecodeConfig.pdl`` False) every launch is plain."""
-    links, first = [], True
-    last = max((i for i, on in enumerate(launched) if on), default=-1)
-    for i, on in enumerate(launched):
-        dependent = pdl and splits and on and not first
-        links.append(ChainLink(dependent, pdl and on and (splits or i == last)))
-        first = first and not on
+    programmatic dependent, start early; with ``splits`` True too every launch lets the next
+    one start early and every launch after the first is a dependent; with ``splits`` "last"
+    only the last launch that runs is a dependent (of the one that runs before it). Without
+    ``pdl`` (no sm_90, the interpreter, ``DecodeConfig.pdl`` False) every launch is plain."""
+    running = [i for i, on in enumerate(launched) if on]
+    chained = set(running[1:]) if splits is True else set()
+    if splits == "last" and len(running) > 1:
+        chained = {running[-1]}
+    links = []
+    for i in range(len(launched)):
+        later = [j for j in running if j > i]
+        lets_next = i in running and (not later or later[0] in chained)
+        links.append(ChainLink(pdl and i in chained, pdl and lets_next))
     return tuple(links)
 
 
@@ -2674,12 +2689,17 @@ def decode_attention(
     # the merge as a programmatic dependent launch where the GPU has it (sm_90+); by
     # default only where it is narrow (few rows: the early launch paid at B=1, lost at B>=16)
     narrow = b * hq < _num_sms(q.device)
-    wanted = cfg.pdl is True or (cfg.pdl is None and (narrow or cfg.pdl_splits))
-    pdl = wanted and not interpreting and _pdl_capable(q.device)
-    # the launches' programmatic dependencies; this module's split runs unless the Gluon
-    # splits take every segment there is (then the plan below gives it no program)
+    # this module's split runs unless the Gluon splits take every segment there is (then the
+    # plan below gives it no program)
     runs_here = mf > 0 or t2 or t4 or not (gluon2 or gluon4)
-    link2, link4, link = launch_chain(pdl, (gluon2, gluon4, runs_here), cfg.pdl_splits)
+    chain = cfg.pdl_splits
+    if chain is None:  # a short full window behind the Gluon splits: chained (see DecodeConfig)
+        window = runs_here and not (t2 or t4) and (gluon2 or gluon4) and mf < m2 + m4
+        chain = "last" if window else False
+    wanted = cfg.pdl is True or (cfg.pdl is None and (narrow or bool(chain)))
+    pdl = wanted and not interpreting and _pdl_capable(q.device)
+    # the launches' programmatic dependencies
+    link2, link4, link = launch_chain(pdl, (gluon2, gluon4, runs_here), chain)
     consts = dict(
         G=g,
         BLOCK_H=max(16, g_pow2),

@@ -697,8 +697,9 @@ def test_launch_chain_orders_the_split_launches() -> None:
     """With pdl, the last split launch that runs lets the merge start early; with the
     splits chained too, the first launch that runs is plain and lets the next one start
     early, and every later one is a programmatic dependent that waits for the one before it
-    at its end (so the merge, waiting for the last, sees every grid's partial rows). A
-    launch that does not run takes no part; without pdl every launch is plain."""
+    at its end (so the merge, waiting for the last, sees every grid's partial rows); with
+    "last" only the last launch is. A launch that does not run takes no part; without pdl
+    every launch is plain."""
     plain = ChainLink(dependent=False, launch_dependents=False)
     first = ChainLink(dependent=False, launch_dependents=True)
     later = ChainLink(dependent=True, launch_dependents=True)
@@ -712,6 +713,11 @@ def test_launch_chain_orders_the_split_launches() -> None:
     assert launch_chain(True, (True, True, True), True) == (first, later, later)
     assert launch_chain(True, (False, True, True), True) == (plain, first, later)
     assert launch_chain(True, (True, False, True), True) == (first, plain, later)
+    # "last": only the last launch that runs waits for the one before it
+    assert launch_chain(True, (True, True, True), "last") == (plain, first, later)
+    assert launch_chain(True, (True, False, True), "last") == (first, plain, later)
+    assert launch_chain(True, (False, False, True), "last") == (plain, plain, first)
+    assert launch_chain(False, (True, True, True), "last") == (plain, plain, plain)
 
 
 class _LaunchRecorder:
@@ -794,23 +800,31 @@ def test_launches_chain_where_the_gluon_splits_run(monkeypatch, segments, chaine
 
 
 @pytest.mark.parametrize(
-    ("sms", "pdl", "pdl_splits", "expect"),
+    ("lens", "sms", "pdl", "pdl_splits", "expect"),
     [
-        # 2 requests x 8 query heads = 16 merge rows; expect: per launch, launch_pdl
-        (32, None, False, [0, 0, 1]),  # fewer rows than SMs: the merge is a dependent
-        (16, None, False, [0, 0, 0]),  # as many rows as SMs: every launch plain
-        (16, None, True, [0, 1, 1]),  # chained splits: on wherever they are asked for
-        (16, True, False, [0, 0, 1]),  # asked for: on at any width
-        (32, False, False, [0, 0, 0]),  # off
+        # per request (INT2 pages, INT4 tokens, full tokens); 2 requests x 8 query heads = 16
+        # merge rows; expect: per launch (Gluon INT4, Triton, merge), launch_pdl
+        ((0, 96, 40), 32, None, False, [0, 0, 1]),  # fewer rows than SMs: a dependent merge
+        ((0, 96, 40), 16, None, False, [0, 0, 0]),  # as many rows as SMs: every launch plain
+        ((0, 96, 40), 16, None, True, [0, 1, 1]),  # chained splits: on wherever asked for
+        ((0, 96, 40), 16, True, False, [0, 0, 1]),  # asked for: on at any width
+        ((0, 96, 40), 32, False, False, [0, 0, 0]),  # off
+        ((0, 96, 40), 16, None, None, [0, 1, 1]),  # a short full window: chained behind
+        ((0, 96, 40), 16, False, None, [0, 0, 0]),  # ... where pdl is on
+        ((0, 40, 96), 16, None, None, [0, 0, 0]),  # the full segment longer: not a window
+        ((0, 40, 96), 32, None, None, [0, 0, 1]),
     ],
 )
-def test_merge_is_a_dependent_launch_by_default_only_where_it_is_narrow(
-    monkeypatch, sms, pdl, pdl_splits, expect
+def test_default_launch_chain_narrow_merge_and_chained_window(
+    monkeypatch, lens, sms, pdl, pdl_splits, expect
 ):
     """``DecodeConfig.pdl`` None launches the merge as a programmatic dependent only where
     the launch has fewer (request, query head) rows than the GPU has SMs (H200: a gain at
-    B=1, a loss at B >= 16); the merge then also splits the channels (``merge_block_d``
-    32). The GPU and the kernels are stood in for, as above."""
+    B=1, a loss at B >= 16; the merge then also splits the channels, ``merge_block_d`` 32),
+    or where split launches are chained; ``pdl_splits`` None chains this module's split
+    behind the Gluon splits where it runs only a full segment shorter than the quantized
+    ones (a recent window: H200, 6-24% faster), and nothing else. The GPU and the kernels
+    are stood in for, as above."""
     seen: list = []
     for attr in ("int4_split_gluon_kernel", "_decode_split_kernel", "_merge_splits_kernel"):
         monkeypatch.setattr(dattn, attr, _LaunchRecorder(attr, seen))
@@ -818,13 +832,25 @@ def test_merge_is_a_dependent_launch_by_default_only_where_it_is_narrow(
     monkeypatch.setattr(dattn, "_pdl_capable", lambda device: True)
     monkeypatch.setattr(dattn, "_num_sms", lambda device: sms)
     monkeypatch.setattr(dattn, "_use_gluon_int4", lambda *a: True)
-    mb = build_mixed_batch([(0, 96, 40)] * 2, hq=8, hkv=2, d=128, seed=3)
+    mb = build_mixed_batch([lens] * 2, hq=8, hkv=2, d=128, seed=3)
     cfg = DecodeConfig(int4_gluon=True, pdl=pdl, pdl_splits=pdl_splits, resident_programs=8)
-    mb.decode(config=cfg, max_lens=SegmentMaxLens(0, 96, 40))
+    mb.decode(config=cfg, max_lens=SegmentMaxLens(0, lens[1], lens[2]))
+    assert [name for name, _ in seen] == [
+        "int4_split_gluon_kernel",
+        "_decode_split_kernel",
+        "_merge_splits_kernel",
+    ]
     assert [int(kw.get("launch_pdl", False)) for _, kw in seen] == expect
+    # the launch before each dependent lets it start early
+    assert [int(kw["LAUNCH_DEPENDENTS"]) for _, kw in seen[:2]] == expect[1:]
     merge = seen[-1][1]
     assert merge["GDC_WAIT"] == bool(expect[-1])
     assert merge["BLOCK_D"] == (32 if sms > 16 else 128)
+
+
+def test_pdl_splits_is_checked() -> None:
+    with pytest.raises(ValueError, match="pdl_splits"):
+        DecodeConfig(pdl_splits="first")
 
 
 @pytest.mark.parametrize("block_d", [0, 8, 48, 100])

@@ -147,7 +147,7 @@ def test_gluon_split_two_stages_give_the_same_bits(
 
 @needs_gluon_gpu
 @same_bits_cases(GLUON_CASES)
-@pytest.mark.parametrize("splits", [False, True], ids=["merge", "splits"])
+@pytest.mark.parametrize("splits", [False, True, "last"], ids=["merge", "splits", "last"])
 def test_launch_chain_gives_the_bits_of_plain_launches(
     lens, hq, hkv, dead, pattern, hm, pad, split_len, splits
 ) -> None:
