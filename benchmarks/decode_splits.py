@@ -21,6 +21,11 @@ as four tensors instead of the pool's interleaved buffer):
   float32 torch reference on the same quantized values with a bf16 and an fp16 query
   (``decode_attention.py``'s ``_ref_errors``; the fp16 output's rounding floor is 8x lower,
   so the kernel's own error shows there).
+
+At the end it prints (and writes next to ``--out`` as ``.md``) a table of each variant's
+median ``kernel_us`` over its rounds, its spread, and its ratio to the first variant's and to
+SDPA's (:func:`summary`). One process's A/A spread (the same launch under two names) was ±5%
+on the H200 (session 24): run ``--rounds 2`` or more and read the direction over repeats.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import statistics
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -83,6 +89,36 @@ def measure(s: Shape, impl: str, cfg: DecodeConfig, sdpa_us: float) -> dict:
         "merge_us": per["_merge_splits_kernel"],
         **errs,
     }
+
+
+def summary(rows: list[dict]) -> str:
+    """A markdown table of the sweep: per shape and impl, each variant's ``kernel_us`` over
+    its rounds (median, min-max) and its median's ratio to the first variant's (the
+    baseline of an A/B), then its ratio to SDPA. Rows with an error show it instead."""
+    groups: dict[tuple, dict[str, list[dict]]] = {}
+    for r in rows:
+        groups.setdefault((r["B"], r["N"], r["impl"]), {}).setdefault(r["variant"], []).append(r)
+    lines = [
+        "| B | N | impl | variant | kernel µs (median) | min-max | vs first | vs SDPA | rounds |",
+        "|---:|---:|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for (b, n, impl), variants in groups.items():
+        base = None
+        for name, rs in variants.items():
+            ok = [r for r in rs if r.get("kernel_us")]
+            if not ok:
+                err = next((r["error"] for r in rs if "error" in r), "no time")
+                lines.append(f"| {b} | {n} | {impl} | {name} | {err} | | | | {len(rs)} |")
+                continue
+            us = statistics.median(r["kernel_us"] for r in ok)
+            sdpa = statistics.median(r["kernel_us"] * r["vs_sdpa"] for r in ok)
+            base = us if base is None else base
+            spread = f"{min(r['kernel_us'] for r in ok):.1f}-{max(r['kernel_us'] for r in ok):.1f}"
+            lines.append(
+                f"| {b} | {n} | {impl} | {name} | {us:.1f} | {spread} | "
+                f"{us / base - 1:+.1%} | {sdpa / us:.2f}x | {len(ok)} |"
+            )
+    return "\n".join(lines) + "\n"
 
 
 def main() -> None:
@@ -142,6 +178,9 @@ def main() -> None:
         torch.cuda.empty_cache()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"sdpa": "torch SDPA bf16", "rows": rows}, indent=1))
+    table = summary(rows)
+    args.out.with_suffix(".md").write_text(table)
+    print(table, flush=True)
 
 
 if __name__ == "__main__":

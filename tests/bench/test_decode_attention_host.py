@@ -79,3 +79,25 @@ def test_tiered_layout_is_mixed_with_a_bf16_window() -> None:
     torch.testing.assert_close(window, sdpa[:, :, 0], rtol=1e-4, atol=1e-5)
     with pytest.raises(ValueError, match="unknown impl"):
         s.inputs("int3", False)
+
+
+def test_decode_splits_summary_takes_medians_against_the_first_variant() -> None:
+    """decode_splits.py's closing table: per (B, N, impl), each variant's median kernel time
+    over its rounds, its spread, its ratio to the first variant and to SDPA (whose time each
+    row carries as ``kernel_us * vs_sdpa``); a variant that only failed shows its error."""
+    import decode_splits
+
+    def row(variant, us, rnd, sdpa=100.0, **kw):
+        return {"B": 1, "N": 4096, "impl": "mixed", "variant": variant, "round": rnd,
+                "kernel_us": us, "vs_sdpa": sdpa / us, **kw}  # fmt: skip
+
+    rows = [row("a", 20.0, 0), row("b", 30.0, 0), row("a", 22.0, 1), row("b", 33.0, 1)]
+    rows += [row("a", 21.0, 2), row("b", 27.0, 2)]
+    rows.append({"B": 1, "N": 4096, "impl": "mixed", "variant": "c", "round": 0,
+                 "error": "ValueError: int2_gluon"})  # fmt: skip
+    lines = decode_splits.summary(rows).strip().splitlines()
+    cells = [[c.strip() for c in line.strip("|").split("|")] for line in lines[2:]]
+    assert [c[3] for c in cells] == ["a", "b", "c"]
+    assert cells[0][4:9] == ["21.0", "20.0-22.0", "+0.0%", "4.76x", "3"]
+    assert cells[1][4:9] == ["30.0", "27.0-33.0", "+42.9%", "3.33x", "3"]
+    assert cells[2][4] == "ValueError: int2_gluon"
