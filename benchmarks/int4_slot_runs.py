@@ -1,0 +1,87 @@
+"""How consecutive a request's INT4 cells stay as the allocator's free lists churn.
+
+The Gluon INT4 split reads each token's row from its cell: on the H200 it ran 9-15% faster
+over pools above a gigabyte when a request's tokens sat on consecutive cells than on cells
+scattered over the pool (docs/benchmarks.md §3, session 23). A fresh :class:`SlotAllocator`
+hands out ascending runs; each freed cell goes back on its column's LIFO free list, so cells
+freed one by one (per-token eviction) come back out scattered. This replays a churn of one
+column with the real allocator, CPU only::
+
+    python3 benchmarks/int4_slot_runs.py --steps 3000 --out int4_slot_runs.json
+
+Each step demotes a new span to INT4 (``alloc_int4``; 256-2,048 tokens while the pool is
+under ``--fill``), ends a request (every cell freed), or evicts ``--evict`` of one request's
+cells at random positions. It records, per allocation, the fraction of neighbouring
+positions whose cells are neighbours too (1.0: one ascending or descending run; a freed
+request's cells come back as a run, so whole-request frees keep it near 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+from pathlib import Path
+
+import torch
+
+from agentkv.cache.slot_allocator import PoolLayout, SlotAllocator
+
+
+def run_adjacency(ids: torch.Tensor) -> float:
+    """Fraction of neighbouring entries of ``ids`` (int64 [n]) that differ by exactly 1."""
+    if ids.numel() < 2:
+        return 1.0
+    return float(((ids[1:] - ids[:-1]).abs() == 1).double().mean())
+
+
+def churn(
+    steps: int, cells: int = 200_000, fill: float = 0.85, evict: float = 0.5, seed: int = 0
+) -> list[float]:
+    """:func:`run_adjacency` of every allocation over ``steps`` churn steps of one column of
+    ``cells`` INT4 cells (see the module docstring)."""
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    alloc = SlotAllocator(1, PoolLayout(full_slots=2, int4_slots=cells))
+    live: dict[int, torch.Tensor] = {}
+    out: list[float] = []
+    for step in range(steps):
+        r = rng.random()
+        used = sum(v.numel() for v in live.values())
+        if r < 0.5 and used < fill * cells:
+            n = rng.choice([256, 512, 1024, 2048])
+            live[step] = alloc.alloc_int4(torch.zeros(n, dtype=torch.int64))
+            out.append(run_adjacency(live[step]))
+        elif live and r < 0.75:  # a request ends
+            alloc.decref(live.pop(rng.choice(sorted(live))).view(1, -1))
+        elif live:  # eviction at random positions of one request
+            k = rng.choice(sorted(live))
+            gone = torch.rand(live[k].numel(), generator=gen) < evict
+            alloc.decref(live[k][gone].view(1, -1))
+            live[k] = live[k][~gone]
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=3000)
+    ap.add_argument("--cells", type=int, default=200_000)
+    ap.add_argument("--fill", type=float, default=0.85)
+    ap.add_argument("--evict", type=float, default=0.5, help="fraction evicted per eviction step")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, default=Path("int4_slot_runs.json"))
+    args = ap.parse_args()
+    adj = churn(args.steps, args.cells, args.fill, args.evict, args.seed)
+    # the allocations in consecutive tenths of the run
+    tenth = max(1, len(adj) // 10)
+    phases = [statistics.mean(adj[i : i + tenth]) for i in range(0, len(adj), tenth)]
+    res = {"args": {k: str(v) for k, v in vars(args).items()}, "allocations": len(adj),
+           "adjacency_by_tenth": phases}  # fmt: skip
+    args.out.write_text(json.dumps(res, indent=1))
+    print(f"{len(adj)} allocations; consecutive neighbours by tenth of the run:")
+    print(" ".join(f"{p:.2f}" for p in phases))
+
+
+if __name__ == "__main__":
+    main()
