@@ -2407,15 +2407,19 @@ def launch_chain(
     only the last launch that runs is a dependent (of the one that runs before it). Without
     ``pdl`` (no sm_90, the interpreter, ``DecodeConfig.pdl`` False) every launch is plain."""
     running = [i for i, on in enumerate(launched) if on]
-    chained = set(running[1:]) if splits is True else set()
-    if splits == "last" and len(running) > 1:
-        chained = {running[-1]}
-    links = []
-    for i in range(len(launched)):
-        later = [j for j in running if j > i]
-        lets_next = i in running and (not later or later[0] in chained)
-        links.append(ChainLink(pdl and i in chained, pdl and lets_next))
-    return tuple(links)
+    chained = set(running[1:])  # splits True: every launch after the first that runs
+    if splits == "last":
+        chained = set(running[-1:]) & chained
+    elif splits is not True:
+        chained = set()
+    after = dict(zip(running[:-1], running[1:], strict=True))  # each launch's next one
+    return tuple(
+        ChainLink(
+            pdl and i in chained,
+            pdl and on and (i not in after or after[i] in chained),  # the last: the merge
+        )
+        for i, on in enumerate(launched)
+    )
 
 
 def _pdl_launch(link: ChainLink) -> dict:

@@ -73,9 +73,10 @@ def test_tiered_layout_is_mixed_with_a_bf16_window() -> None:
     window = bench.decode_attention_ref(
         s.q.float(), s.pools, sm[:, n - w :].contiguous(), torch.full_like(kw["seq_lens"], w)
     )
-    k = s.k[:, :, n - w :].float().repeat_interleave(bench.HQ // bench.HKV, 1)
-    v = s.v[:, :, n - w :].float().repeat_interleave(bench.HQ // bench.HKV, 1)
-    sdpa = torch.nn.functional.scaled_dot_product_attention(s.q[:, :, None].float(), k, v)
+    k, v = (t[:, :, n - w :].float() for t in (s.k, s.v))
+    sdpa = torch.nn.functional.scaled_dot_product_attention(
+        s.q[:, :, None].float(), k, v, enable_gqa=True
+    )
     torch.testing.assert_close(window, sdpa[:, :, 0], rtol=1e-4, atol=1e-5)
     with pytest.raises(ValueError, match="unknown impl"):
         s.inputs("int3", False)

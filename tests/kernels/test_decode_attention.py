@@ -731,6 +731,31 @@ class _LaunchRecorder:
         return lambda *args, **kw: self.seen.append((self.name, kw))
 
 
+#: the kernels ``decode_attention`` launches, by the short names the launch records use
+_KERNEL_NAMES = {
+    "int2_split_gluon_kernel": "g2",
+    "int4_split_gluon_kernel": "g4",
+    "_decode_split_kernel": "tri",
+    "_merge_splits_kernel": "merge",
+}
+
+
+def _record_sm90_launches(monkeypatch, sms: int | None = None) -> list:
+    """Stand in for an sm_90 GPU (PDL, the Gluon splits wherever asked for; ``sms`` SMs)
+    and for every kernel: returns the list each launch appends (short name, keyword
+    arguments) to."""
+    seen: list = []
+    for attr, name in _KERNEL_NAMES.items():
+        monkeypatch.setattr(dattn, attr, _LaunchRecorder(name, seen))
+    monkeypatch.setattr(dattn, "triton_interpreting", lambda: False)
+    monkeypatch.setattr(dattn, "_pdl_capable", lambda device: True)
+    monkeypatch.setattr(dattn, "_use_gluon_int2", lambda *a: True)
+    monkeypatch.setattr(dattn, "_use_gluon_int4", lambda *a: True)
+    if sms is not None:
+        monkeypatch.setattr(dattn, "_num_sms", lambda device: sms)
+    return seen
+
+
 @pytest.mark.parametrize(
     ("segments", "chained", "expect"),
     [
@@ -753,20 +778,7 @@ def test_launches_chain_where_the_gluon_splits_run(monkeypatch, segments, chaine
     kernel runs the last split launch lets the merge start early, the Triton split runs only
     where a segment is left for it, and with ``pdl_splits`` each later split launch is a
     programmatic dependent that waits for the one before it (``chained`` None: pdl off)."""
-    mod = dattn
-    seen: list = []
-    names = {
-        "int2_split_gluon_kernel": "g2",
-        "int4_split_gluon_kernel": "g4",
-        "_decode_split_kernel": "tri",
-        "_merge_splits_kernel": "merge",
-    }
-    for attr, name in names.items():
-        monkeypatch.setattr(mod, attr, _LaunchRecorder(name, seen))
-    monkeypatch.setattr(mod, "triton_interpreting", lambda: False)
-    monkeypatch.setattr(mod, "_pdl_capable", lambda device: True)
-    monkeypatch.setattr(mod, "_use_gluon_int2", lambda *a: True)
-    monkeypatch.setattr(mod, "_use_gluon_int4", lambda *a: True)
+    seen = _record_sm90_launches(monkeypatch)
     lens = {
         "int4": (0, 96, 0),
         "int2": (3, 0, 0),
@@ -825,21 +837,11 @@ def test_default_launch_chain_narrow_merge_and_chained_window(
     behind the Gluon splits where it runs only a full segment shorter than the quantized
     ones (a recent window: H200, 6-24% faster), and nothing else. The GPU and the kernels
     are stood in for, as above."""
-    seen: list = []
-    for attr in ("int4_split_gluon_kernel", "_decode_split_kernel", "_merge_splits_kernel"):
-        monkeypatch.setattr(dattn, attr, _LaunchRecorder(attr, seen))
-    monkeypatch.setattr(dattn, "triton_interpreting", lambda: False)
-    monkeypatch.setattr(dattn, "_pdl_capable", lambda device: True)
-    monkeypatch.setattr(dattn, "_num_sms", lambda device: sms)
-    monkeypatch.setattr(dattn, "_use_gluon_int4", lambda *a: True)
+    seen = _record_sm90_launches(monkeypatch, sms)
     mb = build_mixed_batch([lens] * 2, hq=8, hkv=2, d=128, seed=3)
     cfg = DecodeConfig(int4_gluon=True, pdl=pdl, pdl_splits=pdl_splits, resident_programs=8)
     mb.decode(config=cfg, max_lens=SegmentMaxLens(0, lens[1], lens[2]))
-    assert [name for name, _ in seen] == [
-        "int4_split_gluon_kernel",
-        "_decode_split_kernel",
-        "_merge_splits_kernel",
-    ]
+    assert [name for name, _ in seen] == ["g4", "tri", "merge"]
     assert [int(kw.get("launch_pdl", False)) for _, kw in seen] == expect
     # the launch before each dependent lets it start early
     assert [int(kw["LAUNCH_DEPENDENTS"]) for _, kw in seen[:2]] == expect[1:]
