@@ -248,12 +248,55 @@ def _gpu_state() -> dict:
     return st
 
 
+def slot_order(layout: str, tokens: int, g: torch.Generator) -> torch.Tensor:
+    """int32 ``[tokens]``: the pool rows (0-based) that hold the benchmark's tokens, request
+    after request, position after position. ``layout``:
+
+    - ``random``: a random permutation (every token on its own scattered row);
+    - ``sequential``: ``0, 1, 2, ...`` (each request one consecutive run, a fresh pool);
+    - ``runs:E``: runs of ``E`` consecutive rows at random places (an allocator that hands
+      out ``E``-row extents);
+    - ``churn`` / ``churn:E``: the order in which :class:`~agentkv.cache.SlotAllocator`'s
+      INT4 free list (``int4_run=E``, default 1) hands out every row after a long churn of
+      requests, half of them losing half their cells to per-token eviction
+      (``int4_slot_runs.churned_order``; CPU, a few seconds).
+    """
+    dev = g.device
+    if layout == "random":
+        return torch.randperm(tokens, device=dev, generator=g).int()
+    if layout == "sequential":
+        return torch.arange(tokens, device=dev, dtype=torch.int32)
+    kind, _, arg = layout.partition(":")
+    if kind == "runs" and arg.isdigit() and int(arg) > 0 and tokens % int(arg) == 0:
+        e = int(arg)
+        ext = torch.randperm(tokens // e, device=dev, generator=g)
+        return (ext[:, None] * e + torch.arange(e, device=dev)).reshape(-1).int()
+    if kind == "churn" and (not arg or arg.isdigit()):
+        from int4_slot_runs import churned_order
+
+        seed = int(torch.randint(0, 2**31 - 1, (1,), device=dev, generator=g))
+        order = churned_order(tokens, run=int(arg or 1), seed=seed)
+        return order.to(device=dev, dtype=torch.int32)
+    raise ValueError(
+        f"unknown slot layout {layout!r}: random, sequential, runs:E (E divides {tokens}), "
+        "churn or churn:E"
+    )
+
+
 class Shape:
     """All tensors of one (B, N) shape: SDPA K/V, the three pools, slot maps, masks."""
 
     def __init__(
-        self, b: int, n: int, seed: int = 0, scatter: bool = True, separate_scales: bool = False
+        self,
+        b: int,
+        n: int,
+        seed: int = 0,
+        scatter: bool = True,
+        separate_scales: bool = False,
+        slots: str | None = None,
     ) -> None:
+        """``slots``: how the token slots of the full and INT4 pools lie (:func:`slot_order`;
+        default ``random``, or ``sequential`` when ``scatter`` is false)."""
         dev = DEVICE
         g = torch.Generator(device=dev).manual_seed(seed)
         self.b, self.n = b, n
@@ -264,12 +307,12 @@ class Shape:
         self.pools = KVPools.allocate(tokens + 1, tokens, tokens // 32, HKV, D, device=dev)
         p = self.pools
         # scattered token slots: full pool ids 1.., INT4 local ids 0..; INT2 pages scattered
-        full_ids = torch.randperm(tokens, device=dev, generator=g).int() + 1
-        int4_ids = torch.randperm(tokens, device=dev, generator=g).int()
+        slots = slots or ("random" if scatter else "sequential")
+        self.slot_layout = slots
+        full_ids = slot_order(slots, tokens, g) + 1
+        int4_ids = slot_order(slots, tokens, g)
         pages = torch.randperm(tokens // 32, device=dev, generator=g).int()
-        if not scatter:  # each request's positions on consecutive slots (a contiguous cache)
-            full_ids = torch.arange(1, tokens + 1, device=dev, dtype=torch.int32)
-            int4_ids = torch.arange(tokens, device=dev, dtype=torch.int32)
+        if slots == "sequential":  # each request's positions on consecutive slots
             pages = torch.arange(tokens // 32, device=dev, dtype=torch.int32)
         self.slots_full = full_ids.view(b, n)
         self.slots_int4 = (int4_ids + p.int4_base).view(b, n)

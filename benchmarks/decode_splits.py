@@ -7,8 +7,9 @@ Run on the GPU machine::
 
 For every shape (B, N; Hq 32, Hkv 8, D 128, every position live, token slots scattered as in
 ``decode_attention.py``), impl and variant (``DecodeConfig`` keyword arguments as JSON), it
-records (``--sequential-slots``: every request's tokens on consecutive slots, a contiguous
-cache, to see what the scattered rows cost; ``--separate-scales``: the INT4 scales and zeros
+records (``--slots``: where the tokens' rows lie in the full and INT4 pools, one or several
+layouts measured side by side, e.g. ``random,sequential,runs:32,churn`` to see what scattered
+rows cost and what the allocator's free lists give after a churn; ``--separate-scales``: the INT4 scales and zeros
 as four tensors instead of the pool's interleaved buffer):
 
 - ``kernel_us``: the whole call (split kernel + merge) from a CUDA graph, L2 flushed, and its
@@ -97,7 +98,8 @@ def summary(rows: list[dict]) -> str:
     baseline of an A/B), then its ratio to SDPA. Rows with an error show it instead."""
     groups: dict[tuple, dict[str, list[dict]]] = {}
     for r in rows:
-        groups.setdefault((r["B"], r["N"], r["impl"]), {}).setdefault(r["variant"], []).append(r)
+        name = r["variant"] + (f" @{r['slots']}" if r.get("slots", "random") != "random" else "")
+        groups.setdefault((r["B"], r["N"], r["impl"]), {}).setdefault(name, []).append(r)
     lines = [
         "| B | N | impl | variant | kernel µs (median) | min-max | vs first | vs SDPA | rounds |",
         "|---:|---:|---|---|---:|---:|---:|---:|---:|",
@@ -138,9 +140,15 @@ def main() -> None:
         "--rounds", type=int, default=1, help="times every variant is measured, in turn"
     )
     ap.add_argument(
+        "--slots",
+        default="random",
+        help="comma-separated token-slot layouts of the full and INT4 pools, each measured in "
+        "every round: random, sequential, runs:E, churn[:E] (decode_attention.slot_order)",
+    )
+    ap.add_argument(
         "--sequential-slots",
         action="store_true",
-        help="each request's positions on consecutive slots instead of scattered ones",
+        help="the same as --slots sequential",
     )
     ap.add_argument(
         "--separate-scales",
@@ -153,28 +161,32 @@ def main() -> None:
     for spec in filter(None, args.variants.split(";")):
         name, _, kwargs = spec.partition("=")
         variants[name] = json.loads(kwargs or "{}")
+    layouts = ["sequential"] if args.sequential_slots else args.slots.split(",")
     rows = []
     for spec in args.shapes.split(";"):
         b, n = (int(x) for x in spec.split(","))
-        s = Shape(b, n, scatter=not args.sequential_slots, separate_scales=args.separate_scales)
-        _warm_gpu(1.0)
-        sdpa_us = _kernel_us(_sdpa(s))
-        s.drop_sdpa_kv()
+        shapes = {}
+        for lay in layouts:
+            shapes[lay] = Shape(b, n, slots=lay, separate_scales=args.separate_scales)
+            if len(shapes) == 1:
+                _warm_gpu(1.0)
+                sdpa_us = _kernel_us(_sdpa(shapes[lay]))
+            shapes[lay].drop_sdpa_kv()
         print(f"B={b} N={n}: SDPA {sdpa_us} us", flush=True)
-        for rnd, impl, (name, kw) in itertools.product(
-            range(args.rounds), args.impls.split(","), variants.items()
+        for rnd, impl, lay, (name, kw) in itertools.product(
+            range(args.rounds), args.impls.split(","), layouts, variants.items()
         ):
-            row = {"B": b, "N": n, "impl": impl, "variant": name, "round": rnd}
+            row = {"B": b, "N": n, "impl": impl, "variant": name, "slots": lay, "round": rnd}
             try:
                 cfg = DecodeConfig(**kw)
-                row.update(measure(s, impl, cfg, sdpa_us))
+                row.update(measure(shapes[lay], impl, cfg, sdpa_us))
                 row["config"] = asdict(cfg)
             except Exception as e:  # noqa: BLE001 - one bad config must not end the sweep
                 row["error"] = f"{type(e).__name__}: {e}"[:300]
             rows.append(row)
             shown = {k: v for k, v in row.items() if k != "config"}
             print(json.dumps(shown, default=lambda x: round(x, 6)), flush=True)
-        del s
+        del shapes
         torch.cuda.empty_cache()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"sdpa": "torch SDPA bf16", "rows": rows}, indent=1))

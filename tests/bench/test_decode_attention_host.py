@@ -102,3 +102,32 @@ def test_decode_splits_summary_takes_medians_against_the_first_variant() -> None
     assert cells[0][4:9] == ["21.0", "20.0-22.0", "+0.0%", "4.76x", "3"]
     assert cells[1][4:9] == ["30.0", "27.0-33.0", "+42.9%", "3.33x", "3"]
     assert cells[2][4] == "ValueError: int2_gluon"
+
+
+def test_slot_orders_place_every_token_on_its_own_row() -> None:
+    """``--slots`` (decode_attention.slot_order): every layout is a permutation of the pool's
+    rows; ``runs:E`` keeps E consecutive rows together, ``churn`` is the real allocator's
+    order after a churn (scattered: far fewer consecutive neighbours than a fresh pool), and
+    a Shape built on it holds the same values (the reference output does not move)."""
+    import int4_slot_runs
+
+    g = torch.Generator().manual_seed(0)
+    tokens = 4096
+    orders = {lay: bench.slot_order(lay, tokens, g) for lay in
+              ("random", "sequential", "runs:32", "churn")}  # fmt: skip
+    for lay, o in orders.items():
+        assert o.dtype == torch.int32 and torch.equal(o.sort().values, torch.arange(tokens)), lay
+    assert torch.equal(orders["sequential"], torch.arange(tokens, dtype=torch.int32))
+    runs = orders["runs:32"].view(-1, 32)
+    assert bool((runs[:, 1:] - runs[:, :-1] == 1).all()) and bool((runs[:, 0] % 32 == 0).all())
+    assert int4_slot_runs.run_adjacency(orders["random"]) < 0.01
+    assert int4_slot_runs.run_adjacency(orders["churn"]) < 0.8
+    for bad in ("runs:0", "runs:33", "churn:x", "heap"):
+        with pytest.raises(ValueError, match="unknown slot layout"):
+            bench.slot_order(bad, tokens, g)
+    a, b = bench.Shape(2, 512), bench.Shape(2, 512, slots="churn")
+    assert not torch.equal(a.slots_int4, b.slots_int4)
+    for s in (a, b):
+        kw = s.inputs("int4", False)
+        s.out = bench.decode_attention_ref(s.q.float(), s.pools, kw["slot_map"], kw["seq_lens"])
+    torch.testing.assert_close(a.out, b.out)
