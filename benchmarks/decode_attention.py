@@ -442,6 +442,7 @@ LAUNCHED_KERNELS = (
     "_merge_splits_kernel",
     "int2_split_gluon_kernel",
     "int4_split_gluon_kernel",
+    "mixed_split_gluon_kernel",
 )
 
 

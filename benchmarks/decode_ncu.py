@@ -79,6 +79,7 @@ KERNELS = (
     "_decode_split_kernel",
     "int2_split_gluon_kernel",
     "int4_split_gluon_kernel",
+    "mixed_split_gluon_kernel",
     "_gather_probe",
 )
 

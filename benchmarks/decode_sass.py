@@ -178,17 +178,18 @@ def _compile_gluon(fn, consts: dict, unaligned: tuple[str, ...] = ()):
 
     consts = dict(consts)
     options = {k: consts.pop(k) for k in ("num_warps", "maxnreg") if k in consts}
+    pools = ("", "2", "4")  # the mixed kernel's k2_ptr ... and k4_ptr ...
     ptrs = {
         "q_ptr": "*bf16",
         **dict.fromkeys(("slot_ptr", "lens_ptr", "lens2_ptr", "lens4_ptr"), "*i32"),
         "hm_ptr": "*u8",
-        **dict.fromkeys(("k_ptr", "v_ptr"), "*u8"),
-        **dict.fromkeys(("ks_ptr", "kz_ptr", "vs_ptr", "vz_ptr"), "*fp16"),
+        **{f"{t}{p}_ptr": "*u8" for t in ("k", "v") for p in pools},
+        **{f"{t}{p}_ptr": "*fp16" for t in ("ks", "kz", "vs", "vz") for p in pools},
         **dict.fromkeys(("kcs_ptr", "po_ptr", "plse_ptr"), "*fp32"),
         "qk_scale": "fp32",
     }
     sig = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in fn.arg_names}
-    aligned = {"stride_qb", "stride_qh", "stride_sb", "split_len"}
+    aligned = {"stride_qb", "stride_qh", "stride_sb", "split_len", "split_len2", "split_len4"}
     attrs = {
         (i,): [["tt.divisibility", 16]]
         for i, n in enumerate(fn.arg_names)
@@ -223,6 +224,22 @@ def compile_gluon_int4(group: int, head_dim: int = 128, interleaved: bool = True
     )
     unaligned = ("kz_ptr", "vs_ptr", "vz_ptr") if interleaved else ()
     return _compile_gluon(mod.int4_split_gluon_kernel, {**consts, **knobs}, unaligned)
+
+
+def compile_gluon_mixed(group: int, head_dim: int = 128, **knobs):
+    """The INT2 + INT4 split of one launch (``agentkv.kernels.decode_mixed_gluon``) compiled
+    for sm_90 with the launch's constexprs and options (interleaved INT4 scales)."""
+    mod = importlib.import_module("agentkv.kernels.decode_mixed_gluon")
+    consts = mod.mixed_split_gluon_consts(
+        group,
+        head_dim,
+        scale_stride=4 * head_dim // 32,
+        interleaved=True,
+        has_head_mask=False,
+        has_key_channel_scale=False,
+    )
+    unaligned = ("kz4_ptr", "vs4_ptr", "vz4_ptr")
+    return _compile_gluon(mod.mixed_split_gluon_kernel, {**consts, **knobs}, unaligned)
 
 
 def _tool(name: str) -> str:

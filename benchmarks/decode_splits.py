@@ -80,7 +80,7 @@ def measure(s: Shape, impl: str, cfg: DecodeConfig, sdpa_us: float) -> dict:
     _warm_gpu(0.1)
     us = _kernel_us(fn)
     per = kernel_means(fn)
-    gluon = per["int2_split_gluon_kernel"] + per["int4_split_gluon_kernel"]
+    gluon = sum(per[k] for k in per if "gluon" in k)
     return {
         "kernel_us": us,
         "vs_sdpa": sdpa_us / us if us else None,

@@ -62,6 +62,11 @@ from .decode_int4_gluon import (
     int4_split_gluon_consts,
     int4_split_gluon_kernel,
 )
+from .decode_mixed_gluon import (
+    mixed_split_gluon_args,
+    mixed_split_gluon_consts,
+    mixed_split_gluon_kernel,
+)
 from .gluon_fragments import GLUON_AVAILABLE, MIN_CAPABILITY, head_mask_args, query_slot_args
 from .packing import (
     INT4_CENTRE,
@@ -309,6 +314,17 @@ class DecodeConfig:
     16 programs per SM either way, its registers' limit). H200, session 22, split kernel, 2
     vs 3 (two rounds): B=1 N=32k 15.1 vs 18.3 µs, B=32 N=32k 265 vs 274, B=8 N=128k 271 vs
     276, B=8 N=32k 73.8 vs 73.8, B=32 N=4k 42.5 vs 44.4.
+    mixed_gluon_fused: where both the INT2 and the INT4 splits run on their Gluon kernels,
+    run them as one launch (:mod:`.decode_mixed_gluon`: one grid, per (KV head, request) the
+    INT2 programs, then the INT4 ones, the two kernels' code and partial rows; 12 programs
+    per SM instead of the INT2 split's 16), its splits planned together for that grid.
+    False: two launches, one after the other. H200, session 25, kernel time two launches vs
+    one (two rounds each, 3/4 INT2 then INT4): B=1 N=4k 19.4 vs 11.3 µs (0.66x -> 1.14x
+    SDPA), B=1 N=32k 28.7 vs 22.2 (1.61x -> 2.08x), B=2 N=4k 20.6 vs 12.8, B=4 N=16k 40.7 vs
+    34.7, B=8 N=4k 29.3 vs 22.9, B=16 N=8k 62.9 vs 53.2, B=8 N=32k 100.5 vs 96.0, B=32 N=4k
+    62.7 vs 61.1, B=8 N=128k 385 vs 331, B=32 N=32k 359 vs 316, B=32 N=128k 1,391 vs 1,242;
+    with a 512-position bf16 window too (three segments) B=1 N=32k 32.7 vs 22.3, B=32 N=4k
+    73.6 vs 65.8.
     """
 
     block_n_full: int = 64
@@ -354,6 +370,7 @@ class DecodeConfig:
     int4_gluon_cap_factor: int = 4
     int4_gluon_stages: int = INT4_GLUON_STAGES
     int2_gluon_stages: int = INT2_GLUON_STAGES
+    mixed_gluon_fused: bool = True
 
     def __post_init__(self) -> None:
         bd = self.merge_block_d
@@ -2702,8 +2719,10 @@ def decode_attention(
         chain = "last" if window else False
     wanted = cfg.pdl is True or (cfg.pdl is None and (narrow or bool(chain)))
     pdl = wanted and not interpreting and _pdl_capable(q.device)
+    # both Gluon splits in one launch (the INT2 launch's place in the chain)
+    fused = gluon2 and gluon4 and cfg.mixed_gluon_fused
     # the launches' programmatic dependencies
-    link2, link4, link = launch_chain(pdl, (gluon2, gluon4, runs_here), chain)
+    link2, link4, link = launch_chain(pdl, (gluon2, gluon4 and not fused, runs_here), chain)
     consts = dict(
         G=g,
         BLOCK_H=max(16, g_pow2),
@@ -2818,11 +2837,50 @@ def decode_attention(
             grid.s2,
         )
 
+    def fused_args(grid: SplitGrid, part_o, part_lse) -> tuple:
+        return mixed_split_gluon_args(
+            q,
+            slot_map,
+            n2,
+            n4,
+            stride_lb,
+            stride_lh,
+            hm,
+            p2,
+            p4,
+            part_o,
+            part_lse,
+            scale * _LOG2E,
+            dead_id,
+            pools.int2_base,
+            pools.int4_base,
+            grid.rows[0],
+            grid.rows[1],
+            grid.s_total,
+            grid.s2,
+        )
+
     # the Gluon splits' softmax: exact max (p <= 1) unless lazy is asked for (H200: within
     # noise of lazy, and the dominant token's p * vs is not rounded)
     lazy2 = cfg.int2_lazy_rescale is True
+    fconsts = {}
+    if fused:
+        fconsts = mixed_split_gluon_consts(
+            g,
+            d,
+            sstride,
+            interleaved,
+            head_mask is not None,
+            kcs is not None,
+            regs,
+            lazy2,
+            cfg.int2_gluon_stages,
+            cfg.int4_gluon_stages,
+            link2.launch_dependents,
+            link2.dependent,
+        ) | _pdl_launch(link2)
     gconsts = {}
-    if gluon2:
+    if gluon2 and not fused:
         gconsts = int2_split_gluon_consts(
             g,
             d,
@@ -2834,7 +2892,7 @@ def decode_attention(
             link2.dependent,
         ) | _pdl_launch(link2)
     g4consts = {}
-    if gluon4:
+    if gluon4 and not fused:
         g4consts = int4_split_gluon_consts(
             g,
             d,
@@ -2898,11 +2956,15 @@ def decode_attention(
                 )
             return resident
 
-        # the INT2 / INT4 splits planned for their Gluon kernels' own residency
-        if gluon2:
+        # the INT2 / INT4 splits planned for their Gluon kernels' own residency (one
+        # launch: together, for its residency)
+        if fused:
+            resf = gluon_resident("gluon-mixed", mixed_split_gluon_kernel, fused_args, fconsts)
+            splits = (*wave_plan(resf, (m2, m4, 0))[:2], splits[2])
+        elif gluon2:
             res2 = gluon_resident("gluon-int2", int2_split_gluon_kernel, gluon_args, gconsts)
             splits = (wave_plan(res2, (m2, 0, 0))[0], *splits[1:])
-        if gluon4:
+        if gluon4 and not fused:
             res4 = gluon_resident("gluon-int4", int4_split_gluon_kernel, gluon4_args, g4consts)
             splits = (splits[0], wave_plan(res4, (0, m4, 0))[1], splits[2])
     else:
@@ -2920,9 +2982,13 @@ def decode_attention(
     part_o = torch.empty(b, hq, s_total, d, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(b, hq, s_total, dtype=torch.float32, device=q.device)
     out = torch.empty(b, hq, d, dtype=q.dtype, device=q.device)
-    if gluon2:
+    if fused:
+        mixed_split_gluon_kernel[(hkv, grid.s2 + grid.s4, b)](
+            *fused_args(grid, part_o, part_lse), **fconsts
+        )
+    elif gluon2:
         int2_split_gluon_kernel[(hkv, grid.s2, b)](*gluon_args(grid, part_o, part_lse), **gconsts)
-    if gluon4:
+    if gluon4 and not fused:
         int4_split_gluon_kernel[(hkv, grid.s4, b)](*gluon4_args(grid, part_o, part_lse), **g4consts)
     # this module's programs: those past the splits the Gluon kernels ran (INT2, then INT4)
     s_first = (grid.s2 if gluon2 else 0) + (grid.p4 if gluon4 else 0)

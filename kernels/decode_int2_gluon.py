@@ -233,26 +233,19 @@ redux.sync.max.s32 $1, pg, 0xffffffff;
         gl.store(po_ptr + prow[None, :] + c[:, None], val, mask=hmask[None, :])
 
     @gluon.jit
-    def int2_split_gluon_kernel(
-        q_ptr, stride_qb, stride_qh, slot_ptr, stride_sb, stride_sh, lens_ptr, stride_lb,
-        stride_lh, hm_ptr, stride_mb, stride_mh, k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr,
-        po_ptr, plse_ptr, qk_scale, dead_id, int2_base, Hkv, split_len, S_total,
+    def int2_split_program(
+        h, s, b, q_ptr, stride_qb, stride_qh, slot_ptr, stride_sb, stride_sh, lens_ptr,
+        stride_lb, stride_lh, hm_ptr, stride_mb, stride_mh, k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr,
+        vz_ptr, po_ptr, plse_ptr, qk_scale, dead_id, int2_base, Hkv, split_len, S_total,
         G: gl.constexpr, D: gl.constexpr, NS: gl.constexpr, HAS_HEAD_MASK: gl.constexpr,
-        RESCALE_SLACK: gl.constexpr, LAUNCH_DEPENDENTS: gl.constexpr = False,
-        WAIT_PRIOR: gl.constexpr = False,
+        RESCALE_SLACK: gl.constexpr,
     ):  # fmt: skip
         """One INT2 split: positions [s split_len, (s + 1) split_len) of the INT2 segment
         (``lens``: its length per request, or per request and KV head) of request b, KV head
         h. Writes the G query heads' partial rows ``(b Hq + h G + i) S_total + s`` of po
         ([rows, D] fp32, normalised) and plse (log2-sum-exp, -inf where nothing was live).
-        LAUNCH_DEPENDENTS / WAIT_PRIOR: the launch chain's programmatic dependencies
-        (:func:`.decode_attention.launch_chain`: ``griddepcontrol.launch_dependents`` at the
-        start, ``griddepcontrol.wait`` at the end)."""
-        if LAUNCH_DEPENDENTS:  # the next launch (a programmatic dependent) may start
-            gdc_launch_dependents()
-        h = gl.program_id(0)
-        s = gl.program_id(1)
-        b = gl.program_id(2)
+        The body of :func:`int2_split_gluon_kernel` and of the INT2 programs of
+        :func:`.decode_mixed_gluon.mixed_split_gluon_kernel`."""
         seg = gl.load(lens_ptr + b * stride_lb + h * stride_lh)
         start = s * split_len
         end = gl.minimum(start + split_len, seg)
@@ -365,11 +358,33 @@ redux.sync.max.s32 $1, pg, 0xffffffff;
             po_ptr, plse_ptr, b * (Hkv * G) + h * G, s, S_total, G, D,
             m_i, lsum, zacc, o0, o1, o2, o3, o4, o5, o6, o7, _store_tile,
         )  # fmt: skip
+
+    @gluon.jit
+    def int2_split_gluon_kernel(
+        q_ptr, stride_qb, stride_qh, slot_ptr, stride_sb, stride_sh, lens_ptr, stride_lb,
+        stride_lh, hm_ptr, stride_mb, stride_mh, k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr,
+        po_ptr, plse_ptr, qk_scale, dead_id, int2_base, Hkv, split_len, S_total,
+        G: gl.constexpr, D: gl.constexpr, NS: gl.constexpr, HAS_HEAD_MASK: gl.constexpr,
+        RESCALE_SLACK: gl.constexpr, LAUNCH_DEPENDENTS: gl.constexpr = False,
+        WAIT_PRIOR: gl.constexpr = False,
+    ):  # fmt: skip
+        """:func:`int2_split_program` of KV head, split and request ``program_id(0, 1, 2)``.
+        LAUNCH_DEPENDENTS / WAIT_PRIOR: the launch chain's programmatic dependencies
+        (:func:`.decode_attention.launch_chain`: ``griddepcontrol.launch_dependents`` at the
+        start, ``griddepcontrol.wait`` at the end)."""
+        if LAUNCH_DEPENDENTS:  # the next launch (a programmatic dependent) may start
+            gdc_launch_dependents()
+        int2_split_program(
+            gl.program_id(0), gl.program_id(1), gl.program_id(2), q_ptr, stride_qb, stride_qh,
+            slot_ptr, stride_sb, stride_sh, lens_ptr, stride_lb, stride_lh, hm_ptr, stride_mb,
+            stride_mh, k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, po_ptr, plse_ptr, qk_scale,
+            dead_id, int2_base, Hkv, split_len, S_total, G, D, NS, HAS_HEAD_MASK, RESCALE_SLACK,
+        )  # fmt: skip
         if WAIT_PRIOR:  # a programmatic dependent: complete only after the previous grid
             gdc_wait()
 
 else:
-    int2_split_gluon_kernel = None
+    int2_split_gluon_kernel = int2_split_program = None
 
 
 def int2_split_gluon_args(

@@ -296,27 +296,22 @@ redux.sync.or.b32 $0, b, 0xffffffff;
         gl.store(po_ptr + prow[None, :] + c[:, None], val, mask=hmask[None, :])
 
     @gluon.jit
-    def int4_split_gluon_kernel(
-        q_ptr, stride_qb, stride_qh, slot_ptr, stride_sb, stride_sh, lens2_ptr, lens4_ptr,
-        stride_lb, stride_lh, hm_ptr, stride_mb, stride_mh, k_ptr, v_ptr, ks_ptr, kz_ptr,
-        vs_ptr, vz_ptr, kcs_ptr, po_ptr, plse_ptr, qk_scale, dead_id, int4_base, Hkv,
+    def int4_split_program(
+        h, s, b, q_ptr, stride_qb, stride_qh, slot_ptr, stride_sb, stride_sh, lens2_ptr,
+        lens4_ptr, stride_lb, stride_lh, hm_ptr, stride_mb, stride_mh, k_ptr, v_ptr, ks_ptr,
+        kz_ptr, vs_ptr, vz_ptr, kcs_ptr, po_ptr, plse_ptr, qk_scale, dead_id, int4_base, Hkv,
         split_len, S_total, s_first,
         G: gl.constexpr, D: gl.constexpr, NS: gl.constexpr, SSTRIDE: gl.constexpr,
-        INTERLEAVED: gl.constexpr, HAS_INT2: gl.constexpr, HAS_HEAD_MASK: gl.constexpr, HAS_KCS: gl.constexpr, RESCALE_SLACK: gl.constexpr,
-        LAUNCH_DEPENDENTS: gl.constexpr = False, WAIT_PRIOR: gl.constexpr = False,
+        INTERLEAVED: gl.constexpr, HAS_INT2: gl.constexpr, HAS_HEAD_MASK: gl.constexpr,
+        HAS_KCS: gl.constexpr, RESCALE_SLACK: gl.constexpr,
     ):  # fmt: skip
         """One INT4 split: positions [n2 + s split_len, n2 + (s + 1) split_len) of request b's
         INT4 segment (``lens2``: where it starts, n2, with HAS_INT2, else 0; ``lens4``: its
         length; per request or per request and KV head), KV head h. Writes the G query heads' partial rows
         ``(b Hq + h G + i) S_total + s_first + s`` of po ([rows, D] fp32, normalised) and
-        plse (log2-sum-exp, -inf where nothing was live). LAUNCH_DEPENDENTS / WAIT_PRIOR: the
-        launch chain's programmatic dependencies (:func:`.decode_attention.launch_chain`:
-        ``griddepcontrol.launch_dependents`` at the start, ``griddepcontrol.wait`` at the end)."""
-        if LAUNCH_DEPENDENTS:  # the next launch (a programmatic dependent) may start
-            gdc_launch_dependents()
-        h = gl.program_id(0)
-        s = gl.program_id(1)
-        b = gl.program_id(2)
+        plse (log2-sum-exp, -inf where nothing was live). The body of
+        :func:`int4_split_gluon_kernel` and of the INT4 programs of
+        :func:`.decode_mixed_gluon.mixed_split_gluon_kernel`."""
         seg0 = 0
         if HAS_INT2:  # the INT4 segment starts past the INT2 one
             seg0 = gl.load(lens2_ptr + b * stride_lb + h * stride_lh)
@@ -403,11 +398,35 @@ redux.sync.or.b32 $0, b, 0xffffffff;
             po_ptr, plse_ptr, b * (Hkv * G) + h * G, s_first + s, S_total, G, D,
             m_i, lsum, zacc, o0, o1, o2, o3, o4, o5, o6, o7, _store_tile4,
         )  # fmt: skip
+
+    @gluon.jit
+    def int4_split_gluon_kernel(
+        q_ptr, stride_qb, stride_qh, slot_ptr, stride_sb, stride_sh, lens2_ptr, lens4_ptr,
+        stride_lb, stride_lh, hm_ptr, stride_mb, stride_mh, k_ptr, v_ptr, ks_ptr, kz_ptr,
+        vs_ptr, vz_ptr, kcs_ptr, po_ptr, plse_ptr, qk_scale, dead_id, int4_base, Hkv,
+        split_len, S_total, s_first,
+        G: gl.constexpr, D: gl.constexpr, NS: gl.constexpr, SSTRIDE: gl.constexpr,
+        INTERLEAVED: gl.constexpr, HAS_INT2: gl.constexpr, HAS_HEAD_MASK: gl.constexpr, HAS_KCS: gl.constexpr, RESCALE_SLACK: gl.constexpr,
+        LAUNCH_DEPENDENTS: gl.constexpr = False, WAIT_PRIOR: gl.constexpr = False,
+    ):  # fmt: skip
+        """:func:`int4_split_program` of KV head, split and request ``program_id(0, 1, 2)``.
+        LAUNCH_DEPENDENTS / WAIT_PRIOR: the launch chain's programmatic dependencies
+        (:func:`.decode_attention.launch_chain`: ``griddepcontrol.launch_dependents`` at the
+        start, ``griddepcontrol.wait`` at the end)."""
+        if LAUNCH_DEPENDENTS:  # the next launch (a programmatic dependent) may start
+            gdc_launch_dependents()
+        int4_split_program(
+            gl.program_id(0), gl.program_id(1), gl.program_id(2), q_ptr, stride_qb, stride_qh,
+            slot_ptr, stride_sb, stride_sh, lens2_ptr, lens4_ptr, stride_lb, stride_lh, hm_ptr,
+            stride_mb, stride_mh, k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, kcs_ptr, po_ptr,
+            plse_ptr, qk_scale, dead_id, int4_base, Hkv, split_len, S_total, s_first, G, D, NS,
+            SSTRIDE, INTERLEAVED, HAS_INT2, HAS_HEAD_MASK, HAS_KCS, RESCALE_SLACK,
+        )  # fmt: skip
         if WAIT_PRIOR:  # a programmatic dependent: complete only after the previous grid
             gdc_wait()
 
 else:
-    int4_split_gluon_kernel = None
+    int4_split_gluon_kernel = int4_split_program = None
 
 
 def int4_split_gluon_args(

@@ -1,6 +1,7 @@
 """benchmarks/decode_sass.py compiles the Gluon INT2 and INT4 decode splits ahead of time for
 sm_90 on a machine without a GPU (Triton's interpreter cannot run Gluon, so this is the CPU's
-check of the kernels' construction): every layout change in their loops is asserted trivial
+check of the kernels' construction, and of the one-launch mixed split built from them):
+every layout change in their loops is asserted trivial
 while they are traced, and the compiled loops keep the register and instruction budget they
 were tuned to (128 registers, no spills; INT2 ~510-525, INT4 ~590-625 instructions per
 32-token block on the common path).
@@ -23,7 +24,7 @@ CASES4 = [(4, True, False, False), (8, False, True, True), (1, True, False, True
 CHILD = f"""
 import json, sys
 sys.path.insert(0, {str(BENCH)!r})
-from decode_sass import compile_gluon_int2, compile_gluon_int4, sass_stats
+from decode_sass import compile_gluon_int2, compile_gluon_int4, compile_gluon_mixed, sass_stats
 
 def stats(k):
     # (the launch chain's instructions: griddepcontrol.launch_dependents, .wait)
@@ -45,6 +46,12 @@ print("CHAIN", json.dumps([
     stats(compile_split(4, LAUNCH_DEPENDENTS=True, WAIT_PRIOR=True))
     for compile_split in (compile_gluon_int2, compile_gluon_int4)
 ]))
+# both splits in one launch (decode_mixed_gluon): its shared memory and the chain's flags
+km = compile_gluon_mixed(4)
+chained = compile_gluon_mixed(4, LAUNCH_DEPENDENTS=True, WAIT_PRIOR=True)
+parts = [compile_gluon_int2(4).metadata.shared, compile_gluon_int4(4).metadata.shared]
+print("MIXED", json.dumps(dict(stats(km), shared=km.metadata.shared, parts=parts,
+                               chained=stats(chained)["chain"])))
 """
 
 
@@ -56,9 +63,9 @@ def _child_stats() -> dict[str, list[dict]]:
     got = {}
     for ln in res.stdout.splitlines():
         tag, _, payload = ln.partition(" ")
-        if tag in ("STATS", "STATS4", "CHAIN"):
+        if tag in ("STATS", "STATS4", "CHAIN", "MIXED"):
             got[tag] = json.loads(payload)
-    assert set(got) == {"STATS", "STATS4", "CHAIN"}, res.stderr[-3000:]
+    assert set(got) == {"STATS", "STATS4", "CHAIN", "MIXED"}, res.stderr[-3000:]
     return got
 
 
@@ -98,3 +105,12 @@ def test_gluon_splits_compile_within_their_budget() -> None:
         assert chained["chain"] == [1, 1], chained
         loop = "lane_instructions_per_token_skipping"
         assert chained[loop] == plain[loop], (plain[loop], chained[loop])
+    # one launch for both splits: the two bodies share their shared-memory buffers (the
+    # larger body's bytes, so the INT4 split's 12 programs per SM), the registers' cap and
+    # no spill beyond the INT4 split's; its INT2 loop (the most MMAs) keeps its budget
+    mixed = got["MIXED"]
+    assert mixed["shared"] == max(mixed["parts"]), mixed
+    assert mixed["regs"] <= 128 and mixed["spill_stack_bytes"] <= spill4, mixed
+    assert dict(map(tuple, mixed["top_ops"])).get("HMMA.16816.F32") == 42, mixed
+    assert 400 < mixed["lane_instructions_per_token_skipping"] < 620, mixed
+    assert mixed["chain"] == [0, 0] and mixed["chained"] == [1, 1], mixed

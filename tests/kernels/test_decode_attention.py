@@ -728,13 +728,14 @@ class _LaunchRecorder:
         self.name, self.seen = name, seen
 
     def __getitem__(self, grid):
-        return lambda *args, **kw: self.seen.append((self.name, kw))
+        return lambda *args, **kw: self.seen.append((self.name, {**kw, "grid": grid, "args": args}))
 
 
 #: the kernels ``decode_attention`` launches, by the short names the launch records use
 _KERNEL_NAMES = {
     "int2_split_gluon_kernel": "g2",
     "int4_split_gluon_kernel": "g4",
+    "mixed_split_gluon_kernel": "gm",
     "_decode_split_kernel": "tri",
     "_merge_splits_kernel": "merge",
 }
@@ -795,6 +796,7 @@ def test_launches_chain_where_the_gluon_splits_run(monkeypatch, segments, chaine
         pdl=chained is not None,
         pdl_splits=bool(chained),
         resident_programs=8,
+        mixed_gluon_fused=False,  # the two Gluon launches (one launch: test_one_mixed_launch)
     )
     mb.decode(config=cfg, max_lens=bounds)
     got = [
@@ -848,6 +850,45 @@ def test_default_launch_chain_narrow_merge_and_chained_window(
     merge = seen[-1][1]
     assert merge["GDC_WAIT"] == bool(expect[-1])
     assert merge["BLOCK_D"] == (32 if sms > 16 else 128)
+
+
+@pytest.mark.parametrize(
+    ("fused", "sms", "full", "expect"),
+    [
+        # expect: per launch (kernel, launch_pdl, LAUNCH_DEPENDENTS, WAIT_PRIOR); 2 requests
+        # x 8 query heads = 16 merge rows
+        (True, 32, 0, [("gm", 0, 1, 0), ("merge", 1, 0, 0)]),  # narrow: dependent merge
+        (True, 16, 0, [("gm", 0, 0, 0), ("merge", 0, 0, 0)]),  # wide: plain merge
+        (False, 32, 0, [("g2", 0, 0, 0), ("g4", 0, 1, 0), ("merge", 1, 0, 0)]),
+        (False, 16, 0, [("g2", 0, 0, 0), ("g4", 0, 0, 0), ("merge", 0, 0, 0)]),
+        # a short full window: this module's split chained behind the one Gluon launch
+        (True, 32, 40, [("gm", 0, 1, 0), ("tri", 1, 1, 1), ("merge", 1, 0, 0)]),
+        (True, 16, 40, [("gm", 0, 1, 0), ("tri", 1, 1, 1), ("merge", 1, 0, 0)]),
+    ],
+)
+def test_one_mixed_launch(monkeypatch, fused, sms, full, expect) -> None:
+    """``mixed_gluon_fused`` (the default) runs both Gluon splits as one launch, planned
+    together for that grid: per (KV head, request) its grid has the INT2 splits, then the
+    INT4 splits, each segment's splits multiples of 64 covering it; it takes the INT2
+    launch's place in the launch chain. The GPU and kernels are stood in for, as above."""
+    seen = _record_sm90_launches(monkeypatch, sms)
+    lens = (3, 96, full)
+    mb = build_mixed_batch([lens] * 2, hq=8, hkv=2, d=128, seed=3)
+    cfg = DecodeConfig(mixed_gluon_fused=fused, resident_programs=8)
+    mb.decode(config=cfg, max_lens=SegmentMaxLens(96, 96, full))
+    got = [
+        (name, *(int(kw.get(k, False)) for k in ("launch_pdl", "LAUNCH_DEPENDENTS", "WAIT_PRIOR")))
+        for name, kw in seen
+    ]
+    assert got == expect
+    if expect[0][0] == "gm":
+        kw = seen[0][1]
+        assert kw["grid"][0] == 2 and kw["grid"][2] == 2  # (KV head, splits, request)
+        len2, len4, _, s2 = kw["args"][-4:]
+        assert len2 % 64 == 0 and len4 % 64 == 0
+        assert s2 * len2 >= 96 > (s2 - 1) * len2  # 3 INT2 pages
+        assert (kw["grid"][1] - s2) * len4 >= 96 > (kw["grid"][1] - s2 - 1) * len4
+        assert (kw["NS2"], kw["NS4"]) == (cfg.int2_gluon_stages, cfg.int4_gluon_stages)
 
 
 def test_pdl_splits_is_checked() -> None:

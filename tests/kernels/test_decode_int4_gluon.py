@@ -161,6 +161,38 @@ def test_launch_chain_gives_the_bits_of_plain_launches(
     assert_same_bits(case, split_len, hq * 17 + len(lens), chained, plain)
 
 
+MIXED_CASES = [c for c in GLUON_CASES if any(r[0] and r[1] for r in c[1])]
+
+
+@needs_gluon_gpu
+@same_bits_cases(MIXED_CASES)
+@pytest.mark.parametrize("chain", [False, True], ids=["plain", "pdl"])
+def test_one_mixed_launch_gives_the_bits_of_two(
+    lens, hq, hkv, dead, pattern, hm, pad, split_len, chain
+) -> None:
+    """``mixed_gluon_fused``: the INT2 and INT4 splits in one grid (decode_mixed_gluon.py)
+    run the two kernels' code on the same splits: the bits of the two launches, plain and
+    with the merge (and a full segment's split) as programmatic dependents."""
+    case = (lens, hq, hkv, dead, pattern, hm, pad)
+    one = dataclasses.replace(ON, mixed_gluon_fused=True, pdl=chain, pdl_splits=None)
+    two = dataclasses.replace(ON, mixed_gluon_fused=False, pdl=False, pdl_splits=False)
+    assert_same_bits(case, split_len, hq * 19 + len(lens), one, two)
+
+
+@needs_gluon_gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_one_mixed_launch_plans_its_own_splits(dtype) -> None:
+    """With the wave plan (no fixed split length) one mixed launch splits both segments for
+    its own grid: within 1e-3 (fp16; bf16 8e-3) of the reference, on narrow and wide
+    batches, with DEAD cells and a head mask."""
+    for lens, hq in (([(64, 2048, 512)], 32), ([(8, 300, 40)] * 6, 16)):
+        mb = case_batch((lens, hq, 8, 0.2, "random", 0.2, 3), dtype, 7)
+        ref = decode_attention_ref(mb.q, mb.pools, mb.slot_map, mb.seq_lens, mb.head_mask)
+        out = mb.decode(config=dataclasses.replace(ON, mixed_gluon_fused=True))
+        tol = 1e-3 if dtype == torch.float16 else 8e-3
+        assert rel_err(out, ref) < tol, rel_err(out, ref)
+
+
 @needs_gluon_gpu
 def test_launch_chain_waits_for_a_long_first_grid() -> None:
     """``pdl_splits``: a long INT2 grid (16,384 positions per request on the Gluon INT2
