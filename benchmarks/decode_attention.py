@@ -28,8 +28,9 @@ it times, with ``triton.testing.do_bench`` (median, L2 flushed before every run)
 
 K/V are one set of random bf16 tensors; the pools are filled from it with the agentkv
 quantization kernels, so every output is also compared with SDPA's (``rel_err_vs_sdpa``).
-Token slots are a random permutation (scattered, as in a paged server); INT2 pages are
-scattered, rows inside a page in order. ``bytes`` counts what the kernel must read from
+Token slots are a random permutation (scattered, the pessimistic bound: the store's free
+lists keep a request's rows within a few 2 MB pages even after a churn, see
+``decode_splits.py --slots``); INT2 pages are scattered, rows inside a page in order. ``bytes`` counts what the kernel must read from
 device memory: live rows, their scales (32-byte sectors), the slot map; bandwidth =
 bytes / time. Results are written incrementally to the JSON file given by ``--out``.
 

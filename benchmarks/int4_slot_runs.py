@@ -14,6 +14,11 @@ under ``--fill``), ends a request (every cell freed), or evicts ``--evict`` of o
 cells at random positions. It records, per allocation, the fraction of neighbouring
 positions whose cells are neighbours too (1.0: one ascending or descending run; a freed
 request's cells come back as a run, so whole-request frees keep it near 1).
+
+:func:`churned_order` gives the GPU benchmarks this churn's layout (``decode_splits.py
+--slots churn``): on the H200 the Gluon INT4 split read it as fast as consecutive rows
+(session 25), since a freed request's cells go back in position order and come out of the
+same 2 MB pages.
 """
 
 from __future__ import annotations
