@@ -325,6 +325,15 @@ class DecodeConfig:
     62.7 vs 61.1, B=8 N=128k 385 vs 331, B=32 N=32k 359 vs 316, B=32 N=128k 1,391 vs 1,242;
     with a 512-position bf16 window too (three segments) B=1 N=32k 32.7 vs 22.3, B=32 N=4k
     73.6 vs 65.8.
+    mixed_int4_cost: in that one launch's plan, what an INT4 position costs in INT2
+    positions (>= 1): the segments are planned in INT2 units and the INT4 split is that
+    many times shorter (a multiple of 64), so its programs end with the INT2 ones (the
+    grids' per-position kernel times are about 1.5x apart: B=8 N=32k INT4 112 vs INT2
+    73 µs). H200, session 25, one mixed launch, kernel time at cost 1 / 1.25 / 1.5 / 2
+    (two rounds each): B=32 N=4k 61.8 / 56.2 / 55.3 / 70.8 µs, B=8 N=4k 24.3 / 22.6 / 22.3 /
+    24.2, B=8 N=128k 337 / 327 / 326 / 338, B=1 N=32k 22.4 / 22.2 / 22.0 / 23.0, B=8 N=32k
+    100.5 / 99.8 / 101.4 / 105.0, B=1 N=4k 11.4 / 11.2 / 11.6 / 11.5 (the last two within
+    the harness's spread).
     """
 
     block_n_full: int = 64
@@ -371,6 +380,7 @@ class DecodeConfig:
     int4_gluon_stages: int = INT4_GLUON_STAGES
     int2_gluon_stages: int = INT2_GLUON_STAGES
     mixed_gluon_fused: bool = True
+    mixed_int4_cost: float = 1.5
 
     def __post_init__(self) -> None:
         bd = self.merge_block_d
@@ -380,6 +390,8 @@ class DecodeConfig:
             raise ValueError(
                 f"int4_gluon_cap_factor must be >= 0, got {self.int4_gluon_cap_factor}"
             )
+        if not self.mixed_int4_cost >= 1.0:
+            raise ValueError(f"mixed_int4_cost must be >= 1, got {self.mixed_int4_cost}")
         if self.pdl_splits not in (None, False, True, "last"):
             raise ValueError(
                 f"pdl_splits must be None, False, True or 'last', got {self.pdl_splits!r}"
@@ -2960,7 +2972,11 @@ def decode_attention(
         # launch: together, for its residency)
         if fused:
             resf = gluon_resident("gluon-mixed", mixed_split_gluon_kernel, fused_args, fconsts)
-            splits = (*wave_plan(resf, (m2, m4, 0))[:2], splits[2])
+            # an INT4 position costs mixed_int4_cost INT2 positions: planned in INT2 units,
+            # the INT4 split that many times shorter, so the grid's programs end together
+            w = cfg.mixed_int4_cost
+            l2, l4 = wave_plan(resf, (m2, math.ceil(m4 * w), 0))[:2]
+            splits = (l2, max(64, int(l4 / w) // 64 * 64), splits[2])
         elif gluon2:
             res2 = gluon_resident("gluon-int2", int2_split_gluon_kernel, gluon_args, gconsts)
             splits = (wave_plan(res2, (m2, 0, 0))[0], *splits[1:])

@@ -891,6 +891,30 @@ def test_one_mixed_launch(monkeypatch, fused, sms, full, expect) -> None:
         assert (kw["NS2"], kw["NS4"]) == (cfg.int2_gluon_stages, cfg.int4_gluon_stages)
 
 
+def test_one_mixed_launch_plans_int4_positions_at_their_cost(monkeypatch) -> None:
+    """``mixed_int4_cost``: the one mixed launch plans its segments in INT2 positions, an
+    INT4 position counting that many: the INT4 split shortens (a multiple of 64, still
+    covering the segment) while the INT2 one keeps its length or grows. Below 1 it is
+    refused."""
+    seen = _record_sm90_launches(monkeypatch, 132)
+    lens = (64, 2048, 0)  # 2,048 INT2 positions, 2,048 INT4 ones per request
+    mb = build_mixed_batch([lens] * 2, hq=8, hkv=2, d=128, seed=3)
+    got = {}
+    for cost in (1.0, 2.0):
+        seen.clear()
+        cfg = DecodeConfig(mixed_int4_cost=cost, resident_programs=1)
+        mb.decode(config=cfg, max_lens=SegmentMaxLens(2048, 2048, 0))
+        (name, kw), _merge = seen
+        assert name == "gm"
+        len2, len4, _, s2 = kw["args"][-4:]
+        s4 = kw["grid"][1] - s2
+        assert len4 % 64 == 0 and s2 * len2 >= 2048 and s4 * len4 >= 2048 > (s4 - 1) * len4
+        got[cost] = (len2, len4)
+    assert got[2.0][1] < got[1.0][1] and got[2.0][0] >= got[1.0][0], got
+    with pytest.raises(ValueError, match="mixed_int4_cost"):
+        DecodeConfig(mixed_int4_cost=0.5)
+
+
 def test_pdl_splits_is_checked() -> None:
     with pytest.raises(ValueError, match="pdl_splits"):
         DecodeConfig(pdl_splits="first")
