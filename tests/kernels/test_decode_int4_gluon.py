@@ -180,6 +180,28 @@ def test_one_mixed_launch_gives_the_bits_of_two(
 
 
 @needs_gluon_gpu
+def test_one_mixed_launch_per_head_slot_maps() -> None:
+    """Per-(request, KV head) slot maps and segment lengths (the engine's layout) on the one
+    mixed launch: head 1 lost INT2 and INT4 cells (DEAD); the bits of the two launches on
+    the same splits, within 1e-3 of the reference."""
+    mb = build_mixed_batch([(4, 100, 0), (3, 60, 0)], hq=8, hkv=2, d=128, dead_fraction=0.2, seed=9)  # fmt: skip
+    b, hkv = 2, 2
+    sm = mb.slot_map[:, None, :].repeat(1, hkv, 1)
+    sm[:, 1, 40:90] = 0  # head 1: the end of its INT2 pages and the start of its INT4 cells
+    n2, n4 = (t[:, None].expand(b, hkv).contiguous() for t in (mb.int2_lens, mb.int4_lens))
+    seq = n2 + n4
+    out = {}
+    for fused in (True, False):
+        cfg = dataclasses.replace(ON, mixed_gluon_fused=fused)
+        out[fused] = decode_attention(
+            mb.q, mb.pools, sm, seq, int2_lens=n2, int4_lens=n4, split_len=64, config=cfg
+        )
+    ref = decode_attention_ref(mb.q, mb.pools, sm, seq)
+    assert torch.equal(out[True], out[False]), rel_err(out[True], out[False])
+    assert rel_err(out[True], ref) < 1e-3, rel_err(out[True], ref)
+
+
+@needs_gluon_gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_one_mixed_launch_plans_its_own_splits(dtype) -> None:
     """With the wave plan (no fixed split length) one mixed launch splits both segments for
