@@ -18,7 +18,9 @@ request's cells come back as a run, so whole-request frees keep it near 1).
 :func:`churned_order` gives the GPU benchmarks this churn's layout (``decode_splits.py
 --slots churn``): on the H200 the Gluon INT4 split read it as fast as consecutive rows
 (session 25), since a freed request's cells go back in position order and come out of the
-same 2 MB pages.
+same 2 MB pages. ``--layouts ROWS`` prints, for that layout and the others of ``--slots``
+on a pool of ROWS rows, the 2 MB pages each 64-position block touches
+(:func:`pages_per_block`).
 """
 
 from __future__ import annotations
@@ -39,6 +41,19 @@ def run_adjacency(ids: torch.Tensor) -> float:
     if ids.numel() < 2:
         return 1.0
     return float(((ids[1:] - ids[:-1]).abs() == 1).double().mean())
+
+
+def pages_per_block(ids: torch.Tensor, rows_per_page: int = 4096, block: int = 64) -> float:
+    """Mean number of distinct pages that each ``block`` consecutive entries of ``ids``
+    (int64 ``[n]``, rows of a tensor) touch, a page holding ``rows_per_page`` rows: 4,096
+    rows of the INT4 pool's key codes (Hkv 8 x 64 bytes) fill a 2 MB GPU page, and the Gluon
+    INT4 split reads 32-64 positions of one request at a time. 1 for consecutive rows; up to
+    ``block`` for rows scattered over a pool much larger than a page."""
+    n = ids.numel() // block * block
+    if n == 0:
+        return float(len(torch.unique(ids // rows_per_page))) if ids.numel() else 0.0
+    pages = (ids[:n] // rows_per_page).view(-1, block).sort(dim=1).values
+    return float(1 + (pages[:, 1:] != pages[:, :-1]).sum(dim=1).double().mean())
 
 
 def _churn(
@@ -113,14 +128,37 @@ def main() -> None:
     ap.add_argument("--fill", type=float, default=0.85)
     ap.add_argument("--evict", type=float, default=0.5, help="fraction evicted per eviction step")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--layouts",
+        type=int,
+        default=0,
+        metavar="ROWS",
+        help="also compare the pool-wide layouts of decode_splits.py --slots on a pool of "
+        "ROWS rows (2 MB pages per 64-position block, adjacency; e.g. 1048576)",
+    )
     ap.add_argument("--out", type=Path, default=Path("int4_slot_runs.json"))
     args = ap.parse_args()
+    layouts = {}
+    if args.layouts:
+        g = torch.Generator().manual_seed(args.seed)
+        rows = args.layouts
+        orders = {
+            "random": torch.randperm(rows, generator=g),
+            "sequential": torch.arange(rows),
+            "runs:32": (torch.randperm(rows // 32, generator=g)[:, None] * 32
+                        + torch.arange(32)).reshape(-1),
+            "churn": churned_order(rows, seed=args.seed),
+        }  # fmt: skip
+        for name, o in orders.items():
+            layouts[name] = {"pages_per_block": pages_per_block(o), "adjacency": run_adjacency(o)}
+            print(f"{name:>10}: {layouts[name]['pages_per_block']:.2f} 2 MB pages per "
+                  f"64-position block, adjacency {layouts[name]['adjacency']:.2f}")  # fmt: skip
     adj = churn(args.steps, args.cells, args.fill, args.evict, args.seed)
     # the allocations in consecutive tenths of the run
     tenth = max(1, len(adj) // 10)
     phases = [statistics.mean(adj[i : i + tenth]) for i in range(0, len(adj), tenth)]
     res = {"args": {k: str(v) for k, v in vars(args).items()}, "allocations": len(adj),
-           "adjacency_by_tenth": phases}  # fmt: skip
+           "adjacency_by_tenth": phases, "layouts": layouts}  # fmt: skip
     args.out.write_text(json.dumps(res, indent=1))
     print(f"{len(adj)} allocations; consecutive neighbours by tenth of the run:")
     print(" ".join(f"{p:.2f}" for p in phases))

@@ -28,3 +28,18 @@ def test_whole_frees_keep_runs_and_scattered_evictions_break_them() -> None:
     assert scattered[0] == 1.0  # a fresh pool: one ascending run
     late = scattered[len(scattered) // 2 :]
     assert sum(late) / len(late) < 0.9
+
+
+def test_pages_per_block() -> None:
+    """Distinct pages per block: 1 for consecutive rows, 2 for a block straddling two pages
+    or made of two runs, the block's size for rows each on its own page."""
+    assert int4_slot_runs.pages_per_block(torch.arange(128), rows_per_page=64) == 1.0
+    two = torch.cat([torch.arange(32) + 1000, torch.arange(32) + 9000])
+    assert int4_slot_runs.pages_per_block(two, rows_per_page=4096) == 2.0
+    spread = torch.arange(64) * 4096
+    assert int4_slot_runs.pages_per_block(spread, rows_per_page=4096) == 64.0
+    churned = int4_slot_runs.churned_order(40_000)
+    scattered = torch.randperm(40_000, generator=torch.Generator().manual_seed(0))
+    assert int4_slot_runs.pages_per_block(churned, 512) < int4_slot_runs.pages_per_block(
+        scattered, 512
+    ) / 4
