@@ -40,6 +40,7 @@ def test_pages_per_block() -> None:
     assert int4_slot_runs.pages_per_block(spread, rows_per_page=4096) == 64.0
     churned = int4_slot_runs.churned_order(40_000)
     scattered = torch.randperm(40_000, generator=torch.Generator().manual_seed(0))
-    assert int4_slot_runs.pages_per_block(churned, 512) < int4_slot_runs.pages_per_block(
-        scattered, 512
-    ) / 4
+    assert (
+        int4_slot_runs.pages_per_block(churned, 512)
+        < int4_slot_runs.pages_per_block(scattered, 512) / 4
+    )
