@@ -30,9 +30,9 @@ K/V are one set of random bf16 tensors; the pools are filled from it with the ag
 quantization kernels, so every output is also compared with SDPA's (``rel_err_vs_sdpa``).
 Token slots are a random permutation (scattered, the pessimistic bound: the store's free
 lists keep a request's rows within a few 2 MB pages even after a churn, see
-``decode_splits.py --slots``); INT2 pages are scattered, rows inside a page in order. ``bytes`` counts what the kernel must read from
-device memory: live rows, their scales (32-byte sectors), the slot map; bandwidth =
-bytes / time. Results are written incrementally to the JSON file given by ``--out``.
+``decode_splits.py --slots``); INT2 pages are scattered, rows inside a page in order.
+``bytes`` counts what the kernel must read from device memory: live rows, their scales
+(32-byte sectors), the slot map; bandwidth = bytes / time. Results are written incrementally to the JSON file given by ``--out``.
 
 Host cost vs kernel time. ``time_us`` (do_bench) includes any host floor: when a call's
 Python + launch work outlasts the L2 flush it queues behind, the GPU idles inside the timed
@@ -257,10 +257,9 @@ def slot_order(layout: str, tokens: int, g: torch.Generator) -> torch.Tensor:
     - ``sequential``: ``0, 1, 2, ...`` (each request one consecutive run, a fresh pool);
     - ``runs:E``: runs of ``E`` consecutive rows at random places (an allocator that hands
       out ``E``-row extents);
-    - ``churn`` / ``churn:E``: the order in which :class:`~agentkv.cache.SlotAllocator`'s
-      INT4 free list (``int4_run=E``, default 1) hands out every row after a long churn of
-      requests, half of them losing half their cells to per-token eviction
-      (``int4_slot_runs.churned_order``; CPU, a few seconds).
+    - ``churn``: the order in which :class:`~agentkv.cache.SlotAllocator`'s INT4 free list
+      hands out every row after a long churn of requests, half of them losing half their
+      cells to per-token eviction (``int4_slot_runs.churned_order``; CPU, a few seconds).
     """
     dev = g.device
     if layout == "random":
@@ -272,15 +271,13 @@ def slot_order(layout: str, tokens: int, g: torch.Generator) -> torch.Tensor:
         e = int(arg)
         ext = torch.randperm(tokens // e, device=dev, generator=g)
         return (ext[:, None] * e + torch.arange(e, device=dev)).reshape(-1).int()
-    if kind == "churn" and (not arg or arg.isdigit()):
+    if layout == "churn":
         from int4_slot_runs import churned_order
 
         seed = int(torch.randint(0, 2**31 - 1, (1,), device=dev, generator=g))
-        order = churned_order(tokens, run=int(arg or 1), seed=seed)
-        return order.to(device=dev, dtype=torch.int32)
+        return churned_order(tokens, seed=seed).to(device=dev, dtype=torch.int32)
     raise ValueError(
-        f"unknown slot layout {layout!r}: random, sequential, runs:E (E divides {tokens}), "
-        "churn or churn:E"
+        f"unknown slot layout {layout!r}: random, sequential, runs:E (E divides {tokens}) or churn"
     )
 
 

@@ -63,15 +63,13 @@ def _churn(
     evict: float,
     seed: int,
     sizes: tuple[int, ...] = (256, 512, 1024, 2048),
-    run: int = 1,
 ) -> tuple[SlotAllocator, dict[int, torch.Tensor], list[float]]:
     """The churn of the module docstring on one column of ``cells`` INT4 cells: the
     allocator, the cells of the requests still live at the end, and :func:`run_adjacency`
     of every allocation."""
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
-    kw = {"int4_run": run} if run != 1 else {}
-    alloc = SlotAllocator(1, PoolLayout(full_slots=2, int4_slots=cells), **kw)
+    alloc = SlotAllocator(1, PoolLayout(full_slots=2, int4_slots=cells))
     live: dict[int, torch.Tensor] = {}
     out: list[float] = []
     for step in range(steps):
@@ -97,23 +95,20 @@ def churn(
     fill: float = 0.85,
     evict: float = 0.5,
     seed: int = 0,
-    run: int = 1,
 ) -> list[float]:
     """:func:`run_adjacency` of every allocation over ``steps`` churn steps of one column of
-    ``cells`` INT4 cells (see the module docstring; ``run``: the allocator's ``int4_run``)."""
-    return _churn(steps, cells, fill, evict, seed, run=run)[2]
+    ``cells`` INT4 cells (see the module docstring)."""
+    return _churn(steps, cells, fill, evict, seed)[2]
 
 
-def churned_order(
-    cells: int, run: int = 1, steps: int = 3000, evict: float = 0.5, seed: int = 0
-) -> torch.Tensor:
+def churned_order(cells: int, steps: int = 3000, evict: float = 0.5, seed: int = 0) -> torch.Tensor:
     """int64 ``[cells]``: the INT4 rows (0-based) in the order one column's free list hands
     them all out after ``steps`` churn steps, the requests left at the end freed in random
     order. Request sizes scale with the pool (``cells / 800`` to ``cells / 100``), so every
     pool size sees the same churn. ``decode_attention.py``'s ``--slots churn`` lays the
     benchmark's tokens on rows in this order."""
     sizes = tuple(max(1, round(cells / d)) for d in (800, 400, 200, 100))
-    alloc, live, _ = _churn(steps, cells, 0.85, evict, seed, sizes, run)
+    alloc, live, _ = _churn(steps, cells, 0.85, evict, seed, sizes)
     rng = random.Random(seed + 1)
     for k in rng.sample(sorted(live), len(live)):
         alloc.decref(live.pop(k).view(1, -1))
