@@ -462,4 +462,5 @@ __all__ = [
     "int2_split_gluon_args",
     "int2_split_gluon_consts",
     "int2_split_gluon_kernel",
+    "int2_split_program",
 ]

@@ -523,4 +523,5 @@ __all__ = [
     "int4_split_gluon_args",
     "int4_split_gluon_consts",
     "int4_split_gluon_kernel",
+    "int4_split_program",
 ]
