@@ -4,6 +4,7 @@ reference (kernels/decode_attention_reference.py), and the reference against pla
 from __future__ import annotations
 
 import importlib
+import inspect
 import math
 
 import pytest
@@ -720,15 +721,39 @@ def test_launch_chain_orders_the_split_launches() -> None:
     assert launch_chain(False, (True, True, True), "last") == (plain, plain, plain)
 
 
+def _assert_binds(kernel, args: tuple, kw: dict) -> None:
+    """``kernel(*args, **kw)`` binds every parameter of the real kernel once: the runtime
+    parameters positionally, in order, the constexprs by name (those with a default may be
+    left out); other keywords are launch options. A launch-argument builder out of step
+    with its kernel's signature fails here, on the CPU, not only on a GPU."""
+    if hasattr(kernel, "params"):  # a JITFunction
+        params = [(p.name, p.is_constexpr, p.has_default) for p in kernel.params]
+    else:  # under TRITON_INTERPRET=1: the Python function's signature
+        sig = inspect.signature(kernel.fn).parameters.values()
+        params = [(p.name, "constexpr" in str(p.annotation), p.default is not p.empty) for p in sig]  # fmt: skip
+    assert len(args) <= len(params), (len(args), len(params))
+    assert not any(c for _, c, _ in params[: len(args)]), [n for n, _, _ in params]
+    rest = params[len(args) :]
+    assert all(c for _, c, _ in rest), [n for n, c, _ in rest if not c]
+    missing = [n for n, _, d in rest if n not in kw and not d]
+    assert not missing, missing
+
+
 class _LaunchRecorder:
     """Stands in for a kernel: records each launch's keyword arguments (constexprs and
-    launch options) under the kernel's ``name``."""
+    launch options), grid and positional arguments under the kernel's ``name``, after
+    checking that they bind to the ``real`` kernel's parameters (:func:`_assert_binds`)."""
 
-    def __init__(self, name: str, seen: list) -> None:
-        self.name, self.seen = name, seen
+    def __init__(self, name: str, seen: list, real=None) -> None:
+        self.name, self.seen, self.real = name, seen, real
 
     def __getitem__(self, grid):
-        return lambda *args, **kw: self.seen.append((self.name, {**kw, "grid": grid, "args": args}))
+        def launch(*args, **kw):
+            if self.real is not None:
+                _assert_binds(self.real, args, kw)
+            self.seen.append((self.name, {**kw, "grid": grid, "args": args}))
+
+        return launch
 
 
 #: the kernels ``decode_attention`` launches, by the short names the launch records use
@@ -744,10 +769,11 @@ _KERNEL_NAMES = {
 def _record_sm90_launches(monkeypatch, sms: int | None = None) -> list:
     """Stand in for an sm_90 GPU (PDL, the Gluon splits wherever asked for; ``sms`` SMs)
     and for every kernel: returns the list each launch appends (short name, keyword
-    arguments) to."""
+    arguments) to, each launch's arguments checked against the real kernel's signature."""
     seen: list = []
     for attr, name in _KERNEL_NAMES.items():
-        monkeypatch.setattr(dattn, attr, _LaunchRecorder(name, seen))
+        real = getattr(dattn, attr)  # None for a Gluon kernel where Triton has no Gluon
+        monkeypatch.setattr(dattn, attr, _LaunchRecorder(name, seen, real))
     monkeypatch.setattr(dattn, "triton_interpreting", lambda: False)
     monkeypatch.setattr(dattn, "_pdl_capable", lambda device: True)
     monkeypatch.setattr(dattn, "_use_gluon_int2", lambda *a: True)
