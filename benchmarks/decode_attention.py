@@ -289,12 +289,10 @@ class Shape:
         b: int,
         n: int,
         seed: int = 0,
-        scatter: bool = True,
         separate_scales: bool = False,
-        slots: str | None = None,
+        slots: str = "random",
     ) -> None:
-        """``slots``: how the token slots of the full and INT4 pools lie (:func:`slot_order`;
-        default ``random``, or ``sequential`` when ``scatter`` is false)."""
+        """``slots``: how the token slots of the full and INT4 pools lie (:func:`slot_order`)."""
         dev = DEVICE
         g = torch.Generator(device=dev).manual_seed(seed)
         self.b, self.n = b, n
@@ -305,8 +303,6 @@ class Shape:
         self.pools = KVPools.allocate(tokens + 1, tokens, tokens // 32, HKV, D, device=dev)
         p = self.pools
         # scattered token slots: full pool ids 1.., INT4 local ids 0..; INT2 pages scattered
-        slots = slots or ("random" if scatter else "sequential")
-        self.slot_layout = slots
         full_ids = slot_order(slots, tokens, g) + 1
         int4_ids = slot_order(slots, tokens, g)
         pages = torch.randperm(tokens // 32, device=dev, generator=g).int()

@@ -387,6 +387,12 @@ else:
     int2_split_gluon_kernel = int2_split_program = None
 
 
+def int2_pool_args(int2) -> tuple:
+    """The INT2 pool's launch arguments (``int2``: the :class:`~.pools.Int2Pool`): key and
+    value code pages, key scales and zeros, value scales and zeros."""
+    return int2.k, int2.v, int2.k_scale, int2.k_zero, int2.v_scale, int2.v_zero
+
+
 def int2_split_gluon_args(
     q: torch.Tensor,
     slot_map: torch.Tensor,
@@ -411,12 +417,7 @@ def int2_split_gluon_args(
         stride_lb,
         stride_lh,
         *head_mask_args(head_mask, slot_map),
-        int2.k,
-        int2.v,
-        int2.k_scale,
-        int2.k_zero,
-        int2.v_scale,
-        int2.v_zero,
+        *int2_pool_args(int2),
         part_o,
         part_lse,
         qk_scale,
@@ -459,6 +460,7 @@ def int2_split_gluon_consts(
 __all__ = [
     "MAX_REGISTERS",
     "STAGES",
+    "int2_pool_args",
     "int2_split_gluon_args",
     "int2_split_gluon_consts",
     "int2_split_gluon_kernel",

@@ -429,6 +429,14 @@ else:
     int4_split_gluon_kernel = int4_split_program = None
 
 
+def int4_pool_args(int4) -> tuple:
+    """The INT4 pool's launch arguments (``int4``: the :class:`~.pools.Int4Pool`): key and
+    value codes, key scales and zeros, value scales and zeros, and the per-channel key scale
+    (the key scales stand in where the pool has none; read only with ``HAS_KCS``)."""
+    kcs = int4.k_channel if int4.k_channel is not None else int4.k_scale
+    return int4.k, int4.v, int4.k_scale, int4.k_zero, int4.v_scale, int4.v_zero, kcs
+
+
 def int4_split_gluon_args(
     q: torch.Tensor,
     slot_map: torch.Tensor,
@@ -450,7 +458,6 @@ def int4_split_gluon_args(
     """The kernel's positional arguments (``slot_map`` [B, L] or [B, Hkv, L]; ``head_mask``
     None or uint8 [B, Hkv, L]; ``int4``: the :class:`~.pools.Int4Pool`; ``int2_lens``:
     where each INT4 segment starts, read only with the constexpr ``HAS_INT2``)."""
-    kcs = int4.k_channel if int4.k_channel is not None else int4.k_scale
     return (
         *query_slot_args(q, slot_map),
         int2_lens,
@@ -458,13 +465,7 @@ def int4_split_gluon_args(
         stride_lb,
         stride_lh,
         *head_mask_args(head_mask, slot_map),
-        int4.k,
-        int4.v,
-        int4.k_scale,
-        int4.k_zero,
-        int4.v_scale,
-        int4.v_zero,
-        kcs,
+        *int4_pool_args(int4),
         part_o,
         part_lse,
         qk_scale,
@@ -520,6 +521,7 @@ def int4_split_gluon_consts(
 __all__ = [
     "MAX_REGISTERS",
     "STAGES",
+    "int4_pool_args",
     "int4_split_gluon_args",
     "int4_split_gluon_consts",
     "int4_split_gluon_kernel",

@@ -25,10 +25,10 @@ from __future__ import annotations
 
 import torch
 
-from .decode_int2_gluon import MAX_REGISTERS as _INT2_MAX_REGISTERS
-from .decode_int2_gluon import STAGES as _INT2_STAGES
-from .decode_int4_gluon import MAX_REGISTERS as _INT4_MAX_REGISTERS
-from .decode_int4_gluon import STAGES as _INT4_STAGES
+from .decode_int2_gluon import STAGES as INT2_STAGES
+from .decode_int2_gluon import int2_pool_args, int2_split_gluon_consts
+from .decode_int4_gluon import STAGES as INT4_STAGES
+from .decode_int4_gluon import int4_pool_args, int4_split_gluon_consts
 from .gluon_fragments import GLUON_AVAILABLE, head_mask_args, query_slot_args
 
 if GLUON_AVAILABLE:
@@ -49,7 +49,7 @@ if GLUON_AVAILABLE:
         S_total, s2,
         G: gl.constexpr, D: gl.constexpr, NS2: gl.constexpr, NS4: gl.constexpr,
         SSTRIDE: gl.constexpr, INTERLEAVED: gl.constexpr, HAS_HEAD_MASK: gl.constexpr,
-        HAS_KCS: gl.constexpr, RESCALE_SLACK2: gl.constexpr,
+        HAS_KCS: gl.constexpr, RESCALE_SLACK2: gl.constexpr, RESCALE_SLACK4: gl.constexpr,
         LAUNCH_DEPENDENTS: gl.constexpr = False, WAIT_PRIOR: gl.constexpr = False,
     ):  # fmt: skip
         """Program ``(h, y, b)``: INT2 split ``y`` of request b, KV head h, for ``y < s2``
@@ -75,7 +75,7 @@ if GLUON_AVAILABLE:
                 lens2_ptr, lens4_ptr, stride_lb, stride_lh, hm_ptr, stride_mb, stride_mh,
                 k4_ptr, v4_ptr, ks4_ptr, kz4_ptr, vs4_ptr, vz4_ptr, kcs_ptr, po_ptr, plse_ptr,
                 qk_scale, dead_id, int4_base, Hkv, split_len4, S_total, s2, G, D, NS4,
-                SSTRIDE, INTERLEAVED, True, HAS_HEAD_MASK, HAS_KCS, 0.0,
+                SSTRIDE, INTERLEAVED, True, HAS_HEAD_MASK, HAS_KCS, RESCALE_SLACK4,
             )  # fmt: skip
         if WAIT_PRIOR:  # a programmatic dependent: complete only after the previous grid
             gdc_wait()
@@ -109,7 +109,6 @@ def mixed_split_gluon_args(
     None or uint8 [B, Hkv, L]; ``int2`` / ``int4``: the :class:`~.pools.Int2Pool` and
     :class:`~.pools.Int4Pool`; ``s2``: the INT2 splits per (request, KV head), the grid's
     first ``s2`` columns)."""
-    kcs = int4.k_channel if int4.k_channel is not None else int4.k_scale
     return (
         *query_slot_args(q, slot_map),
         int2_lens,
@@ -117,19 +116,8 @@ def mixed_split_gluon_args(
         stride_lb,
         stride_lh,
         *head_mask_args(head_mask, slot_map),
-        int2.k,
-        int2.v,
-        int2.k_scale,
-        int2.k_zero,
-        int2.v_scale,
-        int2.v_zero,
-        int4.k,
-        int4.v,
-        int4.k_scale,
-        int4.k_zero,
-        int4.v_scale,
-        int4.v_zero,
-        kcs,
+        *int2_pool_args(int2),
+        *int4_pool_args(int4),
         part_o,
         part_lse,
         qk_scale,
@@ -153,30 +141,38 @@ def mixed_split_gluon_consts(
     has_key_channel_scale: bool,
     max_registers: int | None = None,
     int2_lazy_rescale: bool = False,
-    int2_stages: int = _INT2_STAGES,
-    int4_stages: int = _INT4_STAGES,
+    int2_stages: int = INT2_STAGES,
+    int4_stages: int = INT4_STAGES,
     launch_dependents: bool = False,
     wait_prior: bool = False,
 ) -> dict:
-    """Constexprs and launch options of the kernel: those of
+    """Constexprs and launch options of the kernel, taken from
     :func:`.decode_int2_gluon.int2_split_gluon_consts` and
     :func:`.decode_int4_gluon.int4_split_gluon_consts` for the same launch (the INT2 body's
-    stages and lazy rescale, the INT4 body's stages and scale layout; ``max_registers``:
-    None = the two kernels' cap, 128)."""
+    stages and rescale slack, the INT4 body's stages, slack and scale layout; registers: the
+    larger of the two caps)."""
+    c2 = int2_split_gluon_consts(
+        group, head_dim, has_head_mask, max_registers, int2_lazy_rescale, int2_stages
+    )
+    c4 = int4_split_gluon_consts(
+        group, head_dim, scale_stride, interleaved, True, has_head_mask,
+        has_key_channel_scale, max_registers, int4_stages,
+    )  # fmt: skip
     return dict(
         G=group,
         D=head_dim,
-        NS2=int2_stages,
-        NS4=int4_stages,
-        SSTRIDE=scale_stride,
-        INTERLEAVED=interleaved,
+        NS2=c2["NS"],
+        NS4=c4["NS"],
+        SSTRIDE=c4["SSTRIDE"],
+        INTERLEAVED=c4["INTERLEAVED"],
         HAS_HEAD_MASK=has_head_mask,
-        HAS_KCS=has_key_channel_scale,
-        RESCALE_SLACK2=4.0 if int2_lazy_rescale else 0.0,
+        HAS_KCS=c4["HAS_KCS"],
+        RESCALE_SLACK2=c2["RESCALE_SLACK"],
+        RESCALE_SLACK4=c4["RESCALE_SLACK"],
         LAUNCH_DEPENDENTS=launch_dependents,
         WAIT_PRIOR=wait_prior,
         num_warps=1,
-        maxnreg=max_registers or max(_INT2_MAX_REGISTERS, _INT4_MAX_REGISTERS),
+        maxnreg=max(c2["maxnreg"], c4["maxnreg"]),
     )
 
 
