@@ -259,7 +259,9 @@ def slot_order(layout: str, tokens: int, g: torch.Generator) -> torch.Tensor:
       out ``E``-row extents);
     - ``churn``: the order in which :class:`~agentkv.cache.SlotAllocator`'s INT4 free list
       hands out every row after a long churn of requests, half of them losing half their
-      cells to per-token eviction (``int4_slot_runs.churned_order``; CPU, a few seconds).
+      cells to per-token eviction (``int4_slot_runs.churned_order``; CPU, a few seconds);
+    - ``live``: the rows the requests still live after that churn hold, then the free rows
+      as further requests take them (``int4_slot_runs.live_order``): the steady state.
     """
     dev = g.device
     if layout == "random":
@@ -271,13 +273,15 @@ def slot_order(layout: str, tokens: int, g: torch.Generator) -> torch.Tensor:
         e = int(arg)
         ext = torch.randperm(tokens // e, device=dev, generator=g)
         return (ext[:, None] * e + torch.arange(e, device=dev)).reshape(-1).int()
-    if layout == "churn":
-        from int4_slot_runs import churned_order
+    if layout in ("churn", "live"):
+        from int4_slot_runs import churned_order, live_order
 
         seed = int(torch.randint(0, 2**31 - 1, (1,), device=dev, generator=g))
-        return churned_order(tokens, seed=seed).to(device=dev, dtype=torch.int32)
+        order = churned_order if layout == "churn" else live_order
+        return order(tokens, seed=seed).to(device=dev, dtype=torch.int32)
     raise ValueError(
-        f"unknown slot layout {layout!r}: random, sequential, runs:E (E divides {tokens}) or churn"
+        f"unknown slot layout {layout!r}: random, sequential, runs:E (E divides {tokens}), "
+        "churn or live"
     )
 
 
@@ -292,7 +296,16 @@ class Shape:
         separate_scales: bool = False,
         slots: str = "random",
     ) -> None:
-        """``slots``: how the token slots of the full and INT4 pools lie (:func:`slot_order`)."""
+        """``slots``: how the token slots of the full and INT4 pools lie (:func:`slot_order`),
+        with ``/head`` appended (e.g. ``churn/head``): the INT4 pool head-major
+        (``Int4Pool.allocate(head_major=True)``: each KV head's slots adjacent rows); with
+        ``sorted-`` in front (e.g. ``sorted-churn/head``): each request's cells in row order,
+        as the engine's ``DecodeIndex`` lays them out (attention is order-free over keys)."""
+        slots, _, rows = slots.partition("/")
+        if rows not in ("", "head"):
+            raise ValueError(f"unknown INT4 row order {rows!r} in slot layout: '/head' or none")
+        in_row_order = slots.startswith("sorted-")
+        slots = slots.removeprefix("sorted-")
         dev = DEVICE
         g = torch.Generator(device=dev).manual_seed(seed)
         self.b, self.n = b, n
@@ -300,11 +313,21 @@ class Shape:
         self.k = torch.randn(b, HKV, n, D, device=dev, dtype=torch.bfloat16, generator=g)
         self.v = torch.randn(b, HKV, n, D, device=dev, dtype=torch.bfloat16, generator=g)
         tokens = b * n
-        self.pools = KVPools.allocate(tokens + 1, tokens, tokens // 32, HKV, D, device=dev)
+        self.pools = KVPools.allocate(
+            tokens + 1, tokens, tokens // 32, HKV, D, device=dev, int4_head_major=rows == "head"
+        )
         p = self.pools
         # scattered token slots: full pool ids 1.., INT4 local ids 0..; INT2 pages scattered
-        full_ids = slot_order(slots, tokens, g) + 1
-        int4_ids = slot_order(slots, tokens, g)
+        if slots in ("churn", "live"):  # (costly to make: the full pool's rows mirror them)
+            int4_ids = slot_order(slots, tokens, g)
+            full_ids = int4_ids + 1
+        else:
+            full_ids = slot_order(slots, tokens, g) + 1
+            int4_ids = slot_order(slots, tokens, g)
+        if in_row_order:
+            full_ids, int4_ids = (
+                x.view(b, n).sort(dim=1).values.reshape(-1) for x in (full_ids, int4_ids)
+            )
         pages = torch.randperm(tokens // 32, device=dev, generator=g).int()
         if slots == "sequential":  # each request's positions on consecutive slots
             pages = torch.arange(tokens // 32, device=dev, dtype=torch.int32)
@@ -319,8 +342,10 @@ class Shape:
             write_int2_pages(p.int2, pages.view(b, n // 32)[r], kr, vr)
         if separate_scales:  # four INT4 scale tensors instead of the pool's interleaved one
             q4 = p.int4
+            hm = q4.head_major  # (each tensor's rows in the codes' order)
             q4.k_scale, q4.k_zero, q4.v_scale, q4.v_zero = (
-                t.contiguous() for t in (q4.k_scale, q4.k_zero, q4.v_scale, q4.v_zero)
+                t.transpose(0, 1).contiguous().transpose(0, 1) if hm else t.contiguous()
+                for t in (q4.k_scale, q4.k_zero, q4.v_scale, q4.v_zero)
             )
         n2 = (3 * n // 4) // 32 * 32
         self.n2_mixed = n2
@@ -766,6 +791,13 @@ def main() -> None:
         "do_bench (includes any host floor)",
     )
     ap.add_argument("--no-graph", action="store_true", help="skip the CUDA-graph kernel_us column")
+    ap.add_argument(
+        "--slots",
+        default="random",
+        help="where the tokens' rows lie (Shape / slot_order): random (the default, every "
+        "token on its own scattered row of slot-major pools), or e.g. sorted-live/head, the "
+        "engine's store (its allocator's rows after a churn, a head-major INT4 pool)",
+    )
     args = ap.parse_args()
     if args.quick:
         shapes = list(QUICK_SHAPES)
@@ -933,7 +965,7 @@ def main() -> None:
     )
     for b, n in shapes:
         try:
-            s = Shape(b, n)
+            s = Shape(b, n, slots=args.slots)
         except Exception as e:  # noqa: BLE001
             rec.add("errors", {"B": b, "N": n, "phase": "alloc", "error": repr(e)})
             torch.cuda.empty_cache()

@@ -154,6 +154,7 @@ def compile_split(group: int, head_dim: int, segments: set[str], **knobs):
         INT2_PIPELINED=False,
         INT2_LAZY_RESCALE=False,
         INT4_CHUNKS=False,
+        q4_head_rows=1,  # a slot-major INT4 pool's head stride, specialized at launch
         **dict.fromkeys(KNOBS, False),
     )
     consts.update(knobs)
@@ -223,6 +224,8 @@ def compile_gluon_int4(group: int, head_dim: int = 128, interleaved: bool = True
         has_key_channel_scale=False,
     )
     unaligned = ("kz_ptr", "vs_ptr", "vz_ptr") if interleaved else ()
+    # a slot-major pool's head stride, 1 row, is specialized at launch as here
+    consts = {**consts, "head_rows4": 1}
     return _compile_gluon(mod.int4_split_gluon_kernel, {**consts, **knobs}, unaligned)
 
 
@@ -239,6 +242,7 @@ def compile_gluon_mixed(group: int, head_dim: int = 128, **knobs):
         has_key_channel_scale=False,
     )
     unaligned = ("kz4_ptr", "vs4_ptr", "vz4_ptr")
+    consts = {**consts, "head_rows4": 1}  # a slot-major pool's, specialized at launch
     return _compile_gluon(mod.mixed_split_gluon_kernel, {**consts, **knobs}, unaligned)
 
 

@@ -9,7 +9,8 @@ For every shape (B, N; Hq 32, Hkv 8, D 128, every position live, token slots sca
 ``decode_attention.py``), impl and variant (``DecodeConfig`` keyword arguments as JSON), it
 records (``--slots``: where the tokens' rows lie in the full and INT4 pools, one or several
 layouts measured side by side, e.g. ``random,sequential,runs:32,churn`` to see what scattered
-rows cost and what the allocator's free lists give after a churn; ``--separate-scales``:
+rows cost and what the allocator's free lists give after a churn, ``/head`` appended for an
+INT4 pool whose rows lie head-major, e.g. ``runs:32/head``; ``--separate-scales``:
 the INT4 scales and zeros as four tensors instead of the pool's interleaved buffer):
 
 - ``kernel_us``: the whole call (split kernel + merge) from a CUDA graph, L2 flushed, and its
@@ -143,7 +144,8 @@ def main() -> None:
         "--slots",
         default="random",
         help="comma-separated token-slot layouts of the full and INT4 pools, each measured in "
-        "every round: random, sequential, runs:E, churn (decode_attention.slot_order)",
+        "every round: random, sequential, runs:E, churn, live (decode_attention.slot_order); "
+        "'/head' appended (e.g. churn/head): the INT4 pool head-major",
     )
     ap.add_argument(
         "--sequential-slots",

@@ -1,26 +1,26 @@
 """How consecutive a request's INT4 cells stay as the allocator's free lists churn.
 
-The Gluon INT4 split reads each token's row from its cell: on the H200 it ran 9-15% faster
-over pools above a gigabyte when a request's tokens sat on consecutive cells than on cells
-scattered over the pool (docs/benchmarks.md §3, session 23). A fresh :class:`SlotAllocator`
-hands out ascending runs; each freed cell goes back on its column's LIFO free list, so cells
-freed one by one (per-token eviction) come back out scattered. This replays a churn of one
-column with the real allocator, CPU only::
+The Gluon INT4 split reads each token's row from its cell: from a head-major INT4 pool (the
+store's, each KV head's cells consecutive rows) it ran 7-15% faster on the H200 when a
+request's 32-position blocks sat on consecutive cells (docs/benchmarks.md §3, session 26).
+A column asking for at least ``INT4_RUN`` = 32 cells gets them from its fullest aligned runs
+of 32 ids, ascending; smaller allocations come off its LIFO free list's top, where cells
+freed one by one (per-token eviction) are. This replays a churn of one column with the real
+allocator, CPU only, under that policy (``runs``) and under the LIFO list alone (``lifo``,
+the policy before session 26: every allocation made of pieces below 32 cells)::
 
-    python3 benchmarks/int4_slot_runs.py --steps 3000 --out int4_slot_runs.json
+    python3 benchmarks/int4_slot_runs.py --steps 3000 --layouts 1048576 --out int4_slot_runs.json
 
 Each step demotes a new span to INT4 (``alloc_int4``; 256-2,048 tokens while the pool is
 under ``--fill``), ends a request (every cell freed), or evicts ``--evict`` of one request's
 cells at random positions. It records, per allocation, the fraction of neighbouring
-positions whose cells are neighbours too (1.0: one ascending or descending run; a freed
-request's cells come back as a run, so whole-request frees keep it near 1).
+positions whose cells are neighbours too (1.0: one ascending or descending run).
 
-:func:`churned_order` gives the GPU benchmarks this churn's layout (``decode_splits.py
---slots churn``): on the H200 the Gluon INT4 split read it as fast as consecutive rows
-(session 25), since a freed request's cells go back in position order and come out of the
-same 2 MB pages. ``--layouts ROWS`` prints, for that layout and the others of ``--slots``
-on a pool of ROWS rows, the 2 MB pages each 64-position block touches
-(:func:`pages_per_block`).
+:func:`live_order` gives the GPU benchmarks the steady state of this churn (``decode_splits.py
+--slots live``: the live requests' cells), :func:`churned_order` the order the free list
+hands every cell out after freeing them all (``--slots churn``). ``--layouts ROWS`` prints,
+for those layouts and the others of ``--slots`` on a pool of ROWS rows, the 2 MB pages each
+64-position block touches (:func:`pages_per_block`).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from agentkv.cache.slot_allocator import PoolLayout, SlotAllocator
+from agentkv.cache.slot_allocator import INT4_RUN, PoolLayout, SlotAllocator
 
 
 def run_adjacency(ids: torch.Tensor) -> float:
@@ -56,6 +56,20 @@ def pages_per_block(ids: torch.Tensor, rows_per_page: int = 4096, block: int = 6
     return float(1 + (pages[:, 1:] != pages[:, :-1]).sum(dim=1).double().mean())
 
 
+def _alloc(alloc: SlotAllocator, n: int, lifo: bool) -> torch.Tensor:
+    """``n`` INT4 cells of column 0: one allocation (whole runs first), or with ``lifo`` in
+    pieces below ``INT4_RUN``, each off the free list's top (the policy before runs)."""
+    if not lifo:
+        return alloc.alloc_int4(torch.zeros(n, dtype=torch.int64))
+    step = INT4_RUN - 1
+    return torch.cat(
+        [
+            alloc.alloc_int4(torch.zeros(min(step, n - i), dtype=torch.int64))
+            for i in range(0, n, step)
+        ]
+    )
+
+
 def _churn(
     steps: int,
     cells: int,
@@ -63,10 +77,12 @@ def _churn(
     evict: float,
     seed: int,
     sizes: tuple[int, ...] = (256, 512, 1024, 2048),
+    lifo: bool = False,
 ) -> tuple[SlotAllocator, dict[int, torch.Tensor], list[float]]:
-    """The churn of the module docstring on one column of ``cells`` INT4 cells: the
-    allocator, the cells of the requests still live at the end, and :func:`run_adjacency`
-    of every allocation."""
+    """The churn of the module docstring on one column of ``cells`` INT4 cells (``lifo``:
+    every allocation off the free list's top, see :func:`_alloc`): the allocator, the cells
+    of the requests still live at the end, and :func:`run_adjacency` of every
+    allocation."""
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     alloc = SlotAllocator(1, PoolLayout(full_slots=2, int4_slots=cells))
@@ -76,8 +92,7 @@ def _churn(
         r = rng.random()
         used = sum(v.numel() for v in live.values())
         if r < 0.5 and used < fill * cells:
-            n = rng.choice(sizes)
-            live[step] = alloc.alloc_int4(torch.zeros(n, dtype=torch.int64))
+            live[step] = _alloc(alloc, rng.choice(sizes), lifo)
             out.append(run_adjacency(live[step]))
         elif live and r < 0.75:  # a request ends
             alloc.decref(live.pop(rng.choice(sorted(live))).view(1, -1))
@@ -95,10 +110,11 @@ def churn(
     fill: float = 0.85,
     evict: float = 0.5,
     seed: int = 0,
+    lifo: bool = False,
 ) -> list[float]:
     """:func:`run_adjacency` of every allocation over ``steps`` churn steps of one column of
-    ``cells`` INT4 cells (see the module docstring)."""
-    return _churn(steps, cells, fill, evict, seed)[2]
+    ``cells`` INT4 cells (see the module docstring; ``lifo``: see :func:`_alloc`)."""
+    return _churn(steps, cells, fill, evict, seed, lifo=lifo)[2]
 
 
 def churned_order(cells: int, steps: int = 3000, evict: float = 0.5, seed: int = 0) -> torch.Tensor:
@@ -114,6 +130,29 @@ def churned_order(cells: int, steps: int = 3000, evict: float = 0.5, seed: int =
         alloc.decref(live.pop(k).view(1, -1))
     ids = alloc.alloc_int4(torch.zeros(cells, dtype=torch.int64))
     return ids - alloc.layout.int4_base
+
+
+def live_order(
+    cells: int, steps: int = 3000, evict: float = 0.5, seed: int = 0, lifo: bool = False
+) -> torch.Tensor:
+    """int64 ``[cells]``: the INT4 rows (0-based) of a steady state: the cells the requests
+    still live after ``steps`` churn steps hold (request after request, each in position
+    order; per-token eviction has thinned them), then the free cells as further requests
+    of the churn's sizes take them. Request sizes scale with the pool as in
+    :func:`churned_order`. ``decode_attention.py``'s ``--slots live`` lays the benchmark's
+    tokens on rows in this order: what the decode kernel reads after the allocator's churn
+    (:func:`churned_order` frees everything first, which with whole-run allocation
+    leaves only consecutive runs)."""
+    sizes = tuple(max(1, round(cells / d)) for d in (800, 400, 200, 100))
+    alloc, live, _ = _churn(steps, cells, 0.85, evict, seed, sizes, lifo)
+    rng = random.Random(seed + 1)
+    parts = [live[k] for k in sorted(live)]
+    left = cells - sum(int(p.numel()) for p in parts)
+    while left > 0:
+        n = min(rng.choice(sizes), left)
+        parts.append(_alloc(alloc, n, lifo))
+        left -= n
+    return torch.cat(parts) - alloc.layout.int4_base
 
 
 def main() -> None:
@@ -143,20 +182,23 @@ def main() -> None:
             "runs:32": (torch.randperm(rows // 32, generator=g)[:, None] * 32
                         + torch.arange(32)).reshape(-1),
             "churn": churned_order(rows, seed=args.seed),
+            "live": live_order(rows, seed=args.seed),
+            "live-lifo": live_order(rows, seed=args.seed, lifo=True),
         }  # fmt: skip
         for name, o in orders.items():
             layouts[name] = {"pages_per_block": pages_per_block(o), "adjacency": run_adjacency(o)}
             print(f"{name:>10}: {layouts[name]['pages_per_block']:.2f} 2 MB pages per "
                   f"64-position block, adjacency {layouts[name]['adjacency']:.2f}")  # fmt: skip
-    adj = churn(args.steps, args.cells, args.fill, args.evict, args.seed)
-    # the allocations in consecutive tenths of the run
-    tenth = max(1, len(adj) // 10)
-    phases = [statistics.mean(adj[i : i + tenth]) for i in range(0, len(adj), tenth)]
-    res = {"args": {k: str(v) for k, v in vars(args).items()}, "allocations": len(adj),
-           "adjacency_by_tenth": phases, "layouts": layouts}  # fmt: skip
+    res = {"args": {k: str(v) for k, v in vars(args).items()}, "layouts": layouts}
+    for policy, lifo in (("runs", False), ("lifo", True)):
+        adj = churn(args.steps, args.cells, args.fill, args.evict, args.seed, lifo)
+        # the allocations in consecutive tenths of the run
+        tenth = max(1, len(adj) // 10)
+        phases = [statistics.mean(adj[i : i + tenth]) for i in range(0, len(adj), tenth)]
+        res[policy] = {"allocations": len(adj), "adjacency_by_tenth": phases}
+        print(f"{policy}: {len(adj)} allocations; consecutive neighbours by tenth of the run:")
+        print(" ".join(f"{p:.2f}" for p in phases))
     args.out.write_text(json.dumps(res, indent=1))
-    print(f"{len(adj)} allocations; consecutive neighbours by tenth of the run:")
-    print(" ".join(f"{p:.2f}" for p in phases))
 
 
 if __name__ == "__main__":

@@ -29,7 +29,16 @@ from .decode_attention import (
 )
 from .decode_attention_reference import decode_attention_ref
 from .dequant_gather import GATHER_BASE, GatherConfig, dequant_gather, dequant_gather_ref
-from .pools import DEAD, GROUP_SIZE, INT2_PAGE, FullPool, Int2Pool, Int4Pool, KVPools
+from .pools import (
+    DEAD,
+    GROUP_SIZE,
+    INT2_PAGE,
+    FullPool,
+    Int2Pool,
+    Int4Pool,
+    Int4RowMap,
+    KVPools,
+)
 from .quant_int2 import (
     dequantize_int2_keys_ref,
     dequantize_int2_values_ref,
@@ -51,6 +60,7 @@ __all__ = [
     "GatherConfig",
     "Int2Pool",
     "Int4Pool",
+    "Int4RowMap",
     "KVPools",
     "SegmentMaxLens",
     "decode_attention",

@@ -80,7 +80,7 @@ from .packing import (
     int4_word_codes_f16,
     int4_word_codes_f16_subnormal,
 )
-from .pools import DEAD, INT2_PAGE, KVPools
+from .pools import DEAD, INT2_PAGE, Int4RowMap, KVPools
 
 _LOG2E = 1.4426950408889634
 
@@ -561,8 +561,8 @@ def _int4_block(
     slot,
     live,
     int4_base,
-    Hkv,
-    h,
+    slot_rows,
+    head_row,
     k_ptr,
     v_ptr,
     ks_ptr,
@@ -573,9 +573,10 @@ def _int4_block(
     NG: tl.constexpr,
     SS: tl.constexpr,
 ):
-    """Raw loads of one block of INT4 rows (DEAD / out-of-range rows are not read; SS: the
-    scale tensors' row stride)."""
-    row = tl.where(live, slot - int4_base, 0) * Hkv + h
+    """Raw loads of one block of INT4 rows (DEAD / out-of-range rows are not read; row
+    ``slot * slot_rows + head_row``, :meth:`~.pools.Int4Pool.row_map`; SS: the scale
+    tensors' row stride)."""
+    row = tl.where(live, slot - int4_base, 0) * slot_rows + head_row
     lm = live[:, None]
     co = row[:, None] * (D // 2) + tl.arange(0, D // 2)[None, :]
     so = row[:, None] * SS + tl.arange(0, NG)[None, :]
@@ -786,6 +787,8 @@ def _int4_split_stacked(
     qk_scale,
     dead_id,
     int4_base,
+    slot_rows,
+    head_rows,
     Hkv,
     b,
     h,
@@ -917,7 +920,7 @@ def _int4_split_stacked(
         chunk_end = start + chunk  # the current chunk's end
     for start_n in range(start, end, BN):
         slot, live = _live_positions(slot_row, hm_row, start_n + arn, end, dead_id, HAS_HEAD_MASK)
-        row = tl.where(live, slot - int4_base, 0) * Hkv + h
+        row = tl.where(live, slot - int4_base, 0) * slot_rows + h * head_rows
         if OFFS32:  # the pool's byte offsets fit int32 (checked on the host)
             row = row.to(tl.int32)
         lm = live[:, None]
@@ -1421,6 +1424,8 @@ def _decode_split_kernel(
     q4vs_ptr,
     q4vz_ptr,
     q4c_ptr,
+    q4_slot_rows,
+    q4_head_rows,
     q2k_ptr,
     q2v_ptr,
     q2ks_ptr,
@@ -1792,8 +1797,8 @@ def _decode_split_kernel(
                         slot_c,
                         live_c,
                         int4_base,
-                        Hkv,
-                        h,
+                        q4_slot_rows,
+                        h * q4_head_rows,
                         q4k_ptr,
                         q4v_ptr,
                         q4ks_ptr,
@@ -1821,8 +1826,8 @@ def _decode_split_kernel(
                             slot_n,
                             live_n,
                             int4_base,
-                            Hkv,
-                            h,
+                            q4_slot_rows,
+                            h * q4_head_rows,
                             q4k_ptr,
                             q4v_ptr,
                             q4ks_ptr,
@@ -1841,8 +1846,8 @@ def _decode_split_kernel(
                             slot_c,
                             live_c,
                             int4_base,
-                            Hkv,
-                            h,
+                            q4_slot_rows,
+                            h * q4_head_rows,
                             q4k_ptr,
                             q4v_ptr,
                             q4ks_ptr,
@@ -1901,6 +1906,8 @@ def _decode_split_kernel(
                         qk_scale,
                         dead_id,
                         int4_base,
+                        q4_slot_rows,
+                        q4_head_rows,
                         Hkv,
                         b,
                         h,
@@ -1976,7 +1983,7 @@ def _decode_split_kernel(
                         slot, live = _live_positions(
                             slot_row, hm_row, start_n + arn, end, dead_id, HAS_HEAD_MASK
                         )
-                        row = tl.where(live, slot - int4_base, 0) * Hkv + h
+                        row = tl.where(live, slot - int4_base, 0) * q4_slot_rows + h * q4_head_rows
                         lm = live[:, None]
                         co = row[:, None] * (D // 2) + j16[None, :]
                         so = row * INT4_SCALE_STRIDE
@@ -2668,13 +2675,12 @@ def decode_attention(
     q4 = [dummy] * 6 if not has4 else [p4.k, p4.v, p4.k_scale, p4.k_zero, p4.v_scale, p4.v_zero]
     kcs = p4.k_channel if has4 and p4.k_channel is not None else None
     q2 = [dummy] * 6 if not has2 else [p2.k, p2.v, p2.k_scale, p2.k_zero, p2.v_scale, p2.v_zero]
-    sstride = d // 32
-    interleaved = False
-    if has4:
-        sstride = p4.scale_row_stride()
-        interleaved = p4.scales_interleaved
-    if not all(t.is_contiguous() for t in q4[:2] + q2):
-        raise ValueError("quantized pools must be contiguous (INT4 scales: see Int4Pool)")
+    # where the INT4 pool's (slot, head) rows lie (slot- or head-major; checked here)
+    rows4 = p4.row_map() if has4 else Int4RowMap(hkv, 1, d // 32)
+    sstride = rows4.scale_stride
+    interleaved = has4 and p4.scales_interleaved
+    if not all(t.is_contiguous() for t in q2):
+        raise ValueError("quantized pools must be contiguous (INT4: see Int4Pool.row_map)")
     hm = None  # (the uint8 head mask, contiguous along positions)
     if head_mask is not None:
         hm = head_mask.to(torch.uint8) if head_mask.dtype == torch.bool else head_mask
@@ -2794,6 +2800,8 @@ def decode_attention(
             f.k.stride(1),
             *q4,
             kcs if kcs is not None else dummy,
+            rows4.slot_rows,
+            rows4.head_rows,
             *q2,
             part_o,
             part_lse,

@@ -156,11 +156,12 @@ redux.sync.or.b32 $0, b, 0xffffffff;
         )
 
     @gluon.jit
-    def _row_offsets(slot, dead_id, int4_base, Hkv, h, layout: gl.constexpr):
-        """([32] (token, head) row of each block row in ``layout``, [32] live)."""
+    def _row_offsets(slot, dead_id, int4_base, slot_rows, head_row, layout: gl.constexpr):
+        """([32] (token, head) row of each block row in ``layout``: ``slot * slot_rows +
+        head_row``, :meth:`~.pools.Int4Pool.row_map`; [32] live)."""
         sl = _row_slots(slot, layout)
         live = sl != dead_id
-        return (gl.where(live, sl - int4_base, 0) * Hkv + h).to(gl.int64), live
+        return (gl.where(live, sl - int4_base, 0) * slot_rows + head_row).to(gl.int64), live
 
     @gluon.jit
     def _live_mask(slot, dead_id):
@@ -171,23 +172,27 @@ redux.sync.or.b32 $0, b, 0xffffffff;
 
     @gluon.jit
     def _issue4(k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, sk, sv, ss, st, slot, dead_id,
-                int4_base, Hkv, h, D: gl.constexpr, SSTRIDE: gl.constexpr,
+                int4_base, slot_rows, head_row, D: gl.constexpr, SSTRIDE: gl.constexpr,
                 INTERLEAVED: gl.constexpr):  # fmt: skip
         """cp.async the block's tokens (lane l's ``slot``: token l's) into stage ``st``: their
         key and value code rows and their [ks | kz | vs | vz] (one commit group; INTERLEAVED:
         one 32-byte run at ``ks_ptr``, else four 8-byte ones)."""
-        rk, lk = _row_offsets(slot, dead_id, int4_base, Hkv, h, gl.SliceLayout(1, CKV))
+        rk, lk = _row_offsets(slot, dead_id, int4_base, slot_rows, head_row, gl.SliceLayout(1, CKV))
         ck = gl.arange(0, D // 4, layout=gl.SliceLayout(0, CKV))
         lk = lk[:, None]
         off = rk[:, None] * (D // 4) + ck[None, :]
         cp_load(sk.index(st), k_ptr.to(gl.pointer_type(gl.int16)) + off, mask=lk)
         cp_load(sv.index(st), v_ptr.to(gl.pointer_type(gl.int16)) + off, mask=lk)
         if INTERLEAVED:
-            rs, ls = _row_offsets(slot, dead_id, int4_base, Hkv, h, gl.SliceLayout(1, CS16))
+            rs, ls = _row_offsets(
+                slot, dead_id, int4_base, slot_rows, head_row, gl.SliceLayout(1, CS16)
+            )
             cs = gl.arange(0, 16, layout=gl.SliceLayout(0, CS16))
             cp_load(ss.index(st), ks_ptr + (rs[:, None] * SSTRIDE + cs[None, :]), mask=ls[:, None])
         else:
-            rs, ls = _row_offsets(slot, dead_id, int4_base, Hkv, h, gl.SliceLayout(1, CS4))
+            rs, ls = _row_offsets(
+                slot, dead_id, int4_base, slot_rows, head_row, gl.SliceLayout(1, CS4)
+            )
             cs = gl.arange(0, 4, layout=gl.SliceLayout(0, CS4))
             so = rs[:, None] * SSTRIDE + cs[None, :]
             ls = ls[:, None]
@@ -299,7 +304,8 @@ redux.sync.or.b32 $0, b, 0xffffffff;
     def int4_split_program(
         h, s, b, q_ptr, stride_qb, stride_qh, slot_ptr, stride_sb, stride_sh, lens2_ptr,
         lens4_ptr, stride_lb, stride_lh, hm_ptr, stride_mb, stride_mh, k_ptr, v_ptr, ks_ptr,
-        kz_ptr, vs_ptr, vz_ptr, kcs_ptr, po_ptr, plse_ptr, qk_scale, dead_id, int4_base, Hkv,
+        kz_ptr, vs_ptr, vz_ptr, kcs_ptr, slot_rows4, head_rows4, po_ptr, plse_ptr, qk_scale,
+        dead_id, int4_base, Hkv,
         split_len, S_total, s_first,
         G: gl.constexpr, D: gl.constexpr, NS: gl.constexpr, SSTRIDE: gl.constexpr,
         INTERLEAVED: gl.constexpr, HAS_INT2: gl.constexpr, HAS_HEAD_MASK: gl.constexpr,
@@ -319,6 +325,7 @@ redux.sync.or.b32 $0, b, 0xffffffff;
         start = seg0 + s * split_len
         end = gl.minimum(start + split_len, seg)
         slot_row = slot_ptr + b.to(gl.int64) * stride_sb + h * stride_sh
+        head_row4 = h * head_rows4  # this head's rows: slot * slot_rows4 + head_row4
         hm_row = hm_ptr + b.to(gl.int64) * stride_mb + h * stride_mh
         has_hm = 1 if HAS_HEAD_MASK else 0
 
@@ -351,18 +358,18 @@ redux.sync.or.b32 $0, b, 0xffffffff;
         # prologue: blocks 0 .. NS - 2 in flight; mk0 (, mk1): their live-row masks
         sl = slot_of_lane(slot_row, hm_row, start, end, dead_id, has_hm)
         mk0 = _live_mask(sl, dead_id)
-        _issue4(k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, sk, sv, ss, 0, sl, dead_id, int4_base, Hkv, h, D, SSTRIDE, INTERLEAVED)  # fmt: skip
+        _issue4(k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, sk, sv, ss, 0, sl, dead_id, int4_base, slot_rows4, head_row4, D, SSTRIDE, INTERLEAVED)  # fmt: skip
         if NS == 3:
             sl = slot_of_lane(slot_row, hm_row, start + 32, end, dead_id, has_hm)
             mk1 = _live_mask(sl, dead_id)
-            _issue4(k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, sk, sv, ss, 1, sl, dead_id, int4_base, Hkv, h, D, SSTRIDE, INTERLEAVED)  # fmt: skip
+            _issue4(k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, sk, sv, ss, 1, sl, dead_id, int4_base, slot_rows4, head_row4, D, SSTRIDE, INTERLEAVED)  # fmt: skip
         # the slots of blocks n + NS - 1 and n + NS, read ahead of their use
         sl_a = slot_of_lane(slot_row, hm_row, start + 32 * (NS - 1), end, dead_id, has_hm)
         sl_b = slot_of_lane(slot_row, hm_row, start + 32 * NS, end, dead_id, has_hm)
         for n in range(0, n_blocks):
             cta_barrier()  # every lane is done with the stage the next copy overwrites
             mk_a = _live_mask(sl_a, dead_id)
-            _issue4(k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, sk, sv, ss, (n + NS - 1) % NS, sl_a, dead_id, int4_base, Hkv, h, D, SSTRIDE, INTERLEAVED)  # fmt: skip
+            _issue4(k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, sk, sv, ss, (n + NS - 1) % NS, sl_a, dead_id, int4_base, slot_rows4, head_row4, D, SSTRIDE, INTERLEAVED)  # fmt: skip
             sl_a = sl_b
             sl_b = slot_of_lane(slot_row, hm_row, start + 32 * (n + NS + 1), end, dead_id, has_hm)  # fmt: skip
             _cp.wait_group(NS - 1)
@@ -403,7 +410,8 @@ redux.sync.or.b32 $0, b, 0xffffffff;
     def int4_split_gluon_kernel(
         q_ptr, stride_qb, stride_qh, slot_ptr, stride_sb, stride_sh, lens2_ptr, lens4_ptr,
         stride_lb, stride_lh, hm_ptr, stride_mb, stride_mh, k_ptr, v_ptr, ks_ptr, kz_ptr,
-        vs_ptr, vz_ptr, kcs_ptr, po_ptr, plse_ptr, qk_scale, dead_id, int4_base, Hkv,
+        vs_ptr, vz_ptr, kcs_ptr, slot_rows4, head_rows4, po_ptr, plse_ptr, qk_scale, dead_id,
+        int4_base, Hkv,
         split_len, S_total, s_first,
         G: gl.constexpr, D: gl.constexpr, NS: gl.constexpr, SSTRIDE: gl.constexpr,
         INTERLEAVED: gl.constexpr, HAS_INT2: gl.constexpr, HAS_HEAD_MASK: gl.constexpr, HAS_KCS: gl.constexpr, RESCALE_SLACK: gl.constexpr,
@@ -418,8 +426,9 @@ redux.sync.or.b32 $0, b, 0xffffffff;
         int4_split_program(
             gl.program_id(0), gl.program_id(1), gl.program_id(2), q_ptr, stride_qb, stride_qh,
             slot_ptr, stride_sb, stride_sh, lens2_ptr, lens4_ptr, stride_lb, stride_lh, hm_ptr,
-            stride_mb, stride_mh, k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, kcs_ptr, po_ptr,
-            plse_ptr, qk_scale, dead_id, int4_base, Hkv, split_len, S_total, s_first, G, D, NS,
+            stride_mb, stride_mh, k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, kcs_ptr,
+            slot_rows4, head_rows4, po_ptr, plse_ptr, qk_scale, dead_id, int4_base, Hkv,
+            split_len, S_total, s_first, G, D, NS,
             SSTRIDE, INTERLEAVED, HAS_INT2, HAS_HEAD_MASK, HAS_KCS, RESCALE_SLACK,
         )  # fmt: skip
         if WAIT_PRIOR:  # a programmatic dependent: complete only after the previous grid
@@ -431,10 +440,16 @@ else:
 
 def int4_pool_args(int4) -> tuple:
     """The INT4 pool's launch arguments (``int4``: the :class:`~.pools.Int4Pool`): key and
-    value codes, key scales and zeros, value scales and zeros, and the per-channel key scale
-    (the key scales stand in where the pool has none; read only with ``HAS_KCS``)."""
+    value codes, key scales and zeros, value scales and zeros, the per-channel key scale
+    (the key scales stand in where the pool has none; read only with ``HAS_KCS``), and the
+    rows' slot and head strides (:meth:`~.pools.Int4Pool.row_map`)."""
     kcs = int4.k_channel if int4.k_channel is not None else int4.k_scale
-    return int4.k, int4.v, int4.k_scale, int4.k_zero, int4.v_scale, int4.v_zero, kcs
+    rows = int4.row_map()
+    return (
+        *(int4.k, int4.v, int4.k_scale, int4.k_zero, int4.v_scale, int4.v_zero, kcs),
+        rows.slot_rows,
+        rows.head_rows,
+    )
 
 
 def int4_split_gluon_args(

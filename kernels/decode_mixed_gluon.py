@@ -44,7 +44,7 @@ if GLUON_AVAILABLE:
         q_ptr, stride_qb, stride_qh, slot_ptr, stride_sb, stride_sh, lens2_ptr, lens4_ptr,
         stride_lb, stride_lh, hm_ptr, stride_mb, stride_mh,
         k2_ptr, v2_ptr, ks2_ptr, kz2_ptr, vs2_ptr, vz2_ptr,
-        k4_ptr, v4_ptr, ks4_ptr, kz4_ptr, vs4_ptr, vz4_ptr, kcs_ptr,
+        k4_ptr, v4_ptr, ks4_ptr, kz4_ptr, vs4_ptr, vz4_ptr, kcs_ptr, slot_rows4, head_rows4,
         po_ptr, plse_ptr, qk_scale, dead_id, int2_base, int4_base, Hkv, split_len2, split_len4,
         S_total, s2,
         G: gl.constexpr, D: gl.constexpr, NS2: gl.constexpr, NS4: gl.constexpr,
@@ -73,7 +73,8 @@ if GLUON_AVAILABLE:
             int4_split_program(
                 h, y - s2, b, q_ptr, stride_qb, stride_qh, slot_ptr, stride_sb, stride_sh,
                 lens2_ptr, lens4_ptr, stride_lb, stride_lh, hm_ptr, stride_mb, stride_mh,
-                k4_ptr, v4_ptr, ks4_ptr, kz4_ptr, vs4_ptr, vz4_ptr, kcs_ptr, po_ptr, plse_ptr,
+                k4_ptr, v4_ptr, ks4_ptr, kz4_ptr, vs4_ptr, vz4_ptr, kcs_ptr, slot_rows4,
+                head_rows4, po_ptr, plse_ptr,
                 qk_scale, dead_id, int4_base, Hkv, split_len4, S_total, s2, G, D, NS4,
                 SSTRIDE, INTERLEAVED, True, HAS_HEAD_MASK, HAS_KCS, RESCALE_SLACK4,
             )  # fmt: skip

@@ -22,7 +22,7 @@ from .packing import (
     unpack_int4_f32,
     unpack_int4_words_f32,
 )
-from .pools import DEAD, INT2_PAGE, KVPools
+from .pools import DEAD, INT2_PAGE, Int4RowMap, KVPools
 from .quant_int4 import dequantize_int4_ref
 from .quant_token_groups import dequantize_token_groups_ref
 
@@ -204,6 +204,8 @@ def _dequant_gather_kernel(
     q4vs_ptr,
     q4vz_ptr,
     q4c_ptr,
+    rs4,
+    rh4,
     q2k_ptr,
     q2v_ptr,
     q2ks_ptr,
@@ -265,6 +267,8 @@ def _dequant_gather_kernel(
             q4vs_ptr,
             q4vz_ptr,
             q4c_ptr,
+            rs4,
+            rh4,
             q2k_ptr,
             q2v_ptr,
             q2ks_ptr,
@@ -318,6 +322,8 @@ def _gather_tile(
     q4vs_ptr,
     q4vz_ptr,
     q4c_ptr,
+    rs4,
+    rh4,
     q2k_ptr,
     q2v_ptr,
     q2ks_ptr,
@@ -398,7 +404,7 @@ def _gather_tile(
         v = tl.load(fv_ptr + fo, mask=is_full[:, None], other=0.0).to(tl.float32)
     if HAS_INT4:  # noqa: SIM102 (constexpr, then a runtime branch)
         if do4:
-            row = tl.where(is4, s - int4_base, 0) * H + h
+            row = tl.where(is4, s - int4_base, 0) * rs4 + h * rh4  # Int4Pool.row_map
             m4 = is4[:, None]
             so = row[:, None] * SS4 + offs_g[None, :]  # SS4: the INT4 scales' row stride
             if WORDS:  # int32 words: nibble i of word w is channel 8w + i (no interleave)
@@ -666,10 +672,10 @@ def dequant_gather(
             if p2 is None
             else [p2.k, p2.v, p2.k_scale, p2.k_zero, p2.v_scale, p2.v_zero]
         )
-        for t in q4[:2] + q2:
+        for t in q2:
             if not t.is_contiguous():
                 raise ValueError("quantized pools must be contiguous")
-        ss4 = p4.scale_row_stride() if p4 is not None else d // 32
+        rows4 = p4.row_map() if p4 is not None else Int4RowMap(h, 1, d // 32)
         n_blocks = triton.cdiv(n, cfg.block_t)
         if cfg.heads_fastest:
             grid = (n_blocks * (h // heads),)
@@ -689,6 +695,8 @@ def dequant_gather(
             f.k.stride(1),
             *q4,
             kcs if kcs is not None else dummy,
+            rows4.slot_rows,
+            rows4.head_rows,
             *q2,
             k,
             v,
@@ -707,7 +715,7 @@ def dequant_gather(
             STORE_CACHE=cfg.store_cache,
             INT2_TILE=cfg.int2_tile,
             SLOT_ROWS=per_head and cfg.slot_rows,
-            SS4=ss4,
+            SS4=rows4.scale_stride,
             OFF32=cfg.offsets32 and all(_span(x) < 2**31 for x in (f.k, f.v, k, *q4, *q2)),
             num_warps=cfg.num_warps,
         )

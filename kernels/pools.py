@@ -82,6 +82,18 @@ class FullPool:
         return self.k.shape[0]
 
 
+@dataclass(frozen=True)
+class Int4RowMap:
+    """Where an :class:`Int4Pool`'s (slot, head) rows lie: ``slot * slot_rows + head *
+    head_rows`` is the row of the code tensors (rows of ``D / 2`` bytes) and of the scale
+    tensors (rows ``scale_stride`` fp16 values apart). Slot-major pools have ``(Hkv, 1)``,
+    head-major ones ``(1, num_slots)``; 0 for a dim of size 1."""
+
+    slot_rows: int
+    head_rows: int
+    scale_stride: int
+
+
 @dataclass
 class Int4Pool:
     """INT4 token pool, keys and values quantized per token in groups of 32 channels.
@@ -91,7 +103,9 @@ class Int4Pool:
         them views of one [num_slots, Hkv, 4, D // 32] buffer, so a row's four scale vectors
         lie side by side (``[ks | kz | vs | vz]``: one 32-byte sector at D=128), which the
         decode kernel reads with one copy per row; four separate contiguous tensors work
-        too (the kernels read the row stride, :meth:`scale_row_stride`).
+        too (the kernels read the row stride, :meth:`scale_row_stride`). The rows may lie
+        slot-major (a slot's heads adjacent) or head-major (a head's slots adjacent, one
+        run per head): :meth:`row_map` says which, the kernels take either.
     k_channel: optional [Hkv, D] fp32 per-channel key scale (powers of two): keys are stored
         as ``quantize(k / k_channel)`` and read as ``dequantize(...) * k_channel``, so outlier
         key channels do not blow up a token's 32-channel groups. None = 1.
@@ -111,39 +125,103 @@ class Int4Pool:
 
     @classmethod
     def allocate(
-        cls, num_slots: int, num_kv_heads: int, head_dim: int, device: torch.device | str = "cpu"
+        cls,
+        num_slots: int,
+        num_kv_heads: int,
+        head_dim: int,
+        device: torch.device | str = "cpu",
+        head_major: bool = False,
     ) -> Int4Pool:
-        """Zero-filled pool of ``num_slots`` token slots."""
+        """Zero-filled pool of ``num_slots`` token slots. ``head_major``: each KV head's rows
+        in one run of the buffers (``[Hkv, num_slots, ...]`` storage, the fields its
+        ``[num_slots, Hkv, ...]`` views), so consecutive slots of one head are adjacent;
+        else the rows of a slot's heads are adjacent (``[num_slots, Hkv, ...]`` storage).
+        The kernels read both (:meth:`row_map`)."""
         _check_head_dim(head_dim)
         ng = head_dim // GROUP_SIZE
 
-        def u8() -> torch.Tensor:
-            return torch.zeros(
-                num_slots, num_kv_heads, head_dim // 2, dtype=torch.uint8, device=device
-            )
+        def buffer(*inner: int, dtype: torch.dtype) -> torch.Tensor:
+            if head_major:
+                t = torch.zeros(num_kv_heads, num_slots, *inner, dtype=dtype, device=device)
+                return t.transpose(0, 1)
+            return torch.zeros(num_slots, num_kv_heads, *inner, dtype=dtype, device=device)
 
-        scales = torch.zeros(num_slots, num_kv_heads, 4, ng, dtype=SCALE_DTYPE, device=device)
-        return cls(u8(), u8(), *scales.unbind(2))
+        scales = buffer(4, ng, dtype=SCALE_DTYPE)
+        return cls(
+            buffer(head_dim // 2, dtype=torch.uint8),
+            buffer(head_dim // 2, dtype=torch.uint8),
+            *scales.unbind(2),
+        )
+
+    def row_map(self) -> Int4RowMap:
+        """Where each (slot, head) row lies in the pool's buffers (see :class:`Int4RowMap`):
+        the code tensors' strides in rows of ``D / 2`` bytes, the four scale tensors' at one
+        scale row stride. Raises ValueError for a layout the kernels cannot read: codes
+        whose rows are not whole, evenly placed ``D / 2``-byte rows, keys and values (or
+        the four scale tensors) with different strides, scales placed unlike the codes,
+        rows that overlap."""
+        k, w = self.k, self.k.shape[-1]
+        num_slots, heads = k.shape[0], k.shape[1]
+        if k.stride() != self.v.stride() or k.stride(-1) != 1:
+            raise ValueError(
+                f"INT4 k and v need equal strides and contiguous rows, got {k.stride()} and "
+                f"{self.v.stride()}"
+            )
+        if k.stride(0) % w or k.stride(1) % w:
+            raise ValueError(
+                f"INT4 code rows must be {w}-byte rows of one buffer, got {k.stride()}"
+            )
+        # (a dim of size 1 has no stride to honour: 0 rows)
+        slot_rows = k.stride(0) // w if num_slots > 1 else 0
+        head_rows = k.stride(1) // w if heads > 1 else 0
+        ss = self.k_scale.stride()
+        for t in (self.k_zero, self.v_scale, self.v_zero):
+            if t.stride() != ss:
+                raise ValueError(
+                    f"INT4 scale tensors need equal strides, got {t.stride()} next to k_scale's {ss}"
+                )
+        ng = self.k_scale.shape[-1]
+        stride = ss[0] // slot_rows if slot_rows else ss[1] // head_rows if head_rows else ng
+        if (
+            ss[-1] != 1
+            or stride < ng
+            or (slot_rows and ss[0] != slot_rows * stride)
+            or (head_rows and ss[1] != head_rows * stride)
+        ):
+            raise ValueError(
+                f"INT4 scale rows must be placed as the code rows (strides {ss} vs codes "
+                f"{k.stride()})"
+            )
+        expanded = (num_slots > 1 and not slot_rows) or (heads > 1 and not head_rows)
+        apart = slot_rows >= heads * head_rows or head_rows >= num_slots * slot_rows
+        if expanded or not apart:
+            raise ValueError(f"INT4 pool rows overlap (strides {k.stride()})")
+        return Int4RowMap(slot_rows, head_rows, stride)
+
+    @property
+    def head_major(self) -> bool:
+        """True when each KV head's slots are adjacent rows (:meth:`allocate`'s
+        ``head_major``; a pool of one head or one slot is not)."""
+        rows = self.row_map()
+        return rows.head_rows > rows.slot_rows > 0
 
     def scale_row_stride(self) -> int:
-        """Elements between one (slot, head) row's scales and the next's, shared by the four
-        scale / zero tensors (D / 32 for separate contiguous tensors, 4 D / 32 for the
-        interleaved buffer of :meth:`allocate`). Raises ValueError when they differ."""
-        s = row_stride(self.k_scale)
-        for t in (self.k_scale, self.k_zero, self.v_scale, self.v_zero):
-            if s is None or row_stride(t) != s:
-                raise ValueError(
-                    f"INT4 scale tensors need equal strides [Hkv * S, S, 1], got {t.stride()} "
-                    f"next to k_scale's {self.k_scale.stride()}"
-                )
-        return s
+        """Elements between one (slot, head) row's scales and the next's in the row order
+        of :meth:`row_map`, shared by the four scale / zero tensors (D / 32 for separate
+        contiguous tensors, 4 D / 32 for the interleaved buffer of :meth:`allocate`).
+        Raises ValueError where :meth:`row_map` does."""
+        return self.row_map().scale_stride
 
     @property
     def scales_interleaved(self) -> bool:
         """True when each row's scales and zeros lie side by side, ``[ks | kz | vs | vz]``."""
         ng, base = self.k_scale.shape[-1], self.k_scale.data_ptr()
         parts = (self.k_zero, self.v_scale, self.v_zero)
-        return self.k_scale.stride(1) == 4 * ng and all(
+        try:
+            stride = self.row_map().scale_stride
+        except ValueError:
+            return False
+        return stride == 4 * ng and all(
             t.data_ptr() == base + 2 * i * ng for i, t in enumerate(parts, 1)
         )
 
@@ -267,14 +345,16 @@ class KVPools:
         head_dim: int,
         dtype: torch.dtype = torch.bfloat16,
         device: torch.device | str = "cpu",
+        int4_head_major: bool = False,
     ) -> KVPools:
-        """Zero-filled pools; a pool with zero capacity is None. Slot 0 of ``full`` is DEAD."""
+        """Zero-filled pools; a pool with zero capacity is None. Slot 0 of ``full`` is DEAD.
+        ``int4_head_major``: the INT4 pool's rows head-major (:meth:`Int4Pool.allocate`)."""
         full = FullPool(
             torch.zeros(num_full_slots, num_kv_heads, head_dim, dtype=dtype, device=device),
             torch.zeros(num_full_slots, num_kv_heads, head_dim, dtype=dtype, device=device),
         )
         int4 = (
-            Int4Pool.allocate(num_int4_slots, num_kv_heads, head_dim, device)
+            Int4Pool.allocate(num_int4_slots, num_kv_heads, head_dim, device, int4_head_major)
             if num_int4_slots
             else None
         )

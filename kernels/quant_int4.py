@@ -75,11 +75,21 @@ def write_int4(
         return
     if pool.k_channel is not None:
         k = (k.float() / pool.k_channel).contiguous()
-    h = k.shape[1]
+    rows = pool.row_map()
     for x, codes, scale, zero in (
         (k, pool.k, pool.k_scale, pool.k_zero),
         (v, pool.v, pool.v_scale, pool.v_zero),
     ):
         launch_quantize_token_groups(
-            x, slots, codes, scale, zero, bits=4, tok_div=1, row_a=h, row_b=0, row_c=1
+            x,
+            slots,
+            codes,
+            scale,
+            zero,
+            bits=4,
+            tok_div=1,
+            row_a=rows.slot_rows,
+            row_b=0,
+            row_c=rows.head_rows,
+            scale_stride=rows.scale_stride,
         )

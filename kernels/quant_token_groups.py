@@ -114,23 +114,28 @@ def launch_quantize_token_groups(
     row_a: int,
     row_b: int,
     row_c: int,
+    scale_stride: int | None = None,
     block_t: int = 16,
 ) -> None:
     """Triton launch. x: [T, H, D] (last dim contiguous); idx: [ceil(T / tok_div)] int;
-    codes: a contiguous destination buffer viewed as rows of ``D*bits/8`` bytes; scale /
-    zero: rows of ``D/32`` fp16 values at one shared row stride (contiguous, or views of an
-    interleaved buffer as :class:`~.pools.Int4Pool` allocates). See the module docstring
+    codes: a destination buffer (its first element the base) viewed as rows of
+    ``D*bits/8`` bytes; scale / zero: rows of ``D/32`` fp16 values ``scale_stride`` apart in
+    the same row order (None: contiguous codes and evenly spaced scale rows, whose stride
+    is read; an :class:`~.pools.Int4Pool`'s writer passes its
+    :meth:`~.pools.Int4Pool.row_map`, which checked the layout). See the module docstring
     for the row map."""
     t, h, d = x.shape
     if t == 0:
         return
     if x.stride(-1) != 1:
         x = x.contiguous()
-    ss = row_stride(scale)
-    if not codes.is_contiguous() or ss is None or row_stride(zero) != ss:
-        raise ValueError(
-            "codes must be contiguous, scale and zero rows of D/32 values at one row stride"
-        )
+    ss = scale_stride
+    if ss is None:
+        ss = row_stride(scale)
+        if not codes.is_contiguous() or ss is None or row_stride(zero) != ss:
+            raise ValueError(
+                "codes must be contiguous, scale and zero rows of D/32 values at one row stride"
+            )
     grid = (triton.cdiv(t, block_t), h)
     _quantize_token_groups_kernel[grid](
         x,

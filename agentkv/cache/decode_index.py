@@ -1,8 +1,9 @@
 """Decode-kernel metadata of one request: per (layer, KV head), its cells in segment order.
 
 :func:`agentkv.kernels.decode_attention` reads, per KV head, INT2 rows first (whole 32-row
-pages, each in an aligned 32-entry block, DEAD where a page row was evicted), then INT4 rows,
-then full-precision rows; DEAD cells are dropped (the kernel also masks them by id).
+pages, each in an aligned 32-entry block, DEAD where a page row was evicted), then INT4 rows
+(in row order: the kernel reads consecutive rows of a head-major pool faster), then
+full-precision rows; DEAD cells are dropped (the kernel also masks them by id).
 Attention is order-free over keys (RoPE is already in K), so this reordering changes
 nothing, while slot ids never move. Built once per decode phase from the slot map (and again
 after a precision change); each decode step appends its new full-precision cells in place.
@@ -63,7 +64,9 @@ class DecodeIndex:
                 seg2[rank * INT2_PAGE + (ids2 - layout.int2_base) % INT2_PAGE] = ids2
             else:
                 seg2 = row[:0]
-            seg4, segf = row[is4[c]], row[isf[c]]
+            # INT4 cells in row order: a span demoted in one go already is (the allocator
+            # hands out runs); spans demoted apart interleave into runs here
+            seg4, segf = row[is4[c]].sort().values, row[isf[c]]
             rows.append(torch.cat([seg2, seg4, segf]))
             n2s.append(int(seg2.numel()))
             n4s.append(int(seg4.numel()))

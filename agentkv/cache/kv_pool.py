@@ -33,6 +33,12 @@ from agentkv.kernels.backend import Backend
 class KVPool:
     """K/V pools of every layer.
 
+    Each layer's INT4 pool is head-major (``Int4Pool.allocate(head_major=True)``): a (layer,
+    KV head) column's cells are consecutive rows of its own run, and the allocator hands a
+    demoted span out in runs of consecutive cells (``SlotAllocator.alloc_int4``), so the
+    decode kernel reads each head's 32-position blocks as whole 2 KB runs (H200: INT4
+    decode 7-15% faster than over slot-major rows, docs/benchmarks.md §3, session 26).
+
     Args:
         num_layers: ``L``.
         num_kv_heads: ``Hkv``.
@@ -72,6 +78,7 @@ class KVPool:
                 head_dim,
                 dtype,
                 self.device,
+                int4_head_major=True,
             )
             for _ in range(num_layers)
         ]

@@ -28,6 +28,10 @@ from agentkv.cache.dead_slot import DEAD
 from agentkv.cache.precision import Precision
 from agentkv.kernels import INT2_PAGE
 
+INT4_RUN: int = 32
+"""INT4 cells a column's bulk allocation takes per aligned run of ids (the decode kernel's
+block of 32 positions): see :meth:`SlotAllocator.alloc_int4`."""
+
 
 class OutOfSlots(RuntimeError):
     """Raised when an allocation needs more free cells than a column has."""
@@ -93,6 +97,33 @@ class _FreeStacks:
         ids = self.stack[cols, self.top[cols] - 1 - offs]
         self.top -= counts
         return cols, ids
+
+    def take_runs(self, col: int, k: int, base: int, run: int) -> torch.Tensor:
+        """Take ``k`` free ids of column ``col`` from its fullest aligned runs of ``run`` ids
+        (``base + run * j ..``): whole free runs first, the last run chosen in part (its
+        lowest ids); returned ascending. The rest of the list keeps its order. ``k`` must
+        not exceed the column's free ids."""
+        top = int(self.top[col])
+        free = self.stack[col, :top]
+        run_of = torch.div(free - base, run, rounding_mode="floor")
+        per_run = torch.bincount(run_of)
+        order = torch.argsort(per_run, descending=True, stable=True)
+        need = int(torch.searchsorted(torch.cumsum(per_run[order], 0), k)) + 1
+        chosen = torch.zeros_like(per_run, dtype=torch.bool)
+        chosen[order[:need]] = True
+        where = torch.nonzero(chosen[run_of]).reshape(-1)  # list places in the chosen runs
+        cand = free[where]
+        rank = torch.empty_like(per_run)
+        rank[order[:need]] = torch.arange(need)
+        key = rank[run_of[where]] * run + (cand - base) % run  # by run rank, then place
+        taken = where[torch.argsort(key)[:k]]
+        pick = free[taken].sort().values
+        keep = torch.ones(top, dtype=torch.bool)
+        keep[taken] = False
+        rest = free[keep]  # (a copy: ``free`` views the list this overwrites)
+        self.stack[col, : rest.numel()] = rest
+        self.top[col] = rest.numel()
+        return pick
 
     def push(self, cols: torch.Tensor, ids: torch.Tensor) -> None:
         order = torch.argsort(cols, stable=True)
@@ -173,9 +204,29 @@ class SlotAllocator:
         return out
 
     def alloc_int4(self, cols: torch.Tensor) -> torch.Tensor:
-        """One INT4 cell for each entry of ``cols`` (int64 ``[m]``, any order): ids ``[m]``."""
+        """One INT4 cell for each entry of ``cols`` (int64 ``[m]``, any order): ids ``[m]``,
+        each column's in the order of its entries. A column asking for at least
+        :data:`INT4_RUN` cells gets them from its fullest aligned runs of ``INT4_RUN`` ids,
+        ascending (so a demoted span lies on consecutive rows wherever whole runs are free,
+        which the decode kernel reads faster from a head-major pool); fewer come off its
+        free list's top (most recently freed first, filling holes). Raises
+        :class:`OutOfSlots` (nothing taken) when a column has too few free cells."""
         counts = torch.bincount(cols, minlength=self.num_columns)
-        got_cols, ids = self._free[Precision.INT4].pop(counts)
+        stacks = self._free[Precision.INT4]
+        if bool((counts > stacks.top).any()):
+            stacks.pop(counts)  # raises OutOfSlots, naming the column
+        bulk = counts >= INT4_RUN
+        taken = [
+            stacks.take_runs(c, int(counts[c]), self.layout.int4_base, INT4_RUN)
+            for c in torch.nonzero(bulk).reshape(-1).tolist()
+        ]
+        got_cols, ids = stacks.pop(torch.where(bulk, 0, counts))
+        if taken:  # every column's ids, grouped by column (as pop groups them)
+            both = torch.cat(
+                [torch.repeat_interleave(torch.nonzero(bulk).reshape(-1), counts[bulk]), got_cols]
+            )
+            order = torch.argsort(both, stable=True)
+            got_cols, ids = both[order], torch.cat([*taken, ids])[order]
         out = torch.empty_like(cols)
         out[torch.argsort(cols, stable=True)] = ids
         self._count_pairs(got_cols, ids, 1)

@@ -107,27 +107,36 @@ def test_decode_splits_summary_takes_medians_against_the_first_variant() -> None
 def test_slot_orders_place_every_token_on_its_own_row() -> None:
     """``--slots`` (decode_attention.slot_order): every layout is a permutation of the pool's
     rows; ``runs:E`` keeps E consecutive rows together, ``churn`` is the real allocator's
-    order after a churn (scattered: far fewer consecutive neighbours than a fresh pool), and
-    a Shape built on it holds the same values (the reference output does not move)."""
+    order handing out every row after a churn (in whole runs), ``live`` the live requests'
+    rows after it (thinned by per-token eviction: fewer consecutive neighbours); a Shape
+    built on them, also with ``sorted-`` requests over a head-major INT4 pool, holds the same
+    values (the reference output does not move)."""
     import int4_slot_runs
 
     g = torch.Generator().manual_seed(0)
     tokens = 4096
     orders = {lay: bench.slot_order(lay, tokens, g) for lay in
-              ("random", "sequential", "runs:32", "churn")}  # fmt: skip
+              ("random", "sequential", "runs:32", "churn", "live")}  # fmt: skip
     for lay, o in orders.items():
         assert o.dtype == torch.int32 and torch.equal(o.sort().values, torch.arange(tokens)), lay
     assert torch.equal(orders["sequential"], torch.arange(tokens, dtype=torch.int32))
     runs = orders["runs:32"].view(-1, 32)
     assert bool((runs[:, 1:] - runs[:, :-1] == 1).all()) and bool((runs[:, 0] % 32 == 0).all())
     assert int4_slot_runs.run_adjacency(orders["random"]) < 0.01
-    assert int4_slot_runs.run_adjacency(orders["churn"]) < 0.8
+    assert int4_slot_runs.run_adjacency(orders["churn"]) > 0.95
+    assert 0.2 < int4_slot_runs.run_adjacency(orders["live"]) < 0.9
     for bad in ("runs:0", "runs:33", "churn:32", "heap"):
         with pytest.raises(ValueError, match="unknown slot layout"):
             bench.slot_order(bad, tokens, g)
-    a, b = bench.Shape(2, 512), bench.Shape(2, 512, slots="churn")
-    assert not torch.equal(a.slots_int4, b.slots_int4)
-    for s in (a, b):
+    with pytest.raises(ValueError, match="unknown INT4 row order"):
+        bench.Shape(2, 512, slots="live/slot")
+    shapes = [bench.Shape(2, 512, slots=lay) for lay in ("random", "churn", "sorted-live/head")]
+    assert not torch.equal(shapes[0].slots_int4, shapes[1].slots_int4)
+    assert shapes[2].pools.int4.head_major and not shapes[0].pools.int4.head_major
+    rows = shapes[2].slots_int4 - shapes[2].pools.int4_base
+    assert bool((rows[:, 1:] > rows[:, :-1]).all())  # each request's cells in row order
+    for s in shapes:
         kw = s.inputs("int4", False)
         s.out = bench.decode_attention_ref(s.q.float(), s.pools, kw["slot_map"], kw["seq_lens"])
-    torch.testing.assert_close(a.out, b.out)
+    for s in shapes[1:]:
+        torch.testing.assert_close(shapes[0].out, s.out)

@@ -1,6 +1,6 @@
 """benchmarks/int4_slot_runs.py on the real SlotAllocator (CPU): whole-request frees keep
-INT4 allocations in runs of neighbouring cells (a break only where one freed request's cells
-end); per-token eviction scatters later ones."""
+INT4 allocations in runs of neighbouring cells; per-token eviction scatters a LIFO free
+list's later allocations, while bulk allocations from whole free runs stay consecutive."""
 
 from __future__ import annotations
 
@@ -21,13 +21,18 @@ def test_run_adjacency() -> None:
     assert int4_slot_runs.run_adjacency(torch.tensor([4])) == 1.0
 
 
-def test_whole_frees_keep_runs_and_scattered_evictions_break_them() -> None:
-    whole = int4_slot_runs.churn(300, cells=20_000, evict=0.0)
-    assert len(whole) > 50 and min(whole) > 0.99 and whole[0] == 1.0
-    scattered = int4_slot_runs.churn(300, cells=20_000, evict=0.5)
-    assert scattered[0] == 1.0  # a fresh pool: one ascending run
-    late = scattered[len(scattered) // 2 :]
-    assert sum(late) / len(late) < 0.9
+def test_whole_frees_keep_runs_and_scattered_evictions_break_lifo_ones() -> None:
+    for lifo in (False, True):
+        whole = int4_slot_runs.churn(300, cells=20_000, evict=0.0, lifo=lifo)
+        assert len(whole) > 50 and min(whole) > 0.99 and whole[0] == 1.0
+    late = {}
+    for lifo in (False, True):
+        scattered = int4_slot_runs.churn(300, cells=20_000, evict=0.5, lifo=lifo)
+        assert scattered[0] == 1.0  # a fresh pool: one ascending run
+        half = scattered[len(scattered) // 2 :]
+        late[lifo] = sum(half) / len(half)
+    # bulk allocations from whole free runs keep far more neighbours than the LIFO list
+    assert late[True] < 0.6 and late[False] > late[True] + 0.15, late
 
 
 def test_pages_per_block() -> None:
@@ -44,3 +49,18 @@ def test_pages_per_block() -> None:
         int4_slot_runs.pages_per_block(churned, 512)
         < int4_slot_runs.pages_per_block(scattered, 512) / 4
     )
+
+
+def test_live_order_is_the_steady_state_in_runs() -> None:
+    """The live requests' cells then the free ones: every row once; its 32-position blocks
+    touch a few 32-row runs (per-token eviction thinned the requests), the LIFO list's
+    several times more."""
+    runs = int4_slot_runs.live_order(40_000)
+    lifo = int4_slot_runs.live_order(40_000, lifo=True)
+    for order in (runs, lifo):
+        assert torch.equal(order.sort().values, torch.arange(40_000))
+    per_block = {
+        name: int4_slot_runs.pages_per_block(o, rows_per_page=32, block=32)
+        for name, o in (("runs", runs), ("lifo", lifo))
+    }
+    assert per_block["runs"] < 4 and per_block["lifo"] > 2 * per_block["runs"], per_block

@@ -167,3 +167,33 @@ def test_int2_pages_go_back_only_when_every_row_is_free():
 def test_full_slots_must_leave_room_beside_dead():
     with pytest.raises(ValueError, match="full_slots"):
         SlotAllocator(1, PoolLayout(1))
+
+
+def test_int4_bulk_allocation_takes_whole_free_runs():
+    """A column asking for >= INT4_RUN cells gets its fullest aligned runs of 32 ids, in
+    ascending order (a demoted span on consecutive rows); fewer cells come off the free
+    list's top (the holes most recently freed); columns of both kinds in one call."""
+    from agentkv.cache.slot_allocator import INT4_RUN
+
+    a = SlotAllocator(2, PoolLayout(2, 256, 0))
+    base = a.layout.int4_base
+    cells = a.alloc_int4(torch.zeros(256, dtype=torch.int64))
+    assert torch.equal(cells, base + torch.arange(256))  # a fresh column: one run
+    a.decref_pairs(torch.zeros(64, dtype=torch.int64), cells[:128:2])  # holes in runs 0-3
+    a.decref_pairs(torch.zeros(64, dtype=torch.int64), cells[160:224])  # runs 5 and 6 whole
+    got = a.alloc_int4(torch.zeros(INT4_RUN + 8, dtype=torch.int64))
+    # run 5 whole, then 8 of run 6 (its lowest): ascending
+    assert torch.equal(got, base + torch.cat([torch.arange(160, 192), torch.arange(192, 200)]))
+    few = a.alloc_int4(torch.zeros(3, dtype=torch.int64))
+    assert (few - base).tolist() == [223, 222, 221]  # the top: the last cells freed
+    # a column of each kind in one call, in the order of the entries
+    cols = torch.tensor([1] * 40 + [0] * 2)
+    ids = a.alloc_int4(cols[torch.randperm(42, generator=torch.Generator().manual_seed(0))])
+    per_col = a.refcount()[1, base:].nonzero().reshape(-1)
+    assert torch.equal(per_col, torch.arange(40))  # column 1's first 40 rows, taken whole
+    assert int((ids >= base).sum()) == 42
+    used = (256 - 128 + 40 + 3 + 2) + 40  # columns 0 and 1
+    assert a.used_cells()[Precision.INT4] == used
+    with pytest.raises(OutOfSlots):  # nothing taken
+        a.alloc_int4(torch.tensor([1] * 10 + [0] * 300))
+    assert a.used_cells()[Precision.INT4] == used

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from agentkv.kernels import KVPools, decode_attention, write_int2_pages, write_int4
+from agentkv.kernels import Int4Pool, KVPools, decode_attention, write_int2_pages, write_int4
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -156,8 +156,23 @@ def _pools_to(pools: KVPools, device: torch.device) -> KVPools:
     int4 = move(pools.int4)
     if int4 is not None and pools.int4.scales_interleaved:  # keep one interleaved buffer
         buf = torch.stack([int4.k_scale, int4.k_zero, int4.v_scale, int4.v_zero], dim=2)
+        if pools.int4.head_major:  # (the codes kept their head-major strides)
+            buf = buf.transpose(0, 1).contiguous().transpose(0, 1)
         int4.k_scale, int4.k_zero, int4.v_scale, int4.v_zero = buf.unbind(2)
     return KVPools(move(pools.full), int4, move(pools.int2))
+
+
+def int4_head_major(pools: KVPools) -> KVPools:
+    """The same pools with the INT4 pool's values in a head-major pool
+    (``Int4Pool.allocate(head_major=True)``: each head's slots adjacent rows)."""
+    p4 = pools.int4
+    s, hkv, _ = p4.k.shape
+    new = Int4Pool.allocate(s, hkv, pools.head_dim, p4.k.device, head_major=True)
+    for name in ("k", "v", "k_scale", "k_zero", "v_scale", "v_zero"):
+        getattr(new, name).copy_(getattr(p4, name))
+    new.k_channel = p4.k_channel
+    assert new.head_major and new.scales_interleaved
+    return KVPools(pools.full, new, pools.int2)
 
 
 def separate_int4_scales(pools: KVPools) -> None:
@@ -165,8 +180,12 @@ def separate_int4_scales(pools: KVPools) -> None:
     them in one buffer; the kernels accept both)."""
     q4 = pools.int4
     assert q4.scales_interleaved
+
+    def separate(t: torch.Tensor) -> torch.Tensor:  # its own buffer, rows ordered as the codes
+        return t.transpose(0, 1).contiguous().transpose(0, 1) if q4.head_major else t.contiguous()
+
     q4.k_scale, q4.k_zero, q4.v_scale, q4.v_zero = (
-        t.contiguous() for t in (q4.k_scale, q4.k_zero, q4.v_scale, q4.v_zero)
+        separate(t) for t in (q4.k_scale, q4.k_zero, q4.v_scale, q4.v_zero)
     )
     assert not q4.scales_interleaved
 

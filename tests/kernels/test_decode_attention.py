@@ -3,6 +3,7 @@ reference (kernels/decode_attention_reference.py), and the reference against pla
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import inspect
 import math
@@ -11,7 +12,13 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from mixed_batch import KNOBS_ON, build_mixed_batch, int4_config, separate_int4_scales
+from mixed_batch import (
+    KNOBS_ON,
+    build_mixed_batch,
+    int4_config,
+    int4_head_major,
+    separate_int4_scales,
+)
 
 from agentkv.kernels import (
     DecodeConfig,
@@ -1004,7 +1011,7 @@ def test_centred_int4_splits_are_not_capped() -> None:
         DecodeConfig(int4_v_centred=True)
 
 
-@pytest.mark.parametrize("layout", ["interleaved", "separate"])
+@pytest.mark.parametrize("layout", ["interleaved", "separate", "head_major", "head_major_separate"])
 @pytest.mark.parametrize(
     "cfg",
     [DecodeConfig(), DecodeConfig(int4_scale_tile=False), int4_config(int4_legacy=True)],
@@ -1012,8 +1019,9 @@ def test_centred_int4_splits_are_not_capped() -> None:
 )
 @pytest.mark.parametrize(("group", "d"), [(4, 128), (3, 64)], ids=["g4d128", "g3d64"])
 def test_int4_scale_layouts_match_reference(layout, cfg, group, d) -> None:
-    """Both INT4 scale layouts (one interleaved buffer, the default; four tensors) through
-    the row-tile path, the gathered-scales path and the legacy kernel."""
+    """Both INT4 scale layouts (one interleaved buffer, the default; four tensors), in a
+    slot-major and a head-major pool, through the row-tile path, the gathered-scales path
+    and the legacy kernel."""
     mb = build_mixed_batch(
         [(1, 70, 9), (0, 45, 0)],
         hq=2 * group,
@@ -1024,9 +1032,13 @@ def test_int4_scale_layouts_match_reference(layout, cfg, group, d) -> None:
         head_mask_fraction=0.2,
         seed=group + d,
     )
-    if layout == "separate":
+    if layout.startswith("head_major"):
+        mb = dataclasses.replace(mb, pools=int4_head_major(mb.pools))
+    if layout.endswith("separate"):
         separate_int4_scales(mb.pools)
-    assert mb.pools.int4.scale_row_stride() == (4 if layout == "interleaved" else 1) * (d // 32)
+    assert mb.pools.int4.head_major is layout.startswith("head_major")
+    ss = (1 if layout.endswith("separate") else 4) * (d // 32)
+    assert mb.pools.int4.scale_row_stride() == ss
     _run(mb, torch.float16, split_len=64, config=cfg)
 
 

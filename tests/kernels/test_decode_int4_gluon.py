@@ -22,7 +22,7 @@ from gluon_gpu import (
     rel_err,
     same_bits_cases,
 )
-from mixed_batch import build_mixed_batch, separate_int4_scales
+from mixed_batch import build_mixed_batch, int4_head_major, separate_int4_scales
 
 from agentkv.kernels import DecodeConfig, decode_attention, decode_attention_ref
 
@@ -277,6 +277,34 @@ def test_gluon_split_scale_layouts_and_key_channel_scale() -> None:
         out = mb.decode(config=ON)
         tri = mb.decode(config=OFF)
         assert rel_err(out, ref) < 1e-3 and rel_err(out, tri) < 1e-3, step
+
+
+@needs_gluon_gpu
+@pytest.mark.parametrize(
+    "lens", [[(0, 260, 0), (0, 90, 0)], [(4, 100, 0), (3, 60, 0)]], ids=["int4", "mixed"]
+)
+def test_head_major_int4_pool_gives_the_same_bits(lens) -> None:
+    """An INT4 pool with each head's slots adjacent (``head_major``) on the Gluon INT4 split
+    and the one mixed launch: the slot-major pool's bits at fixed and planned splits, with
+    per-head slot maps, a head mask and separate scale tensors; within 1e-3 of the
+    reference."""
+    mb = build_mixed_batch(lens, hq=8, hkv=2, d=128, dead_fraction=0.2, head_mask_fraction=0.2, seed=11)  # fmt: skip
+    hm = dataclasses.replace(mb, pools=int4_head_major(mb.pools))
+    for split_len in (64, None):
+        out = hm.decode(config=ON, split_len=split_len)
+        assert torch.equal(out, mb.decode(config=ON, split_len=split_len)), split_len
+    ref = decode_attention_ref(hm.q, hm.pools, hm.slot_map, hm.seq_lens, hm.head_mask)
+    assert rel_err(out, ref) < 1e-3, rel_err(out, ref)
+    b, hkv = len(lens), 2
+    sm = mb.slot_map[:, None, :].repeat(1, hkv, 1)
+    sm[:, 1, 30:70] = 0  # head 1 lost cells
+    n2, n4 = (t[:, None].expand(b, hkv).contiguous() for t in (mb.int2_lens, mb.int4_lens))
+    args = (sm, n2 + n4)
+    kw = dict(int2_lens=n2, int4_lens=n4, split_len=64, config=ON)
+    out = decode_attention(hm.q, hm.pools, *args, **kw)
+    assert torch.equal(out, decode_attention(mb.q, mb.pools, *args, **kw))
+    separate_int4_scales(hm.pools)
+    assert torch.equal(hm.decode(config=ON, split_len=64), mb.decode(config=ON, split_len=64))
 
 
 @needs_gluon_gpu

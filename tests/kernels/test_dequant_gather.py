@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from mixed_batch import separate_int4_scales
+from mixed_batch import int4_head_major, separate_int4_scales
 
 from agentkv.kernels import (
     GATHER_BASE,
@@ -139,6 +139,23 @@ def test_config_errors_at_call_time(mixed_batch) -> None:
         dequant_gather(mb.pools, mb.slot_map, backend="triton", config={"block_t": 32})
     with pytest.raises(TypeError):  # the knobs are no longer keyword arguments
         dequant_gather(mb.pools, mb.slot_map, backend="triton", block_t=32)
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=_cfg_id)
+@pytest.mark.parametrize("per_head", [False, True], ids=["shared", "per_head"])
+def test_head_major_int4_pool_gathers_the_same_bits(mixed_batch, config, per_head) -> None:
+    """A head-major INT4 pool (each head's slots adjacent) gathers to the slot-major
+    pool's bits (the kernel reads the pool's row map)."""
+    mb = mixed_batch([(1, 40, 6), (0, 25, 3)], hq=4, hkv=2, d=128, dead_fraction=0.3)
+    slots = mb.slot_map
+    if per_head:  # each head its own order of the request's cells
+        slots = torch.stack([slots, slots.flip(-1)], dim=-1)
+    k, v = dequant_gather(mb.pools, slots, backend="triton", config=config, per_head=per_head)
+    hm = int4_head_major(mb.pools)
+    k2, v2 = dequant_gather(hm, slots, backend="triton", config=config, per_head=per_head)
+    assert torch.equal(k, k2) and torch.equal(v, v2)
+    kr, vr = dequant_gather(hm, slots, backend="torch", per_head=per_head)
+    assert torch.equal(k2, kr) and torch.equal(v2, vr)
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=_cfg_id)

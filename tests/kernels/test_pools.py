@@ -41,6 +41,40 @@ def test_row_stride_of_pools_fields_and_views() -> None:
     assert row_stride(torch.zeros(1, 3).expand(1, 3)) == 3
 
 
+def test_int4_row_maps_of_both_layouts() -> None:
+    """Slot-major rows (a slot's heads adjacent) and head-major rows (a head's slots
+    adjacent) are both read through one row map; layouts the kernels cannot read raise."""
+    from agentkv.kernels import Int4Pool, Int4RowMap
+
+    slot_major = Int4Pool.allocate(10, 4, 128)
+    head_major = Int4Pool.allocate(10, 4, 128, head_major=True)
+    assert slot_major.row_map() == Int4RowMap(4, 1, 16) and not slot_major.head_major
+    assert head_major.row_map() == Int4RowMap(1, 10, 16) and head_major.head_major
+    assert head_major.scales_interleaved and head_major.scale_row_stride() == 16
+    assert head_major.k.shape == slot_major.k.shape == (10, 4, 64)
+    # (slot 3, head 2) lies at row 2 * 10 + 3 of the head-major buffers
+    head_major.k[3, 2, 5] = 7
+    head_major.v_zero[3, 2, 1] = 2.0
+    assert head_major.k.transpose(0, 1).reshape(-1, 64)[23, 5] == 7
+    flat = torch.as_strided(head_major.k_scale, (4 * 10 * 16,), (1,))  # the one scale buffer
+    assert flat[23 * 16 + 3 * 4 + 1] == 2.0  # row 23's [ks | kz | vs | vz], vz's group 1
+    # separate scale tensors, rows in the codes' order
+    sep = [t.transpose(0, 1).contiguous().transpose(0, 1) for t in (head_major.k_scale,) * 4]
+    assert Int4Pool(head_major.k, head_major.v, *sep).row_map() == Int4RowMap(1, 10, 4)
+    bad = {
+        "placed as the code rows": (head_major.k, head_major.v, *(slot_major.k_scale,) * 4),
+        "equal strides": (head_major.k, slot_major.v, *(head_major.k_scale,) * 4),
+        "overlap": (slot_major.k[:1].expand(10, 4, 64),) * 2 + (slot_major.k_scale,) * 4,
+    }
+    for why, fields in bad.items():
+        with pytest.raises(ValueError, match=why):
+            Int4Pool(*fields).row_map()
+    one = Int4Pool.allocate(5, 1, 64, head_major=True)  # one head: the layouts coincide
+    assert one.row_map() == Int4RowMap(1, 0, 8) and not one.head_major
+    p = KVPools.allocate(4, 6, 1, num_kv_heads=2, head_dim=64, int4_head_major=True)
+    assert p.int4.head_major and p.int4.row_map() == Int4RowMap(1, 6, 8)
+
+
 def test_absent_pools_and_bytes() -> None:
     p = KVPools.allocate(4, 0, 0, num_kv_heads=8, head_dim=128)
     assert p.int4 is None and p.int2 is None and p.int2_base == p.int4_base == 4

@@ -66,6 +66,22 @@ def test_write_int4_matches_reference_random_shapes(t, h, d, seed) -> None:
         assert torch.equal(getattr(a, name), getattr(b, name)), name
 
 
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_write_int4_into_a_head_major_pool(backend, device) -> None:
+    """A head-major pool (each head's slots adjacent rows) holds the same fields after a
+    write as a slot-major one: the writer follows the pool's row map."""
+    t, h, d = 23, 4, 128
+    k, v = (_rows(t, h, d, torch.bfloat16, s).to(device) for s in (5, 6))
+    slots = torch.randperm(t + 7, generator=torch.Generator().manual_seed(5))[:t].to(device)
+    a = Int4Pool.allocate(t + 7, h, d, device, head_major=True)
+    b = Int4Pool.allocate(t + 7, h, d, device)
+    write_int4(a, slots, k, v, backend=backend)
+    write_int4_ref(b, slots, k, v)
+    assert a.head_major and a.k.stride() == (d // 2, (t + 7) * d // 2, 1)
+    for name in FIELDS:
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+
+
 def test_strided_rows_are_accepted(device) -> None:
     big = _rows(9, 2, 128, torch.float16, 3).to(device)
     k, v = big[:, :, :64], big[:, :, 64:]  # last dim contiguous, rows strided
