@@ -5,6 +5,7 @@ Run on a GPU machine (not a test; never gates CI)::
     python benchmarks/decode_attention.py --out docs/benchmarks/decode_attention.json
     python benchmarks/decode_attention.py --quick --tune --out $OUT/quick.json   # < 5 min
     python benchmarks/decode_attention.py --configs-from $OUT/quick.json        # full grid
+    python benchmarks/decode_attention.py --no-sglang --slots sorted-live/head  # the store's rows
 
 ``--quick`` times only B=8 N=32k, B=1 N=32k and B=32 N=4k (0% and 50% random DEAD).
 ``--tune`` first sweeps the quantized paths' knobs (:class:`DecodeConfig`: INT4 variant,
@@ -28,9 +29,11 @@ it times, with ``triton.testing.do_bench`` (median, L2 flushed before every run)
 
 K/V are one set of random bf16 tensors; the pools are filled from it with the agentkv
 quantization kernels, so every output is also compared with SDPA's (``rel_err_vs_sdpa``).
-Token slots are a random permutation (scattered, the pessimistic bound: the store's free
-lists keep a request's rows within a few 2 MB pages even after a churn, see
-``decode_splits.py --slots``); INT2 pages are scattered, rows inside a page in order.
+Token slots are a random permutation of slot-major pools by default (scattered, the
+pessimistic bound); ``--slots sorted-live/head`` lays them as the engine's store does (the
+cells its allocator leaves live requests after a churn, each request's in row order, a
+head-major INT4 pool; :func:`slot_order`, ``decode_splits.py --slots``). INT2 pages are
+scattered, rows inside a page in order.
 ``bytes`` counts what the kernel must read from device memory: live rows, their scales
 (32-byte sectors), the slot map; bandwidth = bytes / time. Results are written incrementally to the JSON file given by ``--out``.
 

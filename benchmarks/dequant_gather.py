@@ -93,13 +93,14 @@ def _bench_us(fn, rep_ms: int = 100, timer: str = "graph") -> float:
     return float(triton.testing.do_bench(fn, warmup=25, rep=rep_ms, return_mode="median")) * 1e3
 
 
-def build(n: int, layout: str, dev: torch.device, seed: int = 0):
+def build(n: int, layout: str, dev: torch.device, seed: int = 0, int4_head_major: bool = False):
     """Pools holding the same random K/V ``[n, Hkv, D]`` in every precision, and per-head
-    unified slot ids ``[n, Hkv]`` for each precision."""
+    unified slot ids ``[n, Hkv]`` for each precision (``int4_head_major``: the INT4 pool's
+    rows head-major, as the store's)."""
     g = torch.Generator(device=dev).manual_seed(seed)
     k = torch.randn(n, HKV, D, device=dev, dtype=torch.bfloat16, generator=g)
     v = torch.randn(n, HKV, D, device=dev, dtype=torch.bfloat16, generator=g)
-    pools = KVPools.allocate(n + 1, n, n // 32, HKV, D, device=dev)
+    pools = KVPools.allocate(n + 1, n, n // 32, HKV, D, device=dev, int4_head_major=int4_head_major)
 
     def order(m: int) -> torch.Tensor:
         if layout == "contiguous":
@@ -328,6 +329,11 @@ def main() -> None:
     )
     ap.add_argument("--rep-ms", type=int, default=40, help="do_bench rep (ms) per config")
     ap.add_argument(
+        "--int4-head-major",
+        action="store_true",
+        help="the INT4 pool's rows head-major (the engine store's layout)",
+    )
+    ap.add_argument(
         "--timer",
         choices=("graph", "do_bench"),
         default="graph",
@@ -373,7 +379,7 @@ def main() -> None:
         print(f"N={n}: copy {copy_tbps:.2f} TB/s, write-only fill {write_tbps:.2f} TB/s")
         del out, src
         for layout in ("contiguous", "scattered"):
-            pools, slots, n2 = build(n, layout, dev)
+            pools, slots, n2 = build(n, layout, dev, int4_head_major=args.int4_head_major)
             g = torch.Generator(device=dev).manual_seed(1)
             dead = torch.rand(n, HKV, device=dev, generator=g) < 0.5
             for impl, s in slots.items():

@@ -2677,8 +2677,7 @@ def decode_attention(
     q2 = [dummy] * 6 if not has2 else [p2.k, p2.v, p2.k_scale, p2.k_zero, p2.v_scale, p2.v_zero]
     # where the INT4 pool's (slot, head) rows lie (slot- or head-major; checked here)
     rows4 = p4.row_map() if has4 else Int4RowMap(hkv, 1, d // 32)
-    sstride = rows4.scale_stride
-    interleaved = has4 and p4.scales_interleaved
+    sstride, interleaved = rows4.scale_stride, rows4.interleaved
     if not all(t.is_contiguous() for t in q2):
         raise ValueError("quantized pools must be contiguous (INT4: see Int4Pool.row_map)")
     hm = None  # (the uint8 head mask, contiguous along positions)

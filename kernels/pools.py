@@ -92,6 +92,8 @@ class Int4RowMap:
     slot_rows: int
     head_rows: int
     scale_stride: int
+    #: each row's four scale vectors side by side, ``[ks | kz | vs | vz]`` (one buffer)
+    interleaved: bool = False
 
 
 @dataclass
@@ -196,7 +198,12 @@ class Int4Pool:
         apart = slot_rows >= heads * head_rows or head_rows >= num_slots * slot_rows
         if expanded or not apart:
             raise ValueError(f"INT4 pool rows overlap (strides {k.stride()})")
-        return Int4RowMap(slot_rows, head_rows, stride)
+        base = self.k_scale.data_ptr()
+        parts = (self.k_zero, self.v_scale, self.v_zero)
+        interleaved = stride == 4 * ng and all(
+            t.data_ptr() == base + 2 * i * ng for i, t in enumerate(parts, 1)
+        )
+        return Int4RowMap(slot_rows, head_rows, stride, interleaved)
 
     @property
     def head_major(self) -> bool:
@@ -214,16 +221,12 @@ class Int4Pool:
 
     @property
     def scales_interleaved(self) -> bool:
-        """True when each row's scales and zeros lie side by side, ``[ks | kz | vs | vz]``."""
-        ng, base = self.k_scale.shape[-1], self.k_scale.data_ptr()
-        parts = (self.k_zero, self.v_scale, self.v_zero)
+        """True when each row's scales and zeros lie side by side, ``[ks | kz | vs | vz]``
+        (False for a layout :meth:`row_map` refuses)."""
         try:
-            stride = self.row_map().scale_stride
+            return self.row_map().interleaved
         except ValueError:
             return False
-        return stride == 4 * ng and all(
-            t.data_ptr() == base + 2 * i * ng for i, t in enumerate(parts, 1)
-        )
 
 
 @dataclass
@@ -295,6 +298,8 @@ class KVPools:
                 raise ValueError(f"{name} pool has {pool.k.shape[1]} kv heads")
             if pool.k.dtype != torch.uint8 or pool.k_scale.dtype != SCALE_DTYPE:
                 raise ValueError(f"{name} pool must be uint8 codes with fp16 scales")
+        if self.int4 is not None:
+            self.int4.row_map()  # a layout no kernel can read fails here (ValueError)
 
     @property
     def num_kv_heads(self) -> int:

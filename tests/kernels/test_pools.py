@@ -48,8 +48,8 @@ def test_int4_row_maps_of_both_layouts() -> None:
 
     slot_major = Int4Pool.allocate(10, 4, 128)
     head_major = Int4Pool.allocate(10, 4, 128, head_major=True)
-    assert slot_major.row_map() == Int4RowMap(4, 1, 16) and not slot_major.head_major
-    assert head_major.row_map() == Int4RowMap(1, 10, 16) and head_major.head_major
+    assert slot_major.row_map() == Int4RowMap(4, 1, 16, True) and not slot_major.head_major
+    assert head_major.row_map() == Int4RowMap(1, 10, 16, True) and head_major.head_major
     assert head_major.scales_interleaved and head_major.scale_row_stride() == 16
     assert head_major.k.shape == slot_major.k.shape == (10, 4, 64)
     # (slot 3, head 2) lies at row 2 * 10 + 3 of the head-major buffers
@@ -70,9 +70,9 @@ def test_int4_row_maps_of_both_layouts() -> None:
         with pytest.raises(ValueError, match=why):
             Int4Pool(*fields).row_map()
     one = Int4Pool.allocate(5, 1, 64, head_major=True)  # one head: the layouts coincide
-    assert one.row_map() == Int4RowMap(1, 0, 8) and not one.head_major
+    assert one.row_map() == Int4RowMap(1, 0, 8, True) and not one.head_major
     p = KVPools.allocate(4, 6, 1, num_kv_heads=2, head_dim=64, int4_head_major=True)
-    assert p.int4.head_major and p.int4.row_map() == Int4RowMap(1, 6, 8)
+    assert p.int4.head_major and p.int4.row_map() == Int4RowMap(1, 6, 8, True)
 
 
 def test_absent_pools_and_bytes() -> None:
