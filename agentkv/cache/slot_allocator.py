@@ -78,13 +78,32 @@ class PoolLayout:
 
 
 class _FreeStacks:
-    """One LIFO stack of free ids per column (vectorized push / pop)."""
+    """One LIFO stack of free ids per column (vectorized push / pop). With ``run``, the ids
+    (consecutive, from ``ids[0]``) are also tracked in aligned runs of ``run``: which are free
+    and how many per run, kept up to date by every push and pop, for :meth:`take_runs`."""
 
-    def __init__(self, num_columns: int, ids: torch.Tensor) -> None:
+    def __init__(self, num_columns: int, ids: torch.Tensor, run: int = 0) -> None:
         self.stack = ids.to(torch.int64).repeat(num_columns, 1).contiguous()
         # reversed, so the lowest id is popped first
         self.stack = self.stack.flip(1).contiguous()
         self.top = torch.full((num_columns,), int(ids.numel()), dtype=torch.int64)
+        self.run = run
+        if run:
+            n = int(ids.numel())
+            self.base = int(ids[0]) if n else 0
+            self.is_free = torch.ones(num_columns, n, dtype=torch.bool)
+            sizes = torch.bincount(torch.arange(n) // run, minlength=-(-n // run))
+            self.per_run = sizes.repeat(num_columns, 1)
+
+    def _track(self, cols: torch.Tensor, ids: torch.Tensor, free: bool) -> None:
+        """Mark ``(cols, ids)`` free or taken in the run bookkeeping."""
+        if not self.run or ids.numel() == 0:
+            return
+        at = ids - self.base
+        self.is_free[cols, at] = free
+        self.per_run.index_put_(
+            (cols, at // self.run), torch.full_like(at, 1 if free else -1), accumulate=True
+        )
 
     def pop(self, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Take ``counts[c]`` ids from each column: ``(cols [m], ids [m])`` grouped by column."""
@@ -96,31 +115,24 @@ class _FreeStacks:
         offs = torch.arange(int(counts.sum())) - torch.repeat_interleave(first, counts)
         ids = self.stack[cols, self.top[cols] - 1 - offs]
         self.top -= counts
+        self._track(cols, ids, False)
         return cols, ids
 
-    def take_runs(self, col: int, k: int, base: int, run: int) -> torch.Tensor:
-        """Take ``k`` free ids of column ``col`` from its fullest aligned runs of ``run`` ids
-        (``base + run * j ..``): whole free runs first, the last run chosen in part (its
-        lowest ids); returned ascending. The rest of the list keeps its order. ``k`` must
-        not exceed the column's free ids."""
-        top = int(self.top[col])
-        free = self.stack[col, :top]
-        run_of = torch.div(free - base, run, rounding_mode="floor")
-        per_run = torch.bincount(run_of)
-        order = torch.argsort(per_run, descending=True, stable=True)
-        need = int(torch.searchsorted(torch.cumsum(per_run[order], 0), k)) + 1
-        chosen = torch.zeros_like(per_run, dtype=torch.bool)
-        chosen[order[:need]] = True
-        where = torch.nonzero(chosen[run_of]).reshape(-1)  # list places in the chosen runs
-        cand = free[where]
-        rank = torch.empty_like(per_run)
-        rank[order[:need]] = torch.arange(need)
-        key = rank[run_of[where]] * run + (cand - base) % run  # by run rank, then place
-        taken = where[torch.argsort(key)[:k]]
-        pick = free[taken].sort().values
-        keep = torch.ones(top, dtype=torch.bool)
-        keep[taken] = False
-        rest = free[keep]  # (a copy: ``free`` views the list this overwrites)
+    def take_runs(self, col: int, k: int) -> torch.Tensor:
+        """Take ``k`` free ids of column ``col`` from its fullest aligned runs (stacks made
+        with ``run``): whole free runs first, the last run chosen in part (its lowest ids);
+        returned ascending. The rest of the list keeps its order. ``k`` must not exceed the
+        column's free ids. Cost: the runs' counts and the chosen runs' cells, then one pass
+        over the column's list to drop the taken ids (~0.7 ms at 32k free ids on one CPU
+        core; a batched pass over all asking columns was slower)."""
+        order = torch.argsort(self.per_run[col], descending=True, stable=True)
+        need = int(torch.searchsorted(torch.cumsum(self.per_run[col, order], 0), k)) + 1
+        cells = (order[:need, None] * self.run + torch.arange(self.run)).reshape(-1)
+        cells = cells[cells < self.is_free.shape[1]]  # (a last, shorter run)
+        pick = cells[self.is_free[col, cells]][:k].sort().values + self.base
+        self._track(torch.full_like(pick, col), pick, False)
+        free = self.stack[col, : int(self.top[col])]
+        rest = free[self.is_free[col, free - self.base]]  # (a copy)
         self.stack[col, : rest.numel()] = rest
         self.top[col] = rest.numel()
         return pick
@@ -133,6 +145,7 @@ class _FreeStacks:
         offs = torch.arange(int(cols.numel())) - torch.repeat_interleave(first, counts)
         self.stack[cols, self.top[cols] + offs] = ids
         self.top += counts
+        self._track(cols, ids, True)
 
     def contents(self, col: int) -> torch.Tensor:
         return self.stack[col, : int(self.top[col])].clone()
@@ -157,7 +170,7 @@ class SlotAllocator:
         self._free = {
             Precision.FULL: _FreeStacks(num_columns, torch.arange(1, layout.full_slots)),
             Precision.INT4: _FreeStacks(
-                num_columns, torch.arange(layout.int4_base, layout.int2_base)
+                num_columns, torch.arange(layout.int4_base, layout.int2_base), INT4_RUN
             ),
             Precision.INT2: _FreeStacks(num_columns, torch.arange(layout.int2_pages)),
         }
@@ -216,15 +229,11 @@ class SlotAllocator:
         if bool((counts > stacks.top).any()):
             stacks.pop(counts)  # raises OutOfSlots, naming the column
         bulk = counts >= INT4_RUN
-        taken = [
-            stacks.take_runs(c, int(counts[c]), self.layout.int4_base, INT4_RUN)
-            for c in torch.nonzero(bulk).reshape(-1).tolist()
-        ]
+        asking = torch.nonzero(bulk).reshape(-1)
+        taken = [stacks.take_runs(c, int(counts[c])) for c in asking.tolist()]
         got_cols, ids = stacks.pop(torch.where(bulk, 0, counts))
         if taken:  # every column's ids, grouped by column (as pop groups them)
-            both = torch.cat(
-                [torch.repeat_interleave(torch.nonzero(bulk).reshape(-1), counts[bulk]), got_cols]
-            )
+            both = torch.cat([torch.repeat_interleave(asking, counts[asking]), got_cols])
             order = torch.argsort(both, stable=True)
             got_cols, ids = both[order], torch.cat([*taken, ids])[order]
         out = torch.empty_like(cols)

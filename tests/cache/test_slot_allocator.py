@@ -197,3 +197,36 @@ def test_int4_bulk_allocation_takes_whole_free_runs():
     with pytest.raises(OutOfSlots):  # nothing taken
         a.alloc_int4(torch.tensor([1] * 10 + [0] * 300))
     assert a.used_cells()[Precision.INT4] == used
+
+
+def test_int4_run_bookkeeping_follows_the_free_lists():
+    """The free-run counts and flags the bulk path reads are kept by every pop, push and
+    bulk take: after a random churn they equal what the free lists hold."""
+    import random
+
+    from agentkv.cache.slot_allocator import INT4_RUN
+
+    rng = random.Random(3)
+    a = SlotAllocator(2, PoolLayout(2, 300, 0))  # 300: a last run of 12 cells
+    base, held = a.layout.int4_base, []
+    for _ in range(200):
+        if held and rng.random() < 0.45:
+            cols, ids = held.pop(rng.randrange(len(held)))
+            gone = torch.rand(ids.numel(), generator=torch.Generator().manual_seed(len(held)))
+            keep = gone < (0.5 if rng.random() < 0.5 else 0.0)
+            a.decref_pairs(cols[~keep], ids[~keep])
+            if bool(keep.any()):
+                held.append((cols[keep], ids[keep]))
+            continue
+        n = rng.choice([1, 5, 31, 32, 40, 90])
+        cols = torch.full((n,), rng.randrange(2), dtype=torch.int64)
+        if int(a.free_cells(Precision.INT4)[int(cols[0])]) >= n:
+            held.append((cols, a.alloc_int4(cols)))
+    stacks = a._free[Precision.INT4]
+    for c in range(2):
+        free = a.free_ids(c, Precision.INT4) - base
+        flags = torch.zeros(300, dtype=torch.bool)
+        flags[free] = True
+        assert torch.equal(stacks.is_free[c], flags)
+        assert torch.equal(stacks.per_run[c], torch.bincount(free // INT4_RUN, minlength=10))
+        assert len(set(free.tolist())) == free.numel()
