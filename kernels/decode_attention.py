@@ -2854,6 +2854,7 @@ def decode_attention(
             grid.rows[1],
             grid.s_total,
             grid.s2,
+            rows4,
         )
 
     def fused_args(grid: SplitGrid, part_o, part_lse) -> tuple:
@@ -2877,6 +2878,7 @@ def decode_attention(
             grid.rows[1],
             grid.s_total,
             grid.s2,
+            rows4,
         )
 
     # the Gluon splits' softmax: exact max (p <= 1) unless lazy is asked for (H200: within
