@@ -119,13 +119,15 @@ STALLS = (
 STALL_METRIC = "smsp__average_warps_issue_stalled_{}_per_issue_active.ratio"
 
 
-def child(b: int, n: int, names: list[str]) -> None:
-    """Build the shape, compile every variant, then profile one call of each."""
+def child(b: int, n: int, names: list[str], slots: str = "random") -> None:
+    """Build the shape (token slots laid out as ``slots``: ``decode_attention.slot_order``,
+    e.g. ``sorted-live/head`` for the store's rows), compile every variant, then profile one
+    call of each."""
     import torch
     from decode_attention import DecodeConfig, Shape, _ours
     from gather_roofline import planned_split_len, probe_fn
 
-    s = Shape(b, n)
+    s = Shape(b, n, slots=slots)
     s.drop_sdpa_kv()
     fns = [
         probe_fn(VARIANTS[k][1]["layout"], b, n, True, planned_split_len(b, n))[0]
@@ -200,6 +202,12 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=32768)
     ap.add_argument("--variants", default=";".join(VARIANTS), help="names, ';'-separated")
     ap.add_argument(
+        "--slots",
+        default="random",
+        help="token slot layout of the kernels' variants (decode_attention.py --slots; the "
+        "read-only probes keep their own)",
+    )
+    ap.add_argument(
         "--source",
         action="store_true",
         help="also sample warp stalls per SASS instruction (<out>/source_<i>.csv per variant)",
@@ -219,7 +227,7 @@ def main() -> None:
     if unknown:
         raise SystemExit(f"unknown variants {unknown}; known: {list(VARIANTS)}")
     if args.child:
-        child(args.batch, args.tokens, names)
+        child(args.batch, args.tokens, names, args.slots)
         return
     ncu = shutil.which("ncu")
     if ncu is None:
@@ -248,6 +256,8 @@ def main() -> None:
         str(args.tokens),
         "--variants",
         ";".join(names),
+        "--slots",
+        args.slots,
     ]
     res = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy())
     (args.out / "ncu.log").write_text(res.stderr)
@@ -275,7 +285,7 @@ def source_stalls(ncu: str, args: argparse.Namespace, names: list[str]) -> None:
     cmd += ["-k", "regex:" + "|".join(KERNELS), "--section", "SourceCounters"]
     cmd += ["--section", "WarpStateStats", "-f", "-o", str(rep), sys.executable, __file__]
     cmd += ["--child", "--batch", str(args.batch), "--tokens", str(args.tokens)]
-    cmd += ["--variants", ";".join(names)]
+    cmd += ["--variants", ";".join(names), "--slots", args.slots]
     res = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy())
     (args.out / "source.log").write_text(res.stdout[-20000:] + res.stderr[-20000:])
     for i in range(len(names)):

@@ -12,10 +12,15 @@ nothing with them but xor them together, so its time is what the reads alone cos
 - ``int4 kv fused``: key and value codes in one 128-byte row, scales apart (160 B);
 - ``int4 row fused``: codes and scales in one 160-byte row (160 B);
 - ``bf16 pool``: the bf16 pool's two 256-byte rows (512 B), the bf16 path's reads;
+- ``int4 head-major``: the pool's three tensors with each KV head's rows adjacent (row
+  ``head * tokens + slot``, ``Int4Pool.allocate(head_major=True)``, the store's layout) (160 B);
+  ``int4 kv fused head-major`` / ``int4 row fused head-major``: the two fused layouts so;
 - ``int2 pages``: a 32-byte key and a 32-byte value code row and 32 bytes of scales per
   (position, head), a page's 32 rows contiguous per head (96 B);
 
-each with the positions on scattered (random) or consecutive slots. Useful TB/s = (rows'
+each with the positions on scattered (random) or consecutive slots, and with the program
+shape as a sweep (``--warps``, ``--block``: warps per program and positions per iteration;
+the kernels' own shape is 1 warp and 32 positions). Useful TB/s = (rows'
 bytes + slot map) / time, the same count as ``decode_attention.py``'s roofline. Run on the
 GPU machine::
 
@@ -25,6 +30,7 @@ GPU machine::
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 from dataclasses import dataclass
@@ -65,6 +71,7 @@ def _gather_probe(
     out_ptr,
     n_pos,
     Hkv,
+    rows_per_head,
     split_len,
     BN: tl.constexpr,
     A_STRIDE: tl.constexpr,
@@ -76,10 +83,12 @@ def _gather_probe(
     C_OFF: tl.constexpr,
     C_W: tl.constexpr,
     PAGED: tl.constexpr,
+    HEAD_MAJOR: tl.constexpr,
 ):
     """Read streams a, b, c (int32 words; W = 0: not read) of each position's row (PAGED:
     rows ``(page * Hkv + head) * 32 + slot % 32``, a 32-slot page's rows contiguous per head,
-    as in the INT2 pool; else ``slot * Hkv + head``)."""
+    as in the INT2 pool; HEAD_MAJOR: ``head * rows_per_head + slot``; else
+    ``slot * Hkv + head``)."""
     h = tl.program_id(0)
     s = tl.program_id(1)
     r = tl.program_id(2)
@@ -93,6 +102,8 @@ def _gather_probe(
         slot = tl.load(slot_ptr + r * n_pos + offs, mask=inb, other=0)
         if PAGED:
             row = (slot // 32 * Hkv + h) * 32 + slot % 32
+        elif HEAD_MAJOR:
+            row = h * rows_per_head + slot
         else:
             row = slot * Hkv + h
         acc ^= _rows_xor(a_ptr, row, inb, A_STRIDE, 0, A_W)
@@ -109,6 +120,13 @@ LAYOUTS = {
     "int4 pool": dict(a=(16, 0, 16), b=(16, 0, 16), c=(8, 0, 8), shared=""),
     "int4 kv fused": dict(a=(32, 0, 32), b=(32, 0, 0), c=(8, 0, 8), shared=""),
     "int4 row fused": dict(a=(40, 0, 32), b=(40, 0, 0), c=(40, 32, 8), shared="ac"),
+    "int4 head-major": dict(a=(16, 0, 16), b=(16, 0, 16), c=(8, 0, 8), shared="", heads=True),
+    "int4 kv fused head-major": dict(
+        a=(32, 0, 32), b=(32, 0, 0), c=(8, 0, 8), shared="", heads=True
+    ),
+    "int4 row fused head-major": dict(
+        a=(40, 0, 32), b=(40, 0, 0), c=(40, 32, 8), shared="ac", heads=True
+    ),
     "bf16 pool": dict(a=(64, 0, 64), b=(64, 0, 64), c=(1, 0, 0), shared=""),
     # INT2: 32-byte key and value code rows and 32 bytes of scales per (position, head)
     # (value scales / zeros per row, the page's key scales / zeros spread over its rows)
@@ -183,10 +201,16 @@ def probe_inputs(
 
 
 def probe_launch(
-    x: ProbeInputs, split_len: int, stages: int = 3, out: torch.Tensor | None = None
+    x: ProbeInputs,
+    split_len: int,
+    stages: int = 3,
+    out: torch.Tensor | None = None,
+    warps: int = 1,
+    block: int = 32,
 ) -> torch.Tensor:
     """One launch of the probe: ``[batch * splits * 8]`` int32 (into ``out`` if given), the
-    xor of every row word a (request, split, KV head) program read."""
+    xor of every row word a (request, split, KV head) program read; programs of ``warps``
+    warps reading ``block`` positions per iteration (a power of two, >= 32)."""
     spec = LAYOUTS[x.layout]
     batch, n = x.slot_map.shape
     splits = triton.cdiv(n, split_len)
@@ -200,8 +224,9 @@ def probe_launch(
         out,
         n,
         HEADS,
+        batch * n,
         split_len,
-        BN=32,
+        BN=block,
         A_STRIDE=spec["a"][0],
         A_W=spec["a"][2],
         B_STRIDE=spec["b"][0],
@@ -211,7 +236,8 @@ def probe_launch(
         C_OFF=spec["c"][1],
         C_W=spec["c"][2],
         PAGED=spec.get("paged", False),
-        num_warps=1,
+        HEAD_MAJOR=spec.get("heads", False),
+        num_warps=warps,
         num_stages=stages,
     )
     return out
@@ -226,6 +252,8 @@ def probe_reference(x: ProbeInputs, split_len: int) -> torch.Tensor:
     heads = torch.arange(HEADS, device=slot.device)
     if spec.get("paged", False):
         row = (slot[..., None] // 32 * HEADS + heads) * 32 + slot[..., None] % 32
+    elif spec.get("heads", False):
+        row = heads * slot.numel() + slot[..., None]
     else:
         row = slot[..., None] * HEADS + heads  # [batch, n, heads]
     acc = torch.zeros(batch, n, HEADS, dtype=torch.int32, device=slot.device)
@@ -239,16 +267,25 @@ def probe_reference(x: ProbeInputs, split_len: int) -> torch.Tensor:
     return out.flatten()
 
 
-def probe_fn(layout: str, batch: int, n: int, scatter: bool, split_len: int, stages: int = 3):
+def probe_fn(
+    layout: str,
+    batch: int,
+    n: int,
+    scatter: bool,
+    split_len: int,
+    stages: int = 3,
+    warps: int = 1,
+    block: int = 32,
+):
     """(fn, useful bytes): one launch of the probe over fresh random rows of ``layout``
     (``batch`` requests of ``n`` positions, 8 KV heads) on the GPU."""
     x = probe_inputs(layout, batch, n, scatter)
     out = torch.empty(batch * triton.cdiv(n, split_len) * HEADS, device="cuda", dtype=torch.int32)
-    return (lambda: probe_launch(x, split_len, stages, out)), x.useful_bytes
+    return (lambda: probe_launch(x, split_len, stages, out, warps, block)), x.useful_bytes
 
 
-def _probe(layout: str, batch: int, n: int, scatter: bool, split_len: int, stages: int):
-    fn, useful = probe_fn(layout, batch, n, scatter, split_len, stages)
+def _probe(layout: str, batch: int, n: int, scatter: bool, split_len: int, *shape: int):
+    fn, useful = probe_fn(layout, batch, n, scatter, split_len, *shape)
     us = _kernel_us(fn)
     return us, useful / us / 1e6
 
@@ -263,6 +300,9 @@ def main() -> None:
         help="positions per program (0: the quantized decode splits' own plan)",
     )
     ap.add_argument("--stages", default="3", help="num_stages values, comma-separated")
+    ap.add_argument("--warps", default="1", help="warps per program, comma-separated")
+    ap.add_argument("--block", default="32", help="positions per iteration, comma-separated")
+    ap.add_argument("--layouts", default=";".join(LAYOUTS), help="names, ';'-separated")
     ap.add_argument("--out", type=Path, default=Path("gather_roofline.json"))
     args = ap.parse_args()
     _warm_gpu(2.0)
@@ -270,22 +310,27 @@ def main() -> None:
     for shape in args.shapes.split(";"):
         batch, n = (int(x) for x in shape.split(","))
         split_len = args.split_len or planned_split_len(batch, n)
-        for layout in LAYOUTS:
-            for scatter in (True, False):
-                for stages in (int(x) for x in args.stages.split(",")):
-                    us, tbps = _probe(layout, batch, n, scatter, split_len, stages)
-                    row = dict(
-                        B=batch,
-                        N=n,
-                        layout=layout,
-                        scattered=scatter,
-                        stages=stages,
-                        split_len=split_len,
-                        us=round(us, 1),
-                        useful_tbps=round(tbps, 3),
-                    )
-                    rows.append(row)
-                    print(json.dumps(row), flush=True)
+        shapes = itertools.product(
+            *(map(int, v.split(",")) for v in (args.stages, args.warps, args.block))
+        )
+        for (stages, warps, block), layout, scatter in itertools.product(
+            list(shapes), args.layouts.split(";"), (True, False)
+        ):
+            us, tbps = _probe(layout, batch, n, scatter, split_len, stages, warps, block)
+            row = dict(
+                B=batch,
+                N=n,
+                layout=layout,
+                scattered=scatter,
+                stages=stages,
+                warps=warps,
+                block=block,
+                split_len=split_len,
+                us=round(us, 1),
+                useful_tbps=round(tbps, 3),
+            )
+            rows.append(row)
+            print(json.dumps(row), flush=True)
     args.out.write_text(json.dumps(rows, indent=1))
 
 

@@ -139,9 +139,11 @@ class DecodeConfig:
     double-buffering of the INT2 (and legacy INT4) loads (the folded INT2 split only with
     ``int2_pipelined`` off). merge_block_s: the most splits per
     step of the merge kernel (each step takes the next power of two >= the splits, at least
-    16, up to this): at B=1 N=32k (128 splits) one step of 128 instead of four of 32 cut the
-    merge from 7.1 to 3.0 µs on the H100, while a fixed 128 doubled it where 16 splits are
-    merged (B=32 N=4k: 5.4 -> 9.2 µs). int2_fold: the INT2 split with every scale folded out of the codes
+    16, up to this and to 16,384 / the merge's channels per program): at B=1 N=32k (128
+    splits) one step of 128 instead of four of 32 cut the merge from 7.1 to 3.0 µs on the
+    H100, while a fixed 128 doubled it where 16 splits are merged (B=32 N=4k: 5.4 -> 9.2
+    µs); H200, session 27: 256 instead of 128 merges B=1 N=32k's 171 splits (INT4) in one
+    step, 2.9 -> 2.3 µs. int2_fold: the INT2 split with every scale folded out of the codes
     (key page scales into the query, value token scales into ``p``, codes as fp16
     subnormals: no per-element dequantization; its lazy rescale is ``int2_lazy_rescale``).
     max_registers: a cap on registers per thread (ptxas ``.maxnreg``): more programs per SM
@@ -353,7 +355,7 @@ class DecodeConfig:
     int4_v_subnormal: bool = True
     int4_v_dots8: bool = True
     int4_offsets32: bool = True
-    merge_block_s: int = 128
+    merge_block_s: int = 256
     prefetch: bool = True
     int2_fold: bool = True
     int2_v_words: bool = True
@@ -2172,7 +2174,10 @@ def _merge_splits_kernel(
     """Log-sum-exp merge of the split partials: grid (request x query head, D / BLOCK_D),
     each program one query head's BLOCK_D output channels.
     GDC_WAIT: launched as a programmatic dependent of the split kernel, so it first waits
-    for that grid's completion and its stores (``griddepcontrol.wait``)."""
+    for that grid's completion and its stores (``griddepcontrol.wait``). A step's partial
+    rows are loaded beside its log-sum-exps, not behind them (a split with nothing live,
+    lse -inf, is dropped by a select after the load: its row may hold anything): one
+    memory round trip per step instead of two."""
     pid = tl.program_id(0)
     b = pid // Hq
     hq = pid % Hq
@@ -2187,14 +2192,13 @@ def _merge_splits_kernel(
         offs_s = s0 + tl.arange(0, BLOCK_S)
         sm = offs_s < S_total
         lse = tl.load(plse_ptr + base + offs_s, mask=sm, other=float("-inf"))
+        po = tl.load(
+            po_ptr + (base + offs_s)[:, None] * D + offs_d[None, :], mask=sm[:, None], other=0.0
+        )
         m_new = tl.maximum(m, tl.max(lse, 0))
         alpha = tl.exp2(m - m_new)
         w = tl.exp2(lse - m_new)
-        po = tl.load(
-            po_ptr + (base + offs_s)[:, None] * D + offs_d[None, :],
-            mask=(sm & (lse > float("-inf")))[:, None],
-            other=0.0,
-        )
+        po = tl.where((lse > float("-inf"))[:, None], po, 0.0)
         acc = acc * alpha + tl.sum(w[:, None] * po, 0)
         den = den * alpha + tl.sum(w, 0)
         m = m_new
@@ -3035,7 +3039,8 @@ def decode_attention(
         hq,
         s_total,
         D=d,
-        BLOCK_S=min(cfg.merge_block_s, max(16, 1 << (s_total - 1).bit_length())),
+        # (a step's partial tile at most 16,384 fp32: 128 per thread of the 4 warps)
+        BLOCK_S=min(cfg.merge_block_s, 16384 // block_d, max(16, 1 << (s_total - 1).bit_length())),
         BLOCK_D=block_d,
         GDC_WAIT=pdl,
         num_warps=4,

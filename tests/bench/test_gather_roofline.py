@@ -48,3 +48,23 @@ def test_reference_sees_every_row_word() -> None:
     changed = (before != after).nonzero().flatten().tolist()
     assert changed == [1 * 8 + head]  # split 1 (positions 32..63), KV head 3
     assert torch.equal(probe_launch(x, split_len=32).cpu(), after.cpu())
+
+
+@pytest.mark.parametrize(("warps", "block"), [(2, 64), (4, 128)])
+def test_program_shapes_read_the_same_rows(warps: int, block: int) -> None:
+    """Programs of several warps reading 64 or 128 positions per iteration (longer than the
+    split: the rest masked) give the reference's xor."""
+    x = probe_inputs("int4 head-major", batch=2, n=96, scatter=True, device=DEVICE)
+    out = probe_launch(x, split_len=64, warps=warps, block=block)
+    assert torch.equal(out.cpu(), probe_reference(x, split_len=64).cpu())
+
+
+def test_head_major_rows_are_a_heads_rows_adjacent() -> None:
+    """In the head-major layout slot s of KV head h is row ``h * tokens + s``: flipping a word
+    there changes only that head's program."""
+    x = probe_inputs("int4 head-major", batch=1, n=64, scatter=False, device=DEVICE)
+    before = probe_reference(x, split_len=64)
+    x.a[(5 * 64 + int(x.slot_map[0, 7])) * 16 + 2] ^= 1 << 4
+    after = probe_reference(x, split_len=64)
+    assert (before != after).nonzero().flatten().tolist() == [5]
+    assert torch.equal(probe_launch(x, split_len=64).cpu(), after.cpu())

@@ -701,6 +701,39 @@ def test_merge_channel_blocks_give_the_whole_row_merge(block_d: int) -> None:
     assert torch.equal(forced, part)  # a dependent launch reads what the splits wrote
 
 
+@pytest.mark.parametrize(
+    ("s_total", "block_s", "block_d"), [(5, 16, 64), (40, 16, 32), (171, 256, 32)]
+)
+def test_merge_drops_splits_with_nothing_live_whatever_their_rows_hold(
+    s_total: int, block_s: int, block_d: int
+) -> None:
+    """The merge kernel weights each split's partial row by ``2**lse`` and drops the splits
+    with nothing live (lse -inf) although it loads their rows (here NaN) beside the lse: the
+    torch log-sum-exp merge of the live ones, zeros where a row has none; one step and
+    several."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(s_total)
+    rows, d = 3, 64
+    po = torch.randn(rows, s_total, d, generator=g)
+    lse = torch.randn(rows, s_total, generator=g) * 4
+    dead = torch.rand(rows, s_total, generator=g) < 0.3
+    dead[1] = True  # (a row with nothing live)
+    dead[0, 0] = False
+    lse[dead] = float("-inf")
+    po[dead] = float("nan")
+    out = torch.full((rows, 1, d), float("nan"), device=dev)
+    dattn._merge_splits_kernel[(rows, d // block_d)](
+        po.to(dev), lse.to(dev), out, out.stride(0), out.stride(1), 1, s_total,
+        D=d, BLOCK_S=block_s, BLOCK_D=block_d,
+    )  # fmt: skip
+    m = torch.where(dead, -1.0e30, lse).amax(1, keepdim=True)
+    w = torch.where(dead, 0.0, torch.exp2(lse - m))
+    ref = (w[..., None] * torch.where(dead[..., None], 0.0, po)).sum(1)
+    ref = ref / w.sum(1, keepdim=True).clamp_min(1e-30)
+    torch.testing.assert_close(out[:, 0].cpu(), ref, atol=1e-5, rtol=1e-5)
+    assert bool((out[1] == 0).all())
+
+
 def test_launch_chain_orders_the_split_launches() -> None:
     """With pdl, the last split launch that runs lets the merge start early; with the
     splits chained too, the first launch that runs is plain and lets the next one start
