@@ -20,7 +20,8 @@ positions whose cells are neighbours too (1.0: one ascending or descending run).
 --slots live``: the live requests' cells), :func:`churned_order` the order the free list
 hands every cell out after freeing them all (``--slots churn``). ``--layouts ROWS`` prints,
 for those layouts and the others of ``--slots`` on a pool of ROWS rows, the 2 MB pages each
-64-position block touches (:func:`pages_per_block`).
+64-position block touches (:func:`pages_per_block`). ``--bulk COLUMNS`` only times a bulk
+demotion's ``alloc_int4`` over that many columns (:func:`bulk_alloc_ms`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import argparse
 import json
 import random
 import statistics
+import time
 from pathlib import Path
 
 import torch
@@ -155,6 +157,32 @@ def live_order(
     return torch.cat(parts) - alloc.layout.int4_base
 
 
+def bulk_alloc_ms(
+    columns: int, cells: int = 32768, rounds: int = 5, seed: int = 0
+) -> tuple[list[float], torch.Tensor, torch.Tensor]:
+    """Host time of a bulk demotion (ms per ``alloc_int4`` call, ``rounds`` calls, one CPU
+    thread): ``columns`` columns of ``cells`` INT4 cells, each left with about 70% free
+    after a fill and a random release of half of it, ask for 500-2,000 cells each (a
+    method demoting a span in every (layer, KV head) column); each allocation is freed
+    before the next. Returns the times and the last allocation's columns and ids."""
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(seed)
+    alloc = SlotAllocator(columns, PoolLayout(full_slots=2, int4_slots=cells))
+    filled = cells * 6 // 10
+    held = alloc.alloc_int4(torch.arange(columns).repeat_interleave(filled)).view(columns, -1)
+    alloc.decref(torch.where(torch.rand(columns, filled, generator=g) < 0.5, 0, held))
+    times = []
+    for _ in range(rounds):
+        cols = torch.repeat_interleave(
+            torch.arange(columns), torch.randint(500, 2001, (columns,), generator=g)
+        )
+        t = time.perf_counter()
+        ids = alloc.alloc_int4(cols)
+        times.append((time.perf_counter() - t) * 1e3)
+        alloc.decref_pairs(cols, ids)
+    return times, cols, ids
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=3000)
@@ -170,8 +198,24 @@ def main() -> None:
         help="also compare the pool-wide layouts of decode_splits.py --slots on a pool of "
         "ROWS rows (2 MB pages per 64-position block, adjacency; e.g. 1048576)",
     )
+    ap.add_argument(
+        "--bulk",
+        type=int,
+        default=0,
+        metavar="COLUMNS",
+        help="only time a bulk INT4 allocation over COLUMNS columns of 32k cells "
+        "(bulk_alloc_ms; e.g. 160: 20 layers x 8 KV heads)",
+    )
     ap.add_argument("--out", type=Path, default=Path("int4_slot_runs.json"))
     args = ap.parse_args()
+    if args.bulk:
+        times, _, _ = bulk_alloc_ms(args.bulk, seed=args.seed)
+        print(
+            f"bulk alloc_int4 over {args.bulk} columns: "
+            + ", ".join(f"{t:.1f}" for t in times)
+            + " ms"
+        )
+        return
     layouts = {}
     if args.layouts:
         g = torch.Generator().manual_seed(args.seed)

@@ -64,3 +64,14 @@ def test_live_order_is_the_steady_state_in_runs() -> None:
         for name, o in (("runs", runs), ("lifo", lifo))
     }
     assert per_block["runs"] < 4 and per_block["lifo"] > 2 * per_block["runs"], per_block
+
+
+def test_bulk_alloc_ms_times_a_valid_allocation() -> None:
+    """The bulk-demotion timer allocates 500-2,000 INT4 cells per column, distinct within
+    each column, and they come back to the free lists (each round allocates again)."""
+    times, cols, ids = int4_slot_runs.bulk_alloc_ms(4, cells=8192, rounds=2)
+    assert len(times) == 2 and all(t > 0 for t in times)
+    per_col = torch.bincount(cols, minlength=4)
+    assert bool(((per_col >= 500) & (per_col <= 2000)).all())
+    assert (cols * 100_000 + ids).unique().numel() == ids.numel()
+    assert int(ids.min()) >= 2 and int(ids.max()) < 2 + 8192  # (the INT4 ids)
