@@ -919,6 +919,23 @@ def test_default_launch_chain_narrow_merge_and_chained_window(
 
 
 @pytest.mark.parametrize(
+    ("splits", "block_d", "block_s"), [(171, 32, 256), (171, 128, 128), (20, 32, 32), (3, 128, 16)]
+)
+def test_merge_step_takes_the_splits_up_to_its_tile(monkeypatch, splits, block_d, block_s) -> None:
+    """The merge takes a row's splits in steps of the next power of two (at least 16), up
+    to ``merge_block_s`` (256) and to a tile of 16,384 fp32 (``16384 // merge_block_d``
+    splits): one request of 32k's 171 INT4 splits in one step where it merges 32 channels a
+    program, two where it merges 128. The GPU and the kernels are stood in for, as above."""
+    seen = _record_sm90_launches(monkeypatch, 132)
+    mb = build_mixed_batch([(0, 64 * splits, 0)], hq=8, hkv=2, d=128, seed=5)
+    int4_only = SegmentMaxLens(0, 64 * splits, 0)
+    mb.decode(split_len=64, config=DecodeConfig(merge_block_d=block_d), max_lens=int4_only)
+    name, merge = seen[-1]
+    assert name == "merge" and merge["args"][6] == splits  # (S_total)
+    assert (merge["BLOCK_S"], merge["BLOCK_D"]) == (block_s, block_d)
+
+
+@pytest.mark.parametrize(
     ("fused", "sms", "full", "expect"),
     [
         # expect: per launch (kernel, launch_pdl, LAUNCH_DEPENDENTS, WAIT_PRIOR); 2 requests
