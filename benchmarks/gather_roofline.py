@@ -305,6 +305,9 @@ def main() -> None:
     ap.add_argument("--layouts", default=";".join(LAYOUTS), help="names, ';'-separated")
     ap.add_argument("--out", type=Path, default=Path("gather_roofline.json"))
     args = ap.parse_args()
+    unknown = [v for v in args.layouts.split(";") if v not in LAYOUTS]
+    if unknown:
+        raise SystemExit(f"unknown layouts {unknown}; known: {list(LAYOUTS)}")
     _warm_gpu(2.0)
     rows = []
     for shape in args.shapes.split(";"):
