@@ -388,6 +388,9 @@ class DecodeConfig:
         bd = self.merge_block_d
         if bd is not None and (bd < 16 or bd & (bd - 1)):
             raise ValueError(f"merge_block_d must be a power of two >= 16, got {bd}")
+        bs = self.merge_block_s
+        if bs < 16 or bs & (bs - 1):
+            raise ValueError(f"merge_block_s must be a power of two >= 16, got {bs}")
         if self.int4_gluon_cap_factor < 0:
             raise ValueError(
                 f"int4_gluon_cap_factor must be >= 0, got {self.int4_gluon_cap_factor}"

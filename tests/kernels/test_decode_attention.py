@@ -1003,10 +1003,11 @@ def test_pdl_splits_is_checked() -> None:
         DecodeConfig(pdl_splits="first")
 
 
-@pytest.mark.parametrize("block_d", [0, 8, 48, 100])
-def test_merge_block_d_must_be_a_power_of_two_of_at_least_16(block_d: int) -> None:
-    with pytest.raises(ValueError, match="merge_block_d"):
-        DecodeConfig(merge_block_d=block_d)
+@pytest.mark.parametrize("block", [0, 8, 48, 100])
+@pytest.mark.parametrize("knob", ["merge_block_d", "merge_block_s"])
+def test_merge_blocks_must_be_powers_of_two_of_at_least_16(knob: str, block: int) -> None:
+    with pytest.raises(ValueError, match=knob):
+        DecodeConfig(**{knob: block})
 
 
 def test_chunked_wave_plan_runs_past_the_cap() -> None:
