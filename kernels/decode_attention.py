@@ -312,6 +312,10 @@ class DecodeConfig:
     programs per SM, follow (3: 17,408 bytes, 12 per SM; 2: 12,288, 16 per SM, its 128
     registers' limit); H200, session 22, split kernel, 2 vs 3: B=8 N=32k 141.6 vs 113.7 µs,
     B=32 N=32k 593 vs 533, B=32 N=4k 74 vs 66 (the copies' latency is not hidden by one block).
+    On the store's head-major rows (session 27, kernel time, 2 vs 3) two stages gain where
+    the launch has many (request, KV head) pairs, INT4 B=8 N=32k -3.0%, B=32 N=4k -2.5%,
+    B=32 N=32k -1.1%, and lose at B=1 N=32k (+5.9%); left at 3: a head-major pool whose
+    cells came off the free list one by one reads like the scattered rows above.
     int2_gluon_stages: the same for the Gluon INT2 split (default 2: 10,240 bytes; 3: 13,312;
     16 programs per SM either way, its registers' limit). H200, session 22, split kernel, 2
     vs 3 (two rounds): B=1 N=32k 15.1 vs 18.3 µs, B=32 N=32k 265 vs 274, B=8 N=128k 271 vs
