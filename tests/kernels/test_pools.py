@@ -75,6 +75,24 @@ def test_int4_row_maps_of_both_layouts() -> None:
     assert p.int4.head_major and p.int4.row_map() == Int4RowMap(1, 6, 8, True)
 
 
+def test_row_map_is_read_again_when_the_pool_holds_other_tensors() -> None:
+    """``row_map`` is remembered while the pool holds the same six tensors (one check per
+    pool, not per kernel call), and read again from any tensor set in their place: other
+    scale tensors give their layout, and a layout no kernel reads raises after a good one
+    was read."""
+    from agentkv.kernels import Int4Pool, Int4RowMap
+
+    pool = Int4Pool.allocate(10, 4, 128, head_major=True)
+    first = pool.row_map()
+    assert pool.row_map() is first and first == Int4RowMap(1, 10, 16, True)
+    sep = [t.transpose(0, 1).contiguous().transpose(0, 1) for t in (pool.k_scale,) * 4]
+    pool.k_scale, pool.k_zero, pool.v_scale, pool.v_zero = sep
+    assert pool.row_map() == Int4RowMap(1, 10, 4) and not pool.scales_interleaved
+    pool.v = Int4Pool.allocate(10, 4, 128).v  # slot-major values beside head-major keys
+    with pytest.raises(ValueError, match="equal strides"):
+        pool.row_map()
+
+
 def test_absent_pools_and_bytes() -> None:
     p = KVPools.allocate(4, 0, 0, num_kv_heads=8, head_dim=128)
     assert p.int4 is None and p.int2 is None and p.int2_base == p.int4_base == 4
