@@ -2865,7 +2865,6 @@ def decode_attention(
             grid.rows[1],
             grid.s_total,
             grid.s2,
-            rows4,
         )
 
     def fused_args(grid: SplitGrid, part_o, part_lse) -> tuple:
@@ -2889,7 +2888,6 @@ def decode_attention(
             grid.rows[1],
             grid.s_total,
             grid.s2,
-            rows4,
         )
 
     # the Gluon splits' softmax: exact max (p <= 1) unless lazy is asked for (H200: within

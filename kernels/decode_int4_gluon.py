@@ -438,14 +438,13 @@ else:
     int4_split_gluon_kernel = int4_split_program = None
 
 
-def int4_pool_args(int4, rows=None) -> tuple:
+def int4_pool_args(int4) -> tuple:
     """The INT4 pool's launch arguments (``int4``: the :class:`~.pools.Int4Pool`): key and
     value codes, key scales and zeros, value scales and zeros, the per-channel key scale
     (the key scales stand in where the pool has none; read only with ``HAS_KCS``), and the
-    rows' slot and head strides (``rows``: its :meth:`~.pools.Int4Pool.row_map`, None =
-    read it here)."""
+    rows' slot and head strides (its :meth:`~.pools.Int4Pool.row_map`, read once per pool)."""
     kcs = int4.k_channel if int4.k_channel is not None else int4.k_scale
-    rows = rows or int4.row_map()
+    rows = int4.row_map()
     return (
         *(int4.k, int4.v, int4.k_scale, int4.k_zero, int4.v_scale, int4.v_zero, kcs),
         rows.slot_rows,
@@ -470,11 +469,9 @@ def int4_split_gluon_args(
     split_len: int,
     s_total: int,
     s_first: int,
-    rows=None,
 ) -> tuple:
     """The kernel's positional arguments (``slot_map`` [B, L] or [B, Hkv, L]; ``head_mask``
-    None or uint8 [B, Hkv, L]; ``int4``: the :class:`~.pools.Int4Pool`, ``rows`` its row
-    map if the caller has it; ``int2_lens``: where each INT4 segment starts, read only with
+    None or uint8 [B, Hkv, L]; ``int4``: the :class:`~.pools.Int4Pool`; ``int2_lens``: where each INT4 segment starts, read only with
     the constexpr ``HAS_INT2``)."""
     return (
         *query_slot_args(q, slot_map),
@@ -483,7 +480,7 @@ def int4_split_gluon_args(
         stride_lb,
         stride_lh,
         *head_mask_args(head_mask, slot_map),
-        *int4_pool_args(int4, rows),
+        *int4_pool_args(int4),
         part_o,
         part_lse,
         qk_scale,

@@ -105,12 +105,11 @@ def mixed_split_gluon_args(
     split_len4: int,
     s_total: int,
     s2: int,
-    rows4=None,
 ) -> tuple:
     """The kernel's positional arguments (``slot_map`` [B, L] or [B, Hkv, L]; ``head_mask``
     None or uint8 [B, Hkv, L]; ``int2`` / ``int4``: the :class:`~.pools.Int2Pool` and
-    :class:`~.pools.Int4Pool`, ``rows4`` the latter's row map if the caller has it; ``s2``:
-    the INT2 splits per (request, KV head), the grid's first ``s2`` columns)."""
+    :class:`~.pools.Int4Pool`; ``s2``: the INT2 splits per (request, KV head), the grid's
+    first ``s2`` columns)."""
     return (
         *query_slot_args(q, slot_map),
         int2_lens,
@@ -119,7 +118,7 @@ def mixed_split_gluon_args(
         stride_lh,
         *head_mask_args(head_mask, slot_map),
         *int2_pool_args(int2),
-        *int4_pool_args(int4, rows4),
+        *int4_pool_args(int4),
         part_o,
         part_lse,
         qk_scale,

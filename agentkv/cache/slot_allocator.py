@@ -103,12 +103,7 @@ class _FreeStacks:
             self.refcount = refcount
             sizes = torch.bincount(torch.arange(n) // run, minlength=-(-n // run))
             self.per_run = sizes.repeat(num_columns, 1)
-            self._taken = torch.zeros(n, dtype=torch.bool)  # (scratch of take_runs)
-
-    @property
-    def is_free(self) -> torch.Tensor:
-        """bool ``[C, len(ids)]``: the ids no holder references (``run`` stacks)."""
-        return self.refcount == 0
+            self._taken = np.zeros(n, dtype=bool)  # (scratch of take_runs)
 
     def _track(self, cols: torch.Tensor, ids: torch.Tensor, free: bool) -> None:
         """Count ``(cols, ids)`` in (``free``) or out of their runs."""
@@ -157,10 +152,9 @@ class _FreeStacks:
         free = self.stack[col, : int(self.top[col])].numpy()
         # (the caller counts the picked ids' references next: drop them from the list here,
         # by a flag per id: one gather over the list)
-        taken = self._taken.numpy()
-        taken[local] = True
-        rest = free[~taken[free - self.base]]  # (a copy)
-        taken[local] = False
+        self._taken[local] = True
+        rest = free[~self._taken[free - self.base]]  # (a copy)
+        self._taken[local] = False
         self.stack[col, : rest.size] = torch.from_numpy(rest)
         self.top[col] = rest.size
         return pick

@@ -227,6 +227,6 @@ def test_int4_run_bookkeeping_follows_the_free_lists():
         free = a.free_ids(c, Precision.INT4) - base
         flags = torch.zeros(300, dtype=torch.bool)
         flags[free] = True
-        assert torch.equal(stacks.is_free[c], flags)
+        assert torch.equal(stacks.refcount[c] == 0, flags)  # (free: no references)
         assert torch.equal(stacks.per_run[c], torch.bincount(free // INT4_RUN, minlength=10))
         assert len(set(free.tolist())) == free.numel()
