@@ -150,8 +150,12 @@ def _pools_to(pools: KVPools, device: torch.device) -> KVPools:
     def move(obj):  # type: ignore[no-untyped-def]
         if obj is None:
             return None
-        moved = {f.name: getattr(obj, f.name) for f in fields(obj)}  # optional fields: None
-        return replace(obj, **{k: v if v is None else v.to(device) for k, v in moved.items()})
+        # the constructor's fields (optional tensors: None; not a pool's remembered row map)
+        moved = {f.name: getattr(obj, f.name) for f in fields(obj) if f.init}
+        return replace(
+            obj,
+            **{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in moved.items()},
+        )
 
     int4 = move(pools.int4)
     if int4 is not None and pools.int4.scales_interleaved:  # keep one interleaved buffer
