@@ -95,6 +95,11 @@ class SegmentMaxLens:
     full: int
 
 
+#: (request, KV head) pairs of an INT4 launch from which its Gluon split runs two cp.async
+#: stages by default (16 programs per SM instead of 12; see ``DecodeConfig.int4_gluon_stages``)
+INT4_TWO_STAGE_PAIRS = 64
+
+
 @dataclass(frozen=True)
 class DecodeConfig:
     """Tuning knobs (``benchmarks/decode_attention.py --tune`` sweeps them on the GPU).
@@ -314,8 +319,14 @@ class DecodeConfig:
     B=32 N=32k 593 vs 533, B=32 N=4k 74 vs 66 (the copies' latency is not hidden by one block).
     On the store's head-major rows (session 27, kernel time, 2 vs 3) two stages gain where
     the launch has many (request, KV head) pairs, INT4 B=8 N=32k -3.0%, B=32 N=4k -2.5%,
-    B=32 N=32k -1.1%, and lose at B=1 N=32k (+5.9%); left at 3: a head-major pool whose
-    cells came off the free list one by one reads like the scattered rows above.
+    B=32 N=32k -1.1%, and lose at B=1 N=32k (+5.9%). Session 28 (two rounds each): on
+    head-major rows whose cells came off the free list one by one (``random/head``) two
+    stages are even (-2.4% to +1.1%, not the slot-major rows' loss above); on the store's
+    rows (``sorted-live/head``) B=8 N=32k -3.0%, B=32 N=4k -2.2%, B=16 N=8k -2.7%, B=8 N=8k
+    -1.9%, B=32 N=32k -0.7%, B=4 N=16k even (32 pairs). None (the default): 2 where the
+    INT4 launch has at least :data:`INT4_TWO_STAGE_PAIRS` (request, KV head) pairs, else 3
+    (:meth:`int4_stages`); the mixed launch keeps 3 (its INT4 programs lost 6-9% at N <=
+    16k with 2, session 27).
     int2_gluon_stages: the same for the Gluon INT2 split (default 2: 10,240 bytes; 3: 13,312;
     16 programs per SM either way, its registers' limit). H200, session 22, split kernel, 2
     vs 3 (two rounds): B=1 N=32k 15.1 vs 18.3 µs, B=32 N=32k 265 vs 274, B=8 N=128k 271 vs
@@ -383,7 +394,7 @@ class DecodeConfig:
     int2_gluon: bool | None = None
     int4_gluon: bool | None = None
     int4_gluon_cap_factor: int = 4
-    int4_gluon_stages: int = INT4_GLUON_STAGES
+    int4_gluon_stages: int | None = None
     int2_gluon_stages: int = INT2_GLUON_STAGES
     mixed_gluon_fused: bool = True
     mixed_int4_cost: float = 1.5
@@ -405,9 +416,10 @@ class DecodeConfig:
             raise ValueError(
                 f"pdl_splits must be None, False, True or 'last', got {self.pdl_splits!r}"
             )
-        for knob in ("int4_gluon_stages", "int2_gluon_stages"):
-            if getattr(self, knob) not in (2, 3):
-                raise ValueError(f"{knob} must be 2 or 3, got {getattr(self, knob)}")
+        if self.int4_gluon_stages not in (None, 2, 3):
+            raise ValueError(f"int4_gluon_stages must be 2 or 3, got {self.int4_gluon_stages}")
+        if self.int2_gluon_stages not in (2, 3):
+            raise ValueError(f"int2_gluon_stages must be 2 or 3, got {self.int2_gluon_stages}")
         if self.int4_v_centred and self.int4_v_subnormal:
             raise ValueError(
                 "int4_v_centred needs int4_v_subnormal=False (the centred codes are made "
@@ -430,6 +442,14 @@ class DecodeConfig:
         int4 = has_int4 and self.int4_live_from_scales
         int2 = has_int2 and self.int2_fold and self.int2_pipelined
         return 3 if int4 or int2 else 2
+
+    def int4_stages(self, pairs: int, mixed: bool = False) -> int:
+        """cp.async stages of the Gluon INT4 split in a launch of ``pairs`` (request, KV
+        head) pairs (``mixed``: the INT4 programs of the one mixed launch); None: see
+        ``int4_gluon_stages``."""
+        if self.int4_gluon_stages is not None:
+            return self.int4_gluon_stages
+        return 2 if pairs >= INT4_TWO_STAGE_PAIRS and not mixed else INT4_GLUON_STAGES
 
     def int2_lazy(self, has_int4: bool) -> bool:
         """Whether a launch's folded INT2 split rescales lazily (None: only where the
@@ -2905,7 +2925,7 @@ def decode_attention(
             regs,
             lazy2,
             cfg.int2_gluon_stages,
-            cfg.int4_gluon_stages,
+            cfg.int4_stages(b * hkv, mixed=True),
             link2.launch_dependents,
             link2.dependent,
         ) | _pdl_launch(link2)
@@ -2932,7 +2952,7 @@ def decode_attention(
             head_mask is not None,
             kcs is not None,
             regs,
-            cfg.int4_gluon_stages,
+            cfg.int4_stages(b * hkv),
             link4.launch_dependents,
             link4.dependent,
         ) | _pdl_launch(link4)

@@ -971,7 +971,17 @@ def test_one_mixed_launch(monkeypatch, fused, sms, full, expect) -> None:
         assert len2 % 64 == 0 and len4 % 64 == 0
         assert s2 * len2 >= 96 > (s2 - 1) * len2  # 3 INT2 pages
         assert (kw["grid"][1] - s2) * len4 >= 96 > (kw["grid"][1] - s2 - 1) * len4
-        assert (kw["NS2"], kw["NS4"]) == (cfg.int2_gluon_stages, cfg.int4_gluon_stages)
+        assert (kw["NS2"], kw["NS4"]) == (cfg.int2_gluon_stages, cfg.int4_stages(2, mixed=True))
+
+
+@pytest.mark.parametrize(("batch", "hkv", "stages"), [(2, 2, 3), (7, 8, 3), (8, 8, 2), (16, 8, 2)])
+def test_int4_launch_stages_follow_its_pairs(monkeypatch, batch, hkv, stages) -> None:
+    """The Gluon INT4 launch runs two cp.async stages from 64 (request, KV head) pairs on,
+    three below (``DecodeConfig.int4_stages``). The GPU and kernels are stood in for."""
+    seen = _record_sm90_launches(monkeypatch, 132)
+    mb = build_mixed_batch([(0, 96, 0)] * batch, hq=2 * hkv, hkv=hkv, d=128, seed=1)
+    mb.decode(config=DecodeConfig(resident_programs=8), max_lens=SegmentMaxLens(0, 96, 0))
+    assert seen[0][0] == "g4" and seen[0][1]["NS"] == stages
 
 
 def test_one_mixed_launch_plans_int4_positions_at_their_cost(monkeypatch) -> None:

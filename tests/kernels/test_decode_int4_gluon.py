@@ -75,7 +75,18 @@ def test_gluon_stages_are_checked(knob) -> None:
     for bad in (1, 4):
         with pytest.raises(ValueError, match=knob):
             DecodeConfig(**{knob: bad})
-    assert (DecodeConfig().int4_gluon_stages, DecodeConfig().int2_gluon_stages) == (3, 2)
+    assert (DecodeConfig().int4_gluon_stages, DecodeConfig().int2_gluon_stages) == (None, 2)
+
+
+def test_int4_stages_follow_the_launch_width() -> None:
+    """``int4_gluon_stages`` None: two stages where the INT4 launch has at least 64
+    (request, KV head) pairs (H200, session 28: -2 to -3% on the store's rows, even on rows
+    scattered one by one), three below and in the mixed launch; a number is kept."""
+    auto = DecodeConfig()
+    assert [auto.int4_stages(p) for p in (1, 32, 63, 64, 256)] == [3, 3, 3, 2, 2]
+    assert auto.int4_stages(256, mixed=True) == 3
+    assert DecodeConfig(int4_gluon_stages=3).int4_stages(256) == 3
+    assert DecodeConfig(int4_gluon_stages=2).int4_stages(1, mixed=True) == 2
 
 
 @needs_gluon_gpu
