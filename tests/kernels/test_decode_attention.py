@@ -45,6 +45,11 @@ dattn = importlib.import_module("agentkv.kernels.decode_attention")
 TOL = {torch.float16: 3e-3, torch.bfloat16: 3e-2 if torch.cuda.is_available() else 5e-2}
 
 
+#: the Triton split for every segment, also on a GPU where the Gluon splits would take the
+#: quantized ones (the tests of its own caps and chunks)
+TRITON_SPLITS = {"int4_gluon": False, "int2_gluon": False}
+
+
 def _run(mb, dtype, **kw) -> tuple[torch.Tensor, torch.Tensor]:
     out = mb.decode(**kw)
     ref = decode_attention_ref(mb.q, mb.pools, mb.slot_map, mb.seq_lens, mb.head_mask)
@@ -613,12 +618,15 @@ def test_folded_splits_are_capped() -> None:
     split): a longer ``split_len`` gives the capped launch's exact output; with the cap off
     it is honoured (a different split, a different rounding)."""
     mb = build_mixed_batch([(6, 300, 9)], hq=8, hkv=2, d=128, dead_fraction=0.1, seed=13)
-    cap = DecodeConfig(max_split_len_folded=64)
+    cap = DecodeConfig(max_split_len_folded=64, **TRITON_SPLITS)
     short, _ = _run(mb, torch.float16, split_len=64, config=cap)
     long, _ = _run(mb, torch.float16, split_len=256, config=cap)
     assert torch.equal(short, long)
     uncapped, _ = _run(
-        mb, torch.float16, split_len=256, config=DecodeConfig(max_split_len_folded=0)
+        mb,
+        torch.float16,
+        split_len=256,
+        config=DecodeConfig(max_split_len_folded=0, **TRITON_SPLITS),
     )
     assert not torch.equal(short, uncapped)
 
@@ -656,7 +664,7 @@ def test_chunked_int4_programs_give_the_one_program_per_chunk_output(monkeypatch
         dead_pattern="run",
         seed=21,
     )
-    cap = DecodeConfig(max_split_len_folded=64)
+    cap = DecodeConfig(max_split_len_folded=64, **TRITON_SPLITS)
     length = mb.slot_map.shape[-1]
     no_int2 = SegmentMaxLens(int2=0, int4=length, full=length)  # the engine's host bounds
     one, k_one = _chunk_launch(mb, monkeypatch, split_len=64, config=cap, max_lens=no_int2)
@@ -666,7 +674,7 @@ def test_chunked_int4_programs_give_the_one_program_per_chunk_output(monkeypatch
         torch.testing.assert_close(chunked, one, atol=1e-3, rtol=1e-3)
     else:
         assert torch.equal(one, chunked)
-    off_cfg = DecodeConfig(max_split_len_folded=64, chunked_splits=False)
+    off_cfg = DecodeConfig(max_split_len_folded=64, chunked_splits=False, **TRITON_SPLITS)
     off, k_off = _chunk_launch(mb, monkeypatch, split_len=256, config=off_cfg, max_lens=no_int2)
     assert k_off == [1]
     torch.testing.assert_close(off, one, atol=1e-3, rtol=1e-3)
@@ -1058,7 +1066,7 @@ def test_centred_int4_splits_are_not_capped() -> None:
     launch with the cap equals one without it. The centred codes need the magic-number
     conversion: asking for them with subnormal codes is an error, not a silent fallback."""
     mb = build_mixed_batch([(0, 300, 9)], hq=8, hkv=2, d=128, dead_fraction=0.1, seed=13)
-    centred = dict(int4_v_subnormal=False, int4_v_centred=True)
+    centred = dict(int4_v_subnormal=False, int4_v_centred=True, **TRITON_SPLITS)
     short, _ = _run(mb, torch.float16, split_len=64, config=DecodeConfig(**centred))
     capped, _ = _run(
         mb, torch.float16, split_len=256, config=DecodeConfig(max_split_len_folded=64, **centred)
