@@ -121,3 +121,20 @@ def test_backend_resolution(monkeypatch: pytest.MonkeyPatch) -> None:
     assert resolve_backend("auto", cpu) == "triton"
     with pytest.raises(ValueError):
         resolve_backend("cuda", cpu)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("head_major", [False, True])
+def test_the_test_batches_pools_move_between_devices(head_major: bool) -> None:
+    """The GPU tests' mixed batches move their pools to the GPU (``mixed_batch._pools_to``)
+    after the torch writers ran on the CPU; a pool that has remembered its row map (an
+    ``init=False`` field, not a tensor) moves too, with the same rows and its layout kept.
+    Run on the CPU (a move to the same device), so a change that breaks every GPU test is
+    seen without one (session 28: it was not, for a session)."""
+    from mixed_batch import _pools_to
+
+    p = KVPools.allocate(4, 6, 2, num_kv_heads=2, head_dim=64, int4_head_major=head_major)
+    rows = p.int4.row_map()
+    moved = _pools_to(p, torch.device("cpu"))
+    assert moved.int4.row_map() == rows
+    assert torch.equal(moved.int4.k, p.int4.k) and torch.equal(moved.int2.v, p.int2.v)
+    assert moved.int4.k.stride() == p.int4.k.stride()
