@@ -12,6 +12,10 @@ Per impl it prints two medians over repeated loops of back-to-back calls on CPU 
   every argument, ``compute_cache_key``, the global-values check), with a CUDA sm_90 backend
   and no driver.
 
+``--gluon`` stands in for an sm_90 GPU as far as the host sees one (132 SMs, programmatic
+dependent launches, the Gluon splits for every quantized segment, their residency given):
+the path a Hopper runs, the Gluon kernels' launches stubbed and bound alike, plus ``int2``.
+
 Not measured: the C launcher and ``cuLaunchKernel`` (a few µs per launch on a GPU host).
 On a GPU, ``benchmarks/decode_attention.py`` measures the whole host cost per call
 (``host_us``). ``--kernels`` times another copy of ``kernels/`` (e.g. ``git archive <rev>
@@ -37,6 +41,9 @@ def main() -> None:
     ap.add_argument("--length", type=int, default=4096)
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--loops", type=int, default=15)
+    ap.add_argument(
+        "--gluon", action="store_true", help="the sm_90 path: the Gluon splits' launches"
+    )
     args = ap.parse_args()
     if args.site:
         sys.path.insert(0, args.site)
@@ -94,14 +101,39 @@ def main() -> None:
             max_lens=mod.SegmentMaxLens(m, n - m, 0),
         ),
     }
-    kernels = (da._decode_split_kernel, da._merge_splits_kernel)
-    print(f"triton {triton.__version__} torch {torch.__version__} kernels {kdir} B={b} N={n}")
+    names = ["_decode_split_kernel", "_merge_splits_kernel"]
+    config = None
+    if args.gluon:  # what the host sees of an sm_90 GPU (restored below)
+        names += ["int2_split_gluon_kernel", "int4_split_gluon_kernel", "mixed_split_gluon_kernel"]
+        if getattr(da, names[-1]) is None:
+            raise SystemExit("--gluon needs a Triton with Gluon")
+        hopper = {
+            "_use_gluon_int2": lambda *a: True,
+            "_use_gluon_int4": lambda *a: True,
+            "_pdl_capable": lambda device: True,
+            "_num_sms": lambda device: 132,
+            "triton_interpreting": lambda: False,
+        }
+        saved = {k: getattr(da, k) for k in hopper}
+        for k, v in hopper.items():
+            setattr(da, k, v)
+        # the residency a GPU measures once per variant (H200: 12 INT4, 16 INT2 programs)
+        config = mod.DecodeConfig(resident_programs=12)
+        cases["int2"] = dict(int2_lens=seq, max_lens=mod.SegmentMaxLens(n, 0, 0))
+    kernels = {k: getattr(da, k) for k in names}
+    print(
+        f"triton {triton.__version__} torch {torch.__version__} kernels {kdir} B={b} N={n}"
+        + (" (sm_90 path: Gluon splits)" if args.gluon else "")
+    )
     for bind in (False, True):
-        da._decode_split_kernel, da._merge_splits_kernel = (Stub(j, bind) for j in kernels)
+        for k, jit in kernels.items():
+            setattr(da, k, Stub(jit, bind))
         for impl, kw in cases.items():
 
             def fn(kw=kw):
-                return da.decode_attention(q, pools, slots, seq, backend="triton", **kw)
+                return da.decode_attention(
+                    q, pools, slots, seq, backend="triton", config=config, **kw
+                )
 
             for _ in range(args.calls):
                 fn()
@@ -116,7 +148,11 @@ def main() -> None:
                 f"{statistics.median(loops):6.1f} min {min(loops):6.1f}",
                 flush=True,
             )
-    da._decode_split_kernel, da._merge_splits_kernel = kernels
+    for k, jit in kernels.items():
+        setattr(da, k, jit)
+    if args.gluon:
+        for k, v in saved.items():
+            setattr(da, k, v)
 
 
 if __name__ == "__main__":

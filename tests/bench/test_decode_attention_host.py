@@ -140,3 +140,25 @@ def test_slot_orders_place_every_token_on_its_own_row() -> None:
         s.out = bench.decode_attention_ref(s.q.float(), s.pools, kw["slot_map"], kw["seq_lens"])
     for s in shapes[1:]:
         torch.testing.assert_close(shapes[0].out, s.out)
+
+
+@pytest.mark.parametrize("gluon", [False, True])
+def test_host_overhead_script_times_each_path(gluon: bool) -> None:
+    """benchmarks/decode_host_overhead.py times ``decode_attention``'s Python part and
+    Triton's binder per impl on the CPU; ``--gluon`` takes the sm_90 path (the Gluon splits'
+    launches stubbed and bound, INT2 too) and leaves the module as it found it."""
+    import subprocess
+
+    if gluon and sys.modules[decode_attention.__module__].mixed_split_gluon_kernel is None:
+        pytest.skip("this Triton has no Gluon")
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "decode_host_overhead.py")]
+    cmd += ["--batch", "2", "--length", "256", "--calls", "3", "--loops", "1"]
+    out = subprocess.run(
+        cmd + (["--gluon"] if gluon else []), capture_output=True, text=True, timeout=600
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = re.findall(r"^(python|bind)_us (\w+) +median +([\d.]+)", out.stdout, flags=re.M)
+    impls = ["bf16", "int4", "mixed"] + (["int2"] if gluon else [])
+    assert [(k, i) for k, i, _ in rows] == [(k, i) for k in ("python", "bind") for i in impls]
+    assert all(float(t) > 0 for _, _, t in rows)
+    assert ("sm_90 path" in out.stdout) is gluon
