@@ -313,10 +313,11 @@ class DecodeConfig:
     1.90x SDPA), 7.1e-4 at B=8 N=128k uncapped (5,504 positions; 5.0e-4 at 512, the same
     time within 1%).
     int4_gluon_stages: the Gluon INT4 split's cp.async stages (2 or 3: one or two 32-token
-    blocks in flight while one is computed; default 3). Its shared memory, hence its
-    programs per SM, follow (3: 17,408 bytes, 12 per SM; 2: 12,288, 16 per SM, its 128
-    registers' limit); H200, session 22, split kernel, 2 vs 3: B=8 N=32k 141.6 vs 113.7 µs,
-    B=32 N=32k 593 vs 533, B=32 N=4k 74 vs 66 (the copies' latency is not hidden by one block).
+    blocks in flight while one is computed; default None, by the launch's width, below). Its
+    shared memory, hence its programs per SM, follow (3: 17,408 bytes, 12 per SM; 2:
+    12,288, 16 per SM, its 128 registers' limit); H200, session 22, split kernel, 2 vs 3, on
+    slot-major rows scattered at random: B=8 N=32k 141.6 vs 113.7 µs, B=32 N=32k 593 vs 533,
+    B=32 N=4k 74 vs 66 (the copies' latency is not hidden by one block).
     On the store's head-major rows (session 27, kernel time, 2 vs 3) two stages gain where
     the launch has many (request, KV head) pairs, INT4 B=8 N=32k -3.0%, B=32 N=4k -2.5%,
     B=32 N=32k -1.1%, and lose at B=1 N=32k (+5.9%). Session 28 (two rounds each): on
