@@ -1016,6 +1016,20 @@ def test_one_mixed_launch_plans_int4_positions_at_their_cost(monkeypatch) -> Non
         DecodeConfig(mixed_int4_cost=0.5)
 
 
+def test_segment_max_lens_hold_python_ints() -> None:
+    """The host bounds size the grid and key the cached split plans: numpy and 0-d integer
+    tensor bounds are read into Python ints once; negative or non-integer ones are refused."""
+    import numpy as np
+
+    b = SegmentMaxLens(np.int64(64), torch.tensor(96), 0)
+    assert (b.int2, b.int4, b.full) == (64, 96, 0)
+    assert all(type(x) is int for x in (b.int2, b.int4, b.full))
+    with pytest.raises(ValueError, match="SegmentMaxLens.full"):
+        SegmentMaxLens(0, 0, -1)
+    with pytest.raises(TypeError):
+        SegmentMaxLens(0, 1.5, 0)
+
+
 def test_pdl_splits_is_checked() -> None:
     with pytest.raises(ValueError, match="pdl_splits"):
         DecodeConfig(pdl_splits="first")
