@@ -145,8 +145,8 @@ def test_slot_orders_place_every_token_on_its_own_row() -> None:
 @pytest.mark.parametrize("gluon", [False, True])
 def test_host_overhead_script_times_each_path(gluon: bool) -> None:
     """benchmarks/decode_host_overhead.py times ``decode_attention``'s Python part and
-    Triton's binder per impl on the CPU; ``--gluon`` takes the sm_90 path (the Gluon splits'
-    launches stubbed and bound, INT2 too) and leaves the module as it found it."""
+    Triton's binder per impl on the CPU, one line each; ``--gluon`` takes the sm_90 path
+    (the Gluon splits' launches stubbed and bound, INT2 too)."""
     import subprocess
 
     if gluon and sys.modules[decode_attention.__module__].mixed_split_gluon_kernel is None:
