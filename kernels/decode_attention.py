@@ -427,10 +427,9 @@ class DecodeConfig:
             raise ValueError(
                 f"pdl_splits must be None, False, True or 'last', got {self.pdl_splits!r}"
             )
-        if self.int4_gluon_stages not in (None, 2, 3):
-            raise ValueError(f"int4_gluon_stages must be 2 or 3, got {self.int4_gluon_stages}")
-        if self.int2_gluon_stages not in (2, 3):
-            raise ValueError(f"int2_gluon_stages must be 2 or 3, got {self.int2_gluon_stages}")
+        for knob, allowed in (("int4_gluon_stages", (None, 2, 3)), ("int2_gluon_stages", (2, 3))):
+            if getattr(self, knob) not in allowed:
+                raise ValueError(f"{knob} must be 2 or 3, got {getattr(self, knob)}")
         if self.int4_v_centred and self.int4_v_subnormal:
             raise ValueError(
                 "int4_v_centred needs int4_v_subnormal=False (the centred codes are made "

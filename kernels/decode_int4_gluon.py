@@ -471,8 +471,8 @@ def int4_split_gluon_args(
     s_first: int,
 ) -> tuple:
     """The kernel's positional arguments (``slot_map`` [B, L] or [B, Hkv, L]; ``head_mask``
-    None or uint8 [B, Hkv, L]; ``int4``: the :class:`~.pools.Int4Pool`; ``int2_lens``: where each INT4 segment starts, read only with
-    the constexpr ``HAS_INT2``)."""
+    None or uint8 [B, Hkv, L]; ``int4``: the :class:`~.pools.Int4Pool`; ``int2_lens``:
+    where each INT4 segment starts, read only with the constexpr ``HAS_INT2``)."""
     return (
         *query_slot_args(q, slot_map),
         int2_lens,
