@@ -3,14 +3,17 @@
     python benchmarks/decode_host_overhead.py                       # this checkout's kernels/
     python benchmarks/decode_host_overhead.py --kernels /tmp/old/kernels --site /tmp/t36/site
 
-Per impl it prints two medians over repeated loops of back-to-back calls on CPU tensors:
+Per impl it prints medians over repeated loops of back-to-back calls on CPU tensors:
 
-* ``python_us``: ``decode_attention`` with both Triton launches stubbed out (argument checks,
-  split planning, allocations: the Python part before the launches);
-* ``bind_us``: the same plus, for both kernels, what Triton's ``JITFunction.run`` does in
+* ``python_us``: ``decode_attention`` with every Triton launch stubbed out (argument checks,
+  the plan's key and lookup, allocations, the launch arguments: the Python part);
+* ``dispatch_us``: the same plus, per launch, what Triton's ``JITFunction.run`` does in
   Python before its C launcher (the generated binder with ``native_specialize_impl`` over
   every argument, ``compute_cache_key``, the global-values check), with a CUDA sm_90 backend
-  and no driver.
+  and no driver (``DecodeConfig.direct_launch`` off: every launch through Triton);
+* ``direct_us`` (``--gluon``): the same call with direct launches (the default from
+  session 29: after a site's first launch, its fingerprint and the compiled kernel's
+  launcher, here a no-op).
 
 ``--gluon`` stands in for an sm_90 GPU as far as the host sees one (132 SMs, programmatic
 dependent launches, the Gluon splits for every quantized segment, their residency given):
@@ -25,6 +28,7 @@ kernels``), ``--site`` puts another Triton first on ``sys.path`` (e.g. the GPU's
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import os
 import statistics
@@ -67,11 +71,26 @@ def main() -> None:
     os.environ["TRITON_INTERPRET"] = "1"  # after the import: the kernels stay JITFunctions
     backend = make_backend(GPUTarget("cuda", 90, 32))
 
-    class Stub:
-        """``kernel[grid](...)``: nothing, or Triton's Python launch work without a driver."""
+    class Compiled:
+        """A compiled kernel's launcher fields, its launcher a no-op (no driver here)."""
 
-        def __init__(self, jit, bind: bool) -> None:
+        function = packed_metadata = None
+
+        def _init_handles(self) -> None:
+            pass
+
+        @staticmethod
+        def run(*args) -> None:
+            pass
+
+    class Stub:
+        """``kernel[grid](...)``: nothing, or Triton's Python launch work without a driver
+        (``bind``), returning a stand-in compiled kernel (``compiled``: what a direct launch
+        records, so the later launches of its site go direct)."""
+
+        def __init__(self, jit, bind: bool, compiled: bool = False) -> None:
             self.jit, self.bind, self.key_cache = jit, bind, {}
+            self.params = jit.params if compiled else None  # (None: no direct launches)
             self.binder = create_function_from_signature(jit.signature, jit.params, backend)
 
         def __getitem__(self, grid):
@@ -85,8 +104,20 @@ def main() -> None:
                     for (name, _), (val, g) in self.jit.used_global_vals.items():
                         if g.get(name, missing) != val:
                             raise RuntimeError(name)
+                return Compiled() if self.params is not None else None
 
             return run
+
+    class Driver:
+        """The two calls a direct launch makes of Triton's driver, without a GPU."""
+
+        @staticmethod
+        def get_current_device() -> int:
+            return 0
+
+        @staticmethod
+        def get_current_stream(device: int) -> int:
+            return 0
 
     hq, hkv, d, b, n = 32, 8, 128, args.batch, args.length
     tokens = b * n
@@ -128,15 +159,26 @@ def main() -> None:
         f"triton {triton.__version__} torch {torch.__version__} kernels {kdir} B={b} N={n}"
         + (" (sm_90 path: Gluon splits)" if args.gluon else "")
     )
-    for bind in (False, True):
+    # direct launches (DecodeConfig.direct_launch, from session 29): with --gluon, where
+    # the host stands in for a GPU's (elsewhere the interpreter's flag keeps them off)
+    dl = sys.modules.get("agentkv.kernels.direct_launch")
+    direct = dl is not None and args.gluon
+    dispatch = config
+    if dl is not None:  # Triton's dispatch on every launch
+        dispatch = dataclasses.replace(config or mod.DecodeConfig(), direct_launch=False)
+        dl.driver = type("Active", (), {"active": Driver()})
+    modes = [("python", False, False, config), ("dispatch", True, False, dispatch)]
+    if direct:
+        modes.append(("direct", True, True, config))
+    for mode, bind, compiled, cfg in modes:
         for k, jit in kernels.items():
-            setattr(da, k, Stub(jit, bind))
+            setattr(da, k, Stub(jit, bind, compiled))
+        if hasattr(da, "clear_decode_plans"):  # (plans hold their launch sites' kernels)
+            da.clear_decode_plans()
         for impl, kw in cases.items():
 
-            def fn(kw=kw):
-                return da.decode_attention(
-                    q, pools, slots, seq, backend="triton", config=config, **kw
-                )
+            def fn(kw=kw, cfg=cfg):
+                return da.decode_attention(q, pools, slots, seq, backend="triton", config=cfg, **kw)
 
             for _ in range(args.calls):
                 fn()
@@ -147,8 +189,7 @@ def main() -> None:
                     fn()
                 loops.append((time.perf_counter() - t) / args.calls * 1e6)
             print(
-                f"{'bind' if bind else 'python'}_us {impl:6s} median "
-                f"{statistics.median(loops):6.1f} min {min(loops):6.1f}",
+                f"{mode}_us {impl:6s} median {statistics.median(loops):6.1f} min {min(loops):6.1f}",
                 flush=True,
             )
     for k, jit in kernels.items():

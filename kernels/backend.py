@@ -7,6 +7,7 @@ imported lazily so that this package imports on machines without it.
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Literal
 
@@ -20,6 +21,7 @@ def triton_interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+@functools.cache  # (an import attempt on every kernel call's hot path otherwise)
 def triton_available() -> bool:
     try:
         import triton  # noqa: F401

@@ -68,6 +68,7 @@ from .decode_mixed_gluon import (
     mixed_split_gluon_consts,
     mixed_split_gluon_kernel,
 )
+from .direct_launch import DirectLaunch
 from .gluon_fragments import GLUON_AVAILABLE, MIN_CAPABILITY, head_mask_args, query_slot_args
 from .packing import (
     INT4_CENTRE,
@@ -362,6 +363,10 @@ class DecodeConfig:
     24.2, B=8 N=128k 337 / 327 / 326 / 338, B=1 N=32k 22.4 / 22.2 / 22.0 / 23.0, B=8 N=32k
     100.5 / 99.8 / 101.4 / 105.0, B=1 N=4k 11.4 / 11.2 / 11.6 / 11.5 (the last two within
     the harness's spread).
+    direct_launch: launch each kernel the plan has launched before with the same
+    specialization through its compiled launcher, not Triton's per-launch dispatch
+    (:class:`~.direct_launch.DirectLaunch`; the plan itself is remembered either way, see
+    :class:`DecodePlan`). False: Triton's ``kernel[grid](...)`` on every launch.
     """
 
     block_n_full: int = 64
@@ -409,6 +414,7 @@ class DecodeConfig:
     int2_gluon_stages: int = INT2_GLUON_STAGES
     mixed_gluon_fused: bool = True
     mixed_int4_cost: float = 1.5
+    direct_launch: bool = True
 
     def __post_init__(self) -> None:
         bd = self.merge_block_d
@@ -2693,36 +2699,7 @@ def decode_attention(
     has4 = int4_lens is not None and pools.int4 is not None
     if max_lens is None:
         max_lens = SegmentMaxLens(length if has2 else 0, length if has4 else 0, length)
-    m2 = max_lens.int2 if has2 else 0
-    m4 = max_lens.int4 if has4 else 0
-    mf = max_lens.full
-    g = hq // hkv
-    g_pow2 = 1 << (g - 1).bit_length()  # triton.next_power_of_2 is a constexpr_function (slow)
-    block_hq = max(cfg.min_block_hq, g_pow2)
-    stacked = cfg.int4_stacked
-    v_fold = cfg.int4_v_fold
-    if stacked is None:  # stacked rows fit one 16-row MMA tile; else fp16-dequantized values
-        stacked = block_hq * (d // 32) <= 16
-        v_fold = v_fold and stacked
-    # the scale-folded splits' sums cancel: keep them short
-    cap = cfg.folded_split_cap(m2 + m4 + mf)
-    centred = cfg.int4_v_centred and stacked  # (__post_init__: never with subnormal codes)
-    cap2 = cap if cfg.int2_fold else 0
-    cap4 = cap if not cfg.int4_legacy and (stacked or v_fold) and not centred else 0
-
     q = q if q.stride(-1) == 1 else q.contiguous()
-    f, p4, p2 = pools.full, pools.int4, pools.int2
-    if f.k.stride() != f.v.stride() or f.k.stride(-1) != 1:
-        raise ValueError("full pool k and v need equal strides and a contiguous last dim")
-    dummy = slot_map
-    q4 = [dummy] * 6 if not has4 else [p4.k, p4.v, p4.k_scale, p4.k_zero, p4.v_scale, p4.v_zero]
-    kcs = p4.k_channel if has4 and p4.k_channel is not None else None
-    q2 = [dummy] * 6 if not has2 else [p2.k, p2.v, p2.k_scale, p2.k_zero, p2.v_scale, p2.v_zero]
-    # where the INT4 pool's (slot, head) rows lie (slot- or head-major; checked here)
-    rows4 = p4.row_map() if has4 else Int4RowMap(hkv, 1, d // 32)
-    sstride, interleaved = rows4.scale_stride, rows4.interleaved
-    if not all(t.is_contiguous() for t in q2):
-        raise ValueError("quantized pools must be contiguous (INT4: see Int4Pool.row_map)")
     hm = None  # (the uint8 head mask, contiguous along positions)
     if head_mask is not None:
         hm = head_mask.to(torch.uint8) if head_mask.dtype == torch.bool else head_mask
@@ -2730,134 +2707,468 @@ def decode_attention(
             hm = hm.contiguous()
     n2 = int2_lens if has2 else seq_lens
     n4 = int4_lens if has4 else seq_lens
-    if max(t.dim() for t in (seq_lens, n2, n4)) == 2:
+    if seq_lens.dim() == 2 or n2.dim() == 2 or n4.dim() == 2:
         seq_lens, n2, n4 = (
             (t if t.dim() == 2 else t[:, None]).expand(b, hkv).contiguous()
             for t in (seq_lens, n2, n4)
         )
-        stride_lb, stride_lh = hkv, 1
-    else:
-        seq_lens, n2, n4 = (t.contiguous() for t in (seq_lens, n2, n4))
-        stride_lb, stride_lh = 1, 0
-
+    else:  # (unrolled: each generator here cost ~0.5 µs of every call)
+        seq_lens, n2, n4 = seq_lens.contiguous(), n2.contiguous(), n4.contiguous()
     interpreting = triton_interpreting()
-    # the INT2 splits on the Gluon kernel (its own launch), the other segments' here
-    gluon2 = m2 > 0 and _use_gluon_int2(cfg, q.device, d, g, slot_map.dtype, interpreting)
-    t2 = m2 > 0 and not gluon2  # INT2 splits in this module's kernel
-    # the INT4 splits likewise; this module's launch then runs a contiguous run of programs
-    # (the full segment's), so not beside INT2 splits of its own
-    gluon4 = m4 > 0 and _use_gluon_int4(
-        cfg, q.device, d, g, slot_map.dtype, interpreting, t2, p4, sstride, interleaved
+    # everything the plan reads that is not a tensor's contents (the tensors' shapes,
+    # strides, dtypes and the pools' alignment included): equal keys, equal launches
+    key = (
+        pools.layout_key(),
+        q.shape,
+        q.stride(),
+        q.dtype,
+        q.device,
+        slot_map.shape,
+        slot_map.stride(),
+        slot_map.dtype,
+        seq_lens.dtype,
+        n2.dtype,
+        n4.dtype,
+        seq_lens.dim(),
+        None if hm is None else (hm.dtype, hm.stride()),
+        has2,
+        has4,
+        scale,
+        dead_id,
+        max_lens.int2,
+        max_lens.int4,
+        max_lens.full,
+        split_len,
+        id(cfg),  # (the plan holds cfg: no other config gets its id while the plan is kept)
+        interpreting,
     )
-    t4 = m4 > 0 and not gluon4  # INT4 splits in this module's kernel
-    if gluon4:  # its blocks' dots start from zero and are summed rounding to nearest
-        cap4 = cap * cfg.int4_gluon_cap_factor
-    imma = stacked if cfg.int4_imma is None else cfg.int4_imma  # int8 key dots where stacked
-    # the stacked INT4 split may run several capped chunks (a partial row each), in launches
-    # without INT2 segments (H100, session 16: beside INT2 segments 0.5-2.5% slower; the
-    # INT2 split chunked too was -6% to +4% alone and 4-10% slower in mixed launches: not
-    # kept)
-    chunk4 = (
-        cfg.chunked_splits
-        and cap4 > 0
-        and m2 == 0
-        and (stacked or imma)
-        and not cfg.int4_legacy
-        and not gluon4
-    )
-    scale_tile = cfg.int4_scale_tile and stacked and interleaved and not centred
-    regs = None if interpreting else cfg.max_registers
-    # the merge as a programmatic dependent launch where the GPU has it (sm_90+); by
-    # default only where it is narrow (few rows: the early launch paid at B=1, lost at B>=16)
-    narrow = b * hq < _num_sms(q.device)
-    # this module's split runs unless the Gluon splits take every segment there is (then the
-    # plan below gives it no program)
-    runs_here = mf > 0 or t2 or t4 or not (gluon2 or gluon4)
-    chain = cfg.pdl_splits
-    if chain is None:  # a short full window behind the Gluon splits: chained (see DecodeConfig)
-        window = runs_here and not (t2 or t4) and (gluon2 or gluon4) and mf < m2 + m4
-        chain = "last" if window else False
-    wanted = cfg.pdl is True or (cfg.pdl is None and (narrow or bool(chain)))
-    pdl = wanted and not interpreting and _pdl_capable(q.device)
-    # both Gluon splits in one launch (the INT2 launch's place in the chain)
-    fused = gluon2 and gluon4 and cfg.mixed_gluon_fused
-    # the launches' programmatic dependencies
-    link2, link4, link = launch_chain(pdl, (gluon2, gluon4 and not fused, runs_here), chain)
-    # this module's split's constexprs and launch options, where it runs (its plan and its
-    # launch read them; where the Gluon splits take every segment, ~3 µs of host time saved)
-    consts = (
-        {}
-        if not runs_here
-        else dict(
-            G=g,
-            BLOCK_H=max(16, g_pow2),
-            BLOCK_HQ=block_hq,
-            D=d,
-            BN_FULL=cfg.block_n_full,
-            BN_INT4=cfg.block_n_int4,
-            HAS_FULL=mf > 0,
-            HAS_INT4=t4,
-            HAS_INT2=t2,
-            HAS_HEAD_MASK=head_mask is not None,
-            HAS_KCS=kcs is not None,
-            IEEE_F32=interpreting,
-            USE_ASM=not interpreting,
-            PREFETCH=cfg.prefetch,
-            INT2_PIPELINED=cfg.int2_pipelined,
-            INT2_LAZY_RESCALE=cfg.int2_lazy(m4 > 0),
-            V_FOLD=v_fold,
-            INT4_LEGACY=cfg.int4_legacy,
-            STACKED=stacked or imma,
-            KEY_IMMA=imma,
-            LAZY_RESCALE=cfg.int4_lazy_rescale,
-            V_SUBNORMAL=cfg.int4_v_subnormal,
-            V_DOTS8=cfg.int4_v_dots8,
-            OFFS32=cfg.int4_offsets32 and has4 and p4.k.numel() < 2**31,
-            INT2_FOLD=cfg.int2_fold,
-            INT2_V_WORDS=cfg.int2_v_words,
-            INT4_LIVE_FROM_SCALES=cfg.int4_live_from_scales and stacked,
-            HEADS_FASTEST=cfg.heads_fastest,
-            V_CENTRED=centred,
-            INT4_V_SCALES_BY_DOT=cfg.int4_v_scales_by_dot and stacked,
-            INT4_SCALE_STRIDE=sstride,
-            INT4_SCALE_TILE=scale_tile,
-            INT4_CHUNKS=False,  # set below where the plan gives INT4 programs several chunks
-            LAUNCH_DEPENDENTS=link.launch_dependents,
-            INT2_ELSEWHERE=gluon2,
-            INT4_ELSEWHERE=gluon4,
-            WAIT_PRIOR=link.dependent,
-            num_warps=cfg.warps(t4, t2),
-            num_stages=cfg.stages(t4, t2),
-            **({"maxnreg": regs} if regs else {}),
-            **_pdl_launch(link),
-        )
-    )
+    plan = _PLANS.get(key)
+    if plan is None or plan.config is not cfg:
+        plan = DecodePlan(
+            cfg, q, pools, slot_map, seq_lens, n2, n4, hm, has2, has4, scale, dead_id,
+            max_lens, split_len, interpreting,
+        )  # fmt: skip
+        if len(_PLANS) >= _MAX_PLANS:
+            del _PLANS[next(iter(_PLANS))]  # the oldest
+        _PLANS[key] = plan
+    return plan.run(q, pools, slot_map, seq_lens, n2, n4, hm)
 
-    def split_args(grid: SplitGrid, part_o, part_lse, s_first: int = 0) -> tuple:
+
+#: decode plans by their call's key (see decode_attention), oldest first
+_PLANS: dict[tuple, DecodePlan] = {}
+_MAX_PLANS = 512
+
+
+def clear_decode_plans() -> None:
+    """Forget every remembered :class:`DecodePlan` (e.g. after changing what planning reads
+    from outside its inputs, as tests that stand in for a GPU do)."""
+    _PLANS.clear()
+
+
+class DecodePlan:
+    """What :func:`decode_attention` decides for a call before it launches anything: which
+    kernels run each segment's splits, their constexprs and grids, the partial rows, the
+    launch chain, the merge's tiles. It depends on the tensors' shapes, strides, dtypes and
+    alignment and on the scalars, never on their contents, so it is made once per distinct
+    call (per decode shape: every layer and step of an engine's decode reuses it) and kept
+    by :func:`decode_attention`; each launch site is a :class:`~.direct_launch.DirectLaunch`
+    (``DecodeConfig.direct_launch``). Made with the call's tensors, which it keeps none of
+    (a variant's residency is measured by compiling it with them, once per variant)."""
+
+    def __init__(
+        self,
+        cfg: DecodeConfig,
+        q: torch.Tensor,
+        pools: KVPools,
+        slot_map: torch.Tensor,
+        seq_lens: torch.Tensor,
+        n2: torch.Tensor,
+        n4: torch.Tensor,
+        hm: torch.Tensor | None,
+        has2: bool,
+        has4: bool,
+        scale: float,
+        dead_id: int,
+        max_lens: SegmentMaxLens,
+        split_len: int | None,
+        interpreting: bool,
+    ) -> None:
+        self.config = cfg
+        b, hq, d = q.shape
+        hkv = pools.num_kv_heads
+        self.hkv = hkv
+        self.per_head = per_head = slot_map.dim() == 3
+        m2 = max_lens.int2 if has2 else 0
+        m4 = max_lens.int4 if has4 else 0
+        mf = max_lens.full
+        g = hq // hkv
+        g_pow2 = 1 << (g - 1).bit_length()  # triton.next_power_of_2 is a constexpr_function (slow)
+        block_hq = max(cfg.min_block_hq, g_pow2)
+        stacked = cfg.int4_stacked
+        v_fold = cfg.int4_v_fold
+        if stacked is None:  # stacked rows fit one 16-row MMA tile; else fp16-dequantized values
+            stacked = block_hq * (d // 32) <= 16
+            v_fold = v_fold and stacked
+        # the scale-folded splits' sums cancel: keep them short
+        cap = cfg.folded_split_cap(m2 + m4 + mf)
+        centred = cfg.int4_v_centred and stacked  # (__post_init__: never with subnormal codes)
+        cap2 = cap if cfg.int2_fold else 0
+        cap4 = cap if not cfg.int4_legacy and (stacked or v_fold) and not centred else 0
+
+        f, p4, p2 = pools.full, pools.int4, pools.int2
+        if f.k.stride() != f.v.stride() or f.k.stride(-1) != 1:
+            raise ValueError("full pool k and v need equal strides and a contiguous last dim")
+        self.has2, self.has4 = has2, has4
+        self.has_kcs = has4 and p4.k_channel is not None
+        # where the INT4 pool's (slot, head) rows lie (slot- or head-major; checked here)
+        rows4 = p4.row_map() if has4 else Int4RowMap(hkv, 1, d // 32)
+        self.rows4 = rows4
+        sstride, interleaved = rows4.scale_stride, rows4.interleaved
+        q2 = (p2.k, p2.v, p2.k_scale, p2.k_zero, p2.v_scale, p2.v_zero) if has2 else (slot_map,)
+        if not all(t.is_contiguous() for t in q2):
+            raise ValueError("quantized pools must be contiguous (INT4: see Int4Pool.row_map)")
+        self.stride_lb, self.stride_lh = (hkv, 1) if seq_lens.dim() == 2 else (1, 0)
+        self.qk_scale = scale * _LOG2E
+        self.dead_id = dead_id
+        self.int4_base, self.int2_base = pools.int4_base, pools.int2_base
+
+        # the INT2 splits on the Gluon kernel (its own launch), the other segments' here
+        gluon2 = m2 > 0 and _use_gluon_int2(cfg, q.device, d, g, slot_map.dtype, interpreting)
+        t2 = m2 > 0 and not gluon2  # INT2 splits in this module's kernel
+        # the INT4 splits likewise; this module's launch then runs a contiguous run of
+        # programs (the full segment's), so not beside INT2 splits of its own
+        gluon4 = m4 > 0 and _use_gluon_int4(
+            cfg, q.device, d, g, slot_map.dtype, interpreting, t2, p4, sstride, interleaved
+        )
+        t4 = m4 > 0 and not gluon4  # INT4 splits in this module's kernel
+        if gluon4:  # its blocks' dots start from zero and are summed rounding to nearest
+            cap4 = cap * cfg.int4_gluon_cap_factor
+        imma = stacked if cfg.int4_imma is None else cfg.int4_imma  # int8 key dots where stacked
+        # the stacked INT4 split may run several capped chunks (a partial row each), in
+        # launches without INT2 segments (H100, session 16: beside INT2 segments 0.5-2.5%
+        # slower; the INT2 split chunked too was -6% to +4% alone and 4-10% slower in mixed
+        # launches: not kept)
+        chunk4 = (
+            cfg.chunked_splits
+            and cap4 > 0
+            and m2 == 0
+            and (stacked or imma)
+            and not cfg.int4_legacy
+            and not gluon4
+        )
+        scale_tile = cfg.int4_scale_tile and stacked and interleaved and not centred
+        regs = None if interpreting else cfg.max_registers
+        # the merge as a programmatic dependent launch where the GPU has it (sm_90+); by
+        # default only where it is narrow (few rows: the early launch paid at B=1, lost at
+        # B>=16)
+        narrow = b * hq < _num_sms(q.device)
+        # this module's split runs unless the Gluon splits take every segment there is (then
+        # the plan below gives it no program)
+        runs_here = mf > 0 or t2 or t4 or not (gluon2 or gluon4)
+        chain = cfg.pdl_splits
+        if chain is None:  # a short full window behind the Gluon splits: chained (see DecodeConfig)
+            window = runs_here and not (t2 or t4) and (gluon2 or gluon4) and mf < m2 + m4
+            chain = "last" if window else False
+        wanted = cfg.pdl is True or (cfg.pdl is None and (narrow or bool(chain)))
+        pdl = wanted and not interpreting and _pdl_capable(q.device)
+        # both Gluon splits in one launch (the INT2 launch's place in the chain)
+        fused = gluon2 and gluon4 and cfg.mixed_gluon_fused
+        self.gluon2, self.gluon4, self.fused = gluon2, gluon4, fused
+        # the launches' programmatic dependencies
+        link2, link4, link = launch_chain(pdl, (gluon2, gluon4 and not fused, runs_here), chain)
+        # this module's split's constexprs and launch options, where it runs (its plan and
+        # its launch read them; where the Gluon splits take every segment, ~3 µs of host
+        # time saved)
+        consts = (
+            {}
+            if not runs_here
+            else dict(
+                G=g,
+                BLOCK_H=max(16, g_pow2),
+                BLOCK_HQ=block_hq,
+                D=d,
+                BN_FULL=cfg.block_n_full,
+                BN_INT4=cfg.block_n_int4,
+                HAS_FULL=mf > 0,
+                HAS_INT4=t4,
+                HAS_INT2=t2,
+                HAS_HEAD_MASK=hm is not None,
+                HAS_KCS=self.has_kcs,
+                IEEE_F32=interpreting,
+                USE_ASM=not interpreting,
+                PREFETCH=cfg.prefetch,
+                INT2_PIPELINED=cfg.int2_pipelined,
+                INT2_LAZY_RESCALE=cfg.int2_lazy(m4 > 0),
+                V_FOLD=v_fold,
+                INT4_LEGACY=cfg.int4_legacy,
+                STACKED=stacked or imma,
+                KEY_IMMA=imma,
+                LAZY_RESCALE=cfg.int4_lazy_rescale,
+                V_SUBNORMAL=cfg.int4_v_subnormal,
+                V_DOTS8=cfg.int4_v_dots8,
+                OFFS32=cfg.int4_offsets32 and has4 and p4.k.numel() < 2**31,
+                INT2_FOLD=cfg.int2_fold,
+                INT2_V_WORDS=cfg.int2_v_words,
+                INT4_LIVE_FROM_SCALES=cfg.int4_live_from_scales and stacked,
+                HEADS_FASTEST=cfg.heads_fastest,
+                V_CENTRED=centred,
+                INT4_V_SCALES_BY_DOT=cfg.int4_v_scales_by_dot and stacked,
+                INT4_SCALE_STRIDE=sstride,
+                INT4_SCALE_TILE=scale_tile,
+                INT4_CHUNKS=False,  # set below where the plan gives INT4 programs several chunks
+                LAUNCH_DEPENDENTS=link.launch_dependents,
+                INT2_ELSEWHERE=gluon2,
+                INT4_ELSEWHERE=gluon4,
+                WAIT_PRIOR=link.dependent,
+                num_warps=cfg.warps(t4, t2),
+                num_stages=cfg.stages(t4, t2),
+                **({"maxnreg": regs} if regs else {}),
+                **_pdl_launch(link),
+            )
+        )
+        # the Gluon splits' softmax: exact max (p <= 1) unless lazy is asked for (H200:
+        # within noise of lazy, and the dominant token's p * vs is not rounded)
+        lazy2 = cfg.int2_lazy_rescale is True
+        has_hm = hm is not None
+        fconsts = {}
+        if fused:
+            fconsts = mixed_split_gluon_consts(
+                g,
+                d,
+                sstride,
+                interleaved,
+                has_hm,
+                self.has_kcs,
+                regs,
+                lazy2,
+                cfg.int2_gluon_stages,
+                cfg.int4_stages(b * hkv, mixed=True),
+                link2.launch_dependents,
+                link2.dependent,
+            ) | _pdl_launch(link2)
+        gconsts = {}
+        if gluon2 and not fused:
+            gconsts = int2_split_gluon_consts(
+                g,
+                d,
+                has_hm,
+                regs,
+                lazy2,
+                cfg.int2_gluon_stages,
+                link2.launch_dependents,
+                link2.dependent,
+            ) | _pdl_launch(link2)
+        g4consts = {}
+        if gluon4 and not fused:
+            g4consts = int4_split_gluon_consts(
+                g,
+                d,
+                sstride,
+                interleaved,
+                has2,
+                has_hm,
+                self.has_kcs,
+                regs,
+                cfg.int4_stages(b * hkv),
+                link4.launch_dependents,
+                link4.dependent,
+            ) | _pdl_launch(link4)
+
+        call = (q, pools, slot_map, seq_lens, n2, n4, hm)  # (for the residency probes only)
+        lens = (m2, m4, mf)
+        caps = (cap2, cap4, 0)
+        if split_len is not None:
+            if split_len % 64:
+                raise ValueError("split_len must be a multiple of 64")
+            splits = (split_len,) * 3
+        elif cfg.wave_splits:
+
+            def wave_plan(resident: int, seg: tuple[int, ...]) -> tuple[int, ...]:
+                slots = _num_sms(q.device) * resident
+                return plan_wave_splits(
+                    b * hkv,
+                    seg,
+                    caps,
+                    slots,
+                    cfg.min_split_len,
+                    cfg.program_overhead_len,
+                    chunked=(False, chunk4, False),
+                )
+
+            # this module's kernel: every segment, or those past the ones Gluon runs
+            tri = (0 if gluon2 else m2, 0 if gluon4 else m4, mf)
+            splits = (cfg.min_split_len,) * 3  # (a segment that is absent: no program)
+            if any(tri):
+                key = (q.device, q.dtype, f.k.dtype, per_head, *consts.values())
+                resident = cfg.resident_programs or _RESIDENT_PROGRAMS.get(key)
+                splits = wave_plan(resident or _RESIDENT_GUESS, tri)
+                if resident is None and not interpreting:
+                    # compile the variant with the guessed plan's arguments (no launch), so
+                    # the launch below finds it compiled when the guess holds
+                    scratch = torch.empty(1, dtype=torch.float32, device=q.device)
+                    self.grid = _split_grid(lens, splits, caps, chunk4)
+                    args = self.split_args(*call, scratch, scratch)
+                    resident = _variant_resident_programs(
+                        key,
+                        q.device,
+                        lambda: _decode_split_kernel.warmup(*args, grid=(1,), **consts),
+                    )
+                    splits = wave_plan(resident, tri)
+
+            def gluon_resident(tag: str, kernel, args_of, kconsts: dict) -> int:
+                """Programs per SM of a Gluon split (measured once per variant)."""
+                key = (q.device, q.dtype, tag, per_head, *kconsts.values())
+                resident = cfg.resident_programs or _RESIDENT_PROGRAMS.get(key)
+                if resident is None:
+                    scratch = torch.empty(1, dtype=torch.float32, device=q.device)
+                    self.grid = _split_grid(lens, (cfg.min_split_len,) * 3, caps, False)
+                    args = args_of(*call, scratch, scratch)
+                    resident = _variant_resident_programs(
+                        key, q.device, lambda: kernel.warmup(*args, grid=(1,), **kconsts)
+                    )
+                return resident
+
+            # the INT2 / INT4 splits planned for their Gluon kernels' own residency (one
+            # launch: together, for its residency)
+            if fused:
+                resf = gluon_resident(
+                    "gluon-mixed", mixed_split_gluon_kernel, self.fused_args, fconsts
+                )
+                # an INT4 position costs mixed_int4_cost INT2 positions: planned in INT2
+                # units, the INT4 split that many times shorter, so the grid's programs end
+                # together
+                w = cfg.mixed_int4_cost
+                l2, l4 = wave_plan(resf, (m2, math.ceil(m4 * w), 0))[:2]
+                splits = (l2, max(64, int(l4 / w) // 64 * 64), splits[2])
+            elif gluon2:
+                res2 = gluon_resident("gluon-int2", int2_split_gluon_kernel, self.gluon2_args, gconsts)  # fmt: skip
+                splits = (wave_plan(res2, (m2, 0, 0))[0], *splits[1:])
+            if gluon4 and not fused:
+                res4 = gluon_resident("gluon-int4", int4_split_gluon_kernel, self.gluon4_args, g4consts)  # fmt: skip
+                splits = (splits[0], wave_plan(res4, (0, m4, 0))[1], splits[2])
+        else:
+            total, sms = m2 + m4 + mf, _num_sms(q.device)
+            splits = tuple(
+                _split_len(b, hkv, total, sms, pps, cfg.min_split_len)
+                for pps in (cfg.programs_per_sm_int2, cfg.programs_per_sm_int4, cfg.programs_per_sm)
+            )
+        # the folded caps: rows of at most the cap (chunked: several rows to a program)
+        grid = self.grid = _split_grid(lens, splits, caps, chunk4)
+        if grid.k4 > 1:  # its own variant: the chunk bookkeeping would cost launches that do
+            # not (planned with the plain variant's residency: 214 vs 215 registers, 8 per
+            # SM alike)
+            consts = {**consts, "INT4_CHUNKS": True}
+        # this module's programs: those past the splits the Gluon kernels ran (INT2, INT4)
+        self.s_first = (grid.s2 if gluon2 else 0) + (grid.p4 if gluon4 else 0)
+        programs = grid.programs - self.s_first
+        self.runs_here = programs > 0
+        self.tri_grid = (hkv, programs, b) if cfg.heads_fastest else (programs, hkv, b)
+        # few (request, query head) rows: more, narrower merge programs (a split of D)
+        block_d = cfg.merge_block_d
+        if block_d is None:
+            block_d = 32 if narrow else d
+        block_d = min(block_d, d)
+        self.merge_grid = (b * hq, d // block_d, 1)
+        mconsts = dict(
+            D=d,
+            # (a step's partial tile at most 16,384 fp32: 128 per thread of the 4 warps)
+            BLOCK_S=min(
+                cfg.merge_block_s, 16384 // block_d, max(16, 1 << (grid.s_total - 1).bit_length())
+            ),
+            BLOCK_D=block_d,
+            GDC_WAIT=pdl,
+            num_warps=4,
+            **({"launch_pdl": True} if pdl else {}),
+        )
+        direct = cfg.direct_launch and not interpreting
+        self.fused_launch = DirectLaunch(mixed_split_gluon_kernel, fconsts, direct)
+        self.gluon2_launch = DirectLaunch(int2_split_gluon_kernel, gconsts, direct)
+        self.gluon4_launch = DirectLaunch(int4_split_gluon_kernel, g4consts, direct)
+        self.tri_launch = DirectLaunch(_decode_split_kernel, consts, direct)
+        self.merge_launch = DirectLaunch(_merge_splits_kernel, mconsts, direct)
+
+    def run(
+        self,
+        q: torch.Tensor,
+        pools: KVPools,
+        slot_map: torch.Tensor,
+        seq_lens: torch.Tensor,
+        n2: torch.Tensor,
+        n4: torch.Tensor,
+        hm: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Launch the plan on a call's tensors (those of :func:`decode_attention` after its
+        checks: ``q`` contiguous along D, lengths contiguous, the uint8 head mask or None);
+        returns [B, Hq, D] in q's dtype."""
+        b, hq, d = q.shape
+        grid = self.grid
+        s_total = grid.s_total
+        dev = q.device
+        part_o = torch.empty(b, hq, s_total, d, dtype=torch.float32, device=dev)
+        part_lse = torch.empty(b, hq, s_total, dtype=torch.float32, device=dev)
+        out = torch.empty(b, hq, d, dtype=q.dtype, device=dev)
+        call = (q, pools, slot_map, seq_lens, n2, n4, hm, part_o, part_lse)
+        hkv = self.hkv
+        # (each kernel as the module holds it now: a test's or benchmark's stand-in included)
+        if self.fused:
+            launch = (hkv, grid.s2 + grid.s4, b)
+            self.fused_launch(mixed_split_gluon_kernel, launch, self.fused_args(*call))
+        elif self.gluon2:
+            self.gluon2_launch(int2_split_gluon_kernel, (hkv, grid.s2, b), self.gluon2_args(*call))  # fmt: skip
+        if self.gluon4 and not self.fused:
+            self.gluon4_launch(int4_split_gluon_kernel, (hkv, grid.s4, b), self.gluon4_args(*call))  # fmt: skip
+        if self.runs_here:
+            self.tri_launch(
+                _decode_split_kernel, self.tri_grid, self.split_args(*call, self.s_first)
+            )
+        self.merge_launch(
+            _merge_splits_kernel,
+            self.merge_grid,
+            (part_o, part_lse, out, out.stride(0), out.stride(1), hq, s_total),
+        )
+        return out
+
+    def split_args(
+        self, q, pools, slot_map, seq_lens, n2, n4, hm, part_o, part_lse, s_first: int = 0
+    ) -> tuple:
+        """This module's split kernel's positional arguments."""
+        f, p4, p2 = pools.full, pools.int4, pools.int2
+        dummy = slot_map
+        q4 = (
+            (p4.k, p4.v, p4.k_scale, p4.k_zero, p4.v_scale, p4.v_zero)
+            if self.has4
+            else (dummy,) * 6
+        )
+        q2 = (
+            (p2.k, p2.v, p2.k_scale, p2.k_zero, p2.v_scale, p2.v_zero)
+            if self.has2
+            else (dummy,) * 6
+        )
+        grid = self.grid
         return (
             *query_slot_args(q, slot_map),
             seq_lens,
             n2,
             n4,
-            stride_lb,
-            stride_lh,
+            self.stride_lb,
+            self.stride_lh,
             *head_mask_args(hm, dummy),
             f.k,
             f.v,
             f.k.stride(0),
             f.k.stride(1),
             *q4,
-            kcs if kcs is not None else dummy,
-            rows4.slot_rows,
-            rows4.head_rows,
+            p4.k_channel if self.has_kcs else dummy,
+            self.rows4.slot_rows,
+            self.rows4.head_rows,
             *q2,
             part_o,
             part_lse,
-            scale * _LOG2E,
-            dead_id,
-            pools.int4_base,
-            pools.int2_base,
-            hkv,
+            self.qk_scale,
+            self.dead_id,
+            self.int4_base,
+            self.int2_base,
+            self.hkv,
             *grid.rows,
             grid.s2,
             grid.s4,
@@ -2867,226 +3178,66 @@ def decode_attention(
             s_first,
         )
 
-    def gluon_args(grid: SplitGrid, part_o, part_lse) -> tuple:
+    def gluon2_args(self, q, pools, slot_map, seq_lens, n2, n4, hm, part_o, part_lse) -> tuple:
+        """The Gluon INT2 split's positional arguments."""
         return int2_split_gluon_args(
             q,
             slot_map,
             n2,
-            stride_lb,
-            stride_lh,
+            self.stride_lb,
+            self.stride_lh,
             hm,
-            p2,
+            pools.int2,
             part_o,
             part_lse,
-            scale * _LOG2E,
-            dead_id,
-            pools.int2_base,
-            grid.rows[0],
-            grid.s_total,
+            self.qk_scale,
+            self.dead_id,
+            self.int2_base,
+            self.grid.rows[0],
+            self.grid.s_total,
         )
 
-    def gluon4_args(grid: SplitGrid, part_o, part_lse) -> tuple:
+    def gluon4_args(self, q, pools, slot_map, seq_lens, n2, n4, hm, part_o, part_lse) -> tuple:
+        """The Gluon INT4 split's positional arguments."""
         return int4_split_gluon_args(
             q,
             slot_map,
             n2,
             n4,
-            stride_lb,
-            stride_lh,
+            self.stride_lb,
+            self.stride_lh,
             hm,
-            p4,
+            pools.int4,
             part_o,
             part_lse,
-            scale * _LOG2E,
-            dead_id,
-            pools.int4_base,
-            grid.rows[1],
-            grid.s_total,
-            grid.s2,
+            self.qk_scale,
+            self.dead_id,
+            self.int4_base,
+            self.grid.rows[1],
+            self.grid.s_total,
+            self.grid.s2,
         )
 
-    def fused_args(grid: SplitGrid, part_o, part_lse) -> tuple:
+    def fused_args(self, q, pools, slot_map, seq_lens, n2, n4, hm, part_o, part_lse) -> tuple:
+        """The one mixed Gluon launch's positional arguments."""
         return mixed_split_gluon_args(
             q,
             slot_map,
             n2,
             n4,
-            stride_lb,
-            stride_lh,
+            self.stride_lb,
+            self.stride_lh,
             hm,
-            p2,
-            p4,
+            pools.int2,
+            pools.int4,
             part_o,
             part_lse,
-            scale * _LOG2E,
-            dead_id,
-            pools.int2_base,
-            pools.int4_base,
-            grid.rows[0],
-            grid.rows[1],
-            grid.s_total,
-            grid.s2,
+            self.qk_scale,
+            self.dead_id,
+            self.int2_base,
+            self.int4_base,
+            self.grid.rows[0],
+            self.grid.rows[1],
+            self.grid.s_total,
+            self.grid.s2,
         )
-
-    # the Gluon splits' softmax: exact max (p <= 1) unless lazy is asked for (H200: within
-    # noise of lazy, and the dominant token's p * vs is not rounded)
-    lazy2 = cfg.int2_lazy_rescale is True
-    fconsts = {}
-    if fused:
-        fconsts = mixed_split_gluon_consts(
-            g,
-            d,
-            sstride,
-            interleaved,
-            head_mask is not None,
-            kcs is not None,
-            regs,
-            lazy2,
-            cfg.int2_gluon_stages,
-            cfg.int4_stages(b * hkv, mixed=True),
-            link2.launch_dependents,
-            link2.dependent,
-        ) | _pdl_launch(link2)
-    gconsts = {}
-    if gluon2 and not fused:
-        gconsts = int2_split_gluon_consts(
-            g,
-            d,
-            head_mask is not None,
-            regs,
-            lazy2,
-            cfg.int2_gluon_stages,
-            link2.launch_dependents,
-            link2.dependent,
-        ) | _pdl_launch(link2)
-    g4consts = {}
-    if gluon4 and not fused:
-        g4consts = int4_split_gluon_consts(
-            g,
-            d,
-            sstride,
-            interleaved,
-            has2,
-            head_mask is not None,
-            kcs is not None,
-            regs,
-            cfg.int4_stages(b * hkv),
-            link4.launch_dependents,
-            link4.dependent,
-        ) | _pdl_launch(link4)
-
-    lens = (m2, m4, mf)
-    caps = (cap2, cap4, 0)
-    if split_len is not None:
-        if split_len % 64:
-            raise ValueError("split_len must be a multiple of 64")
-        splits = (split_len,) * 3
-    elif cfg.wave_splits:
-
-        def wave_plan(resident: int, seg: tuple[int, ...]) -> tuple[int, ...]:
-            slots = _num_sms(q.device) * resident
-            return plan_wave_splits(
-                b * hkv,
-                seg,
-                caps,
-                slots,
-                cfg.min_split_len,
-                cfg.program_overhead_len,
-                chunked=(False, chunk4, False),
-            )
-
-        # this module's kernel: every segment, or those past the ones Gluon runs
-        tri = (0 if gluon2 else m2, 0 if gluon4 else m4, mf)
-        splits = (cfg.min_split_len,) * 3  # (a segment that is absent: no program)
-        if any(tri):
-            key = (q.device, q.dtype, f.k.dtype, per_head, *consts.values())  # one dict literal
-            resident = cfg.resident_programs or _RESIDENT_PROGRAMS.get(key)
-            splits = wave_plan(resident or _RESIDENT_GUESS, tri)
-            if resident is None and not interpreting:
-                # compile the variant with the guessed plan's arguments (no launch), so the
-                # launch below finds it compiled when the guess holds
-                scratch = torch.empty(1, dtype=torch.float32, device=q.device)
-                args = split_args(_split_grid(lens, splits, caps, chunk4), scratch, scratch)
-                resident = _variant_resident_programs(
-                    key, q.device, lambda: _decode_split_kernel.warmup(*args, grid=(1,), **consts)
-                )
-                splits = wave_plan(resident, tri)
-
-        def gluon_resident(tag: str, kernel, args_of, kconsts: dict) -> int:
-            """Programs per SM of a Gluon split (measured once per variant)."""
-            key = (q.device, q.dtype, tag, per_head, *kconsts.values())
-            resident = cfg.resident_programs or _RESIDENT_PROGRAMS.get(key)
-            if resident is None:
-                scratch = torch.empty(1, dtype=torch.float32, device=q.device)
-                args = args_of(_split_grid(lens, (cfg.min_split_len,) * 3, caps, False), scratch, scratch)  # fmt: skip
-                resident = _variant_resident_programs(
-                    key, q.device, lambda: kernel.warmup(*args, grid=(1,), **kconsts)
-                )
-            return resident
-
-        # the INT2 / INT4 splits planned for their Gluon kernels' own residency (one
-        # launch: together, for its residency)
-        if fused:
-            resf = gluon_resident("gluon-mixed", mixed_split_gluon_kernel, fused_args, fconsts)
-            # an INT4 position costs mixed_int4_cost INT2 positions: planned in INT2 units,
-            # the INT4 split that many times shorter, so the grid's programs end together
-            w = cfg.mixed_int4_cost
-            l2, l4 = wave_plan(resf, (m2, math.ceil(m4 * w), 0))[:2]
-            splits = (l2, max(64, int(l4 / w) // 64 * 64), splits[2])
-        elif gluon2:
-            res2 = gluon_resident("gluon-int2", int2_split_gluon_kernel, gluon_args, gconsts)
-            splits = (wave_plan(res2, (m2, 0, 0))[0], *splits[1:])
-        if gluon4 and not fused:
-            res4 = gluon_resident("gluon-int4", int4_split_gluon_kernel, gluon4_args, g4consts)
-            splits = (splits[0], wave_plan(res4, (0, m4, 0))[1], splits[2])
-    else:
-        total, sms = m2 + m4 + mf, _num_sms(q.device)
-        splits = tuple(
-            _split_len(b, hkv, total, sms, pps, cfg.min_split_len)
-            for pps in (cfg.programs_per_sm_int2, cfg.programs_per_sm_int4, cfg.programs_per_sm)
-        )
-    # the folded caps: rows of at most the cap (chunked: several rows to a program)
-    grid = _split_grid(lens, splits, caps, chunk4)
-    s_total = grid.s_total
-    if grid.k4 > 1:  # its own variant: the chunk bookkeeping would cost launches that do not
-        # (planned with the plain variant's residency: 214 vs 215 registers, 8 per SM alike)
-        consts = {**consts, "INT4_CHUNKS": True}
-    part_o = torch.empty(b, hq, s_total, d, dtype=torch.float32, device=q.device)
-    part_lse = torch.empty(b, hq, s_total, dtype=torch.float32, device=q.device)
-    out = torch.empty(b, hq, d, dtype=q.dtype, device=q.device)
-    if fused:
-        mixed_split_gluon_kernel[(hkv, grid.s2 + grid.s4, b)](
-            *fused_args(grid, part_o, part_lse), **fconsts
-        )
-    elif gluon2:
-        int2_split_gluon_kernel[(hkv, grid.s2, b)](*gluon_args(grid, part_o, part_lse), **gconsts)
-    if gluon4 and not fused:
-        int4_split_gluon_kernel[(hkv, grid.s4, b)](*gluon4_args(grid, part_o, part_lse), **g4consts)
-    # this module's programs: those past the splits the Gluon kernels ran (INT2, then INT4)
-    s_first = (grid.s2 if gluon2 else 0) + (grid.p4 if gluon4 else 0)
-    programs = grid.programs - s_first
-    if programs > 0:
-        launch = (hkv, programs, b) if cfg.heads_fastest else (programs, hkv, b)
-        _decode_split_kernel[launch](*split_args(grid, part_o, part_lse, s_first), **consts)
-    # few (request, query head) rows: more, narrower merge programs (a split of D)
-    block_d = cfg.merge_block_d
-    if block_d is None:
-        block_d = 32 if narrow else d
-    block_d = min(block_d, d)
-    _merge_splits_kernel[(b * hq, d // block_d)](
-        part_o,
-        part_lse,
-        out,
-        out.stride(0),
-        out.stride(1),
-        hq,
-        s_total,
-        D=d,
-        # (a step's partial tile at most 16,384 fp32: 128 per thread of the 4 warps)
-        BLOCK_S=min(cfg.merge_block_s, 16384 // block_d, max(16, 1 << (s_total - 1).bit_length())),
-        BLOCK_D=block_d,
-        GDC_WAIT=pdl,
-        num_warps=4,
-        **({"launch_pdl": True} if pdl else {}),
-    )
-    return out

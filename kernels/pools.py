@@ -294,6 +294,27 @@ class Int2Pool:
         return cls(u8(), u8(), ksc(), ksc(), vsc(), vsc())
 
 
+class LayoutKey:
+    """:meth:`KVPools.layout_key`'s answer: the tuple ``parts`` with its hash computed once
+    (a decode call's plan is looked up under it on every call; hashing the nested tuple cost
+    ~1 µs each time)."""
+
+    __slots__ = ("_hash", "parts")
+
+    def __init__(self, parts: tuple) -> None:
+        self.parts = parts
+        self._hash = hash(parts)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        return self is other or (isinstance(other, LayoutKey) and self.parts == other.parts)
+
+    def __repr__(self) -> str:
+        return f"LayoutKey({self.parts!r})"
+
+
 @dataclass
 class KVPools:
     """The three pools of one layer and their unified slot-id address space.
@@ -305,6 +326,8 @@ class KVPools:
     full: FullPool
     int4: Int4Pool | None = None
     int2: Int2Pool | None = None
+    # (layout_key's last answer and the tensors it was read from)
+    _layout: tuple | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.int4 is not None or self.int2 is not None:
@@ -322,6 +345,41 @@ class KVPools:
                 raise ValueError(f"{name} pool must be uint8 codes with fp16 scales")
         if self.int4 is not None:
             self.int4.row_map()  # a layout no kernel can read fails here (ValueError)
+
+    def layout_key(self) -> LayoutKey:
+        """A hashable summary of how the pools' tensors lie: per tensor (full K and V, the
+        INT4 pool's codes, scales, zeros and per-channel key scale, the INT2 pool's six),
+        its shape, strides, dtype, device and address modulo 16 bytes (None for an absent
+        one). Two pools with equal keys take the same kernel launches (different tensors,
+        e.g. two layers'). Remembered while the pools hold the same tensor objects (as
+        :meth:`Int4Pool.row_map`: a tensor restrided or re-pointed in place is not seen)."""
+        tensors = self._tensors()
+        held = self._layout
+        if held is not None and len(held[0]) == len(tensors):
+            for a, b in zip(held[0], tensors, strict=True):
+                if a is not b:
+                    break
+            else:
+                return held[1]
+        key = LayoutKey(
+            tuple(
+                None
+                if t is None
+                else (tuple(t.shape), t.stride(), t.dtype, t.device, t.data_ptr() % 16)
+                for t in tensors
+            )
+        )
+        self._layout = (tensors, key)
+        return key
+
+    def _tensors(self) -> tuple:
+        f, p4, p2 = self.full, self.int4, self.int2
+        ts = (f.k, f.v)
+        if p4 is not None:
+            ts += (p4.k, p4.v, p4.k_scale, p4.k_zero, p4.v_scale, p4.v_zero, p4.k_channel)
+        if p2 is not None:
+            ts += (None, p2.k, p2.v, p2.k_scale, p2.k_zero, p2.v_scale, p2.v_zero)
+        return ts
 
     @property
     def num_kv_heads(self) -> int:

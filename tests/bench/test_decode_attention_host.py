@@ -21,9 +21,11 @@ from agentkv.kernels import KVPools, SegmentMaxLens, decode_attention  # noqa: E
 
 
 def test_every_launch_site_is_stubbed() -> None:
+    """Each kernel a plan launches (``self.<site>_launch(<kernel>, ...)``) is stubbed."""
     src = (ROOT / "kernels" / "decode_attention.py").read_text()
-    launched = set(re.findall(r"^\s*(\w+)\[[^\]]*\]\(", src, flags=re.M))
+    launched = set(re.findall(r"self\.\w+_launch\(\s*(\w+),", src))
     assert launched == set(bench.LAUNCHED_KERNELS)
+    assert not re.findall(r"^\s*(\w+)\[[^\]]*\]\(", src, flags=re.M)  # (no other launch)
 
 
 def test_without_launches_stubs_and_restores(monkeypatch) -> None:
@@ -144,9 +146,10 @@ def test_slot_orders_place_every_token_on_its_own_row() -> None:
 
 @pytest.mark.parametrize("gluon", [False, True])
 def test_host_overhead_script_times_each_path(gluon: bool) -> None:
-    """benchmarks/decode_host_overhead.py times ``decode_attention``'s Python part and
-    Triton's binder per impl on the CPU, one line each; ``--gluon`` takes the sm_90 path
-    (the Gluon splits' launches stubbed and bound, INT2 too)."""
+    """benchmarks/decode_host_overhead.py times ``decode_attention``'s Python part, with
+    Triton's dispatch per launch, and (``--gluon``: the sm_90 path, the Gluon splits'
+    launches stubbed, INT2 too) with direct launches, per impl on the CPU, one line each;
+    a direct launch's path is the shortest."""
     import subprocess
 
     if gluon and sys.modules[decode_attention.__module__].mixed_split_gluon_kernel is None:
@@ -157,8 +160,9 @@ def test_host_overhead_script_times_each_path(gluon: bool) -> None:
         cmd + (["--gluon"] if gluon else []), capture_output=True, text=True, timeout=600
     )
     assert out.returncode == 0, out.stderr[-2000:]
-    rows = re.findall(r"^(python|bind)_us (\w+) +median +([\d.]+)", out.stdout, flags=re.M)
+    rows = re.findall(r"^(\w+)_us (\w+) +median +([\d.]+)", out.stdout, flags=re.M)
     impls = ["bf16", "int4", "mixed"] + (["int2"] if gluon else [])
-    assert [(k, i) for k, i, _ in rows] == [(k, i) for k in ("python", "bind") for i in impls]
+    modes = ["python", "dispatch"] + (["direct"] if gluon else [])
+    assert [(k, i) for k, i, _ in rows] == [(k, i) for k in modes for i in impls]
     assert all(float(t) > 0 for _, _, t in rows)
     assert ("sm_90 path" in out.stdout) is gluon

@@ -642,6 +642,7 @@ def _chunk_launch(mb, monkeypatch, **kw) -> tuple[torch.Tensor, list[int]]:
         return grid
 
     monkeypatch.setattr(dattn, "_split_grid", spy)
+    monkeypatch.setattr(dattn, "_PLANS", {})  # (planned afresh: the spy sees the plan made)
     out, _ = _run(mb, torch.float16, **kw)
     monkeypatch.setattr(dattn, "_split_grid", real)
     return out, seen
@@ -819,6 +820,7 @@ def _record_sm90_launches(monkeypatch, sms: int | None = None) -> list:
     and for every kernel: returns the list each launch appends (short name, keyword
     arguments) to, each launch's arguments checked against the real kernel's signature."""
     seen: list = []
+    monkeypatch.setattr(dattn, "_PLANS", {})  # (plans made under the stand-ins stay here)
     for attr, name in _KERNEL_NAMES.items():
         real = getattr(dattn, attr)  # None for a Gluon kernel where Triton has no Gluon
         monkeypatch.setattr(dattn, attr, _LaunchRecorder(name, seen, real))
