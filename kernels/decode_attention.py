@@ -2715,22 +2715,29 @@ def decode_attention(
     else:  # (unrolled: each generator here cost ~0.5 µs of every call)
         seq_lens, n2, n4 = seq_lens.contiguous(), n2.contiguous(), n4.contiguous()
     interpreting = triton_interpreting()
-    # everything the plan reads that is not a tensor's contents (the tensors' shapes,
-    # strides, dtypes and the pools' alignment included): equal keys, equal launches
+    # everything the plan reads that is not a tensor's contents, and everything Triton
+    # specializes its launches on (the tensors' shapes, strides, dtypes and 16-byte
+    # alignment; the pools' in their layout key): equal keys, equal launches (the plan's
+    # own allocations come from torch's allocator, aligned)
     key = (
         pools.layout_key(),
         q.shape,
         q.stride(),
         q.dtype,
         q.device,
+        q.data_ptr() & 15,
         slot_map.shape,
         slot_map.stride(),
         slot_map.dtype,
+        slot_map.data_ptr() & 15,
         seq_lens.dtype,
         n2.dtype,
         n4.dtype,
         seq_lens.dim(),
-        None if hm is None else (hm.dtype, hm.stride()),
+        seq_lens.data_ptr() & 15,
+        n2.data_ptr() & 15,
+        n4.data_ptr() & 15,
+        None if hm is None else (hm.dtype, hm.stride(), hm.data_ptr() & 15),
         has2,
         has4,
         scale,
@@ -3080,12 +3087,13 @@ class DecodePlan:
             num_warps=4,
             **({"launch_pdl": True} if pdl else {}),
         )
+        # (the plan's key covers every launch argument's specialization: see decode_attention)
         direct = cfg.direct_launch and not interpreting
-        self.fused_launch = DirectLaunch(mixed_split_gluon_kernel, fconsts, direct)
-        self.gluon2_launch = DirectLaunch(int2_split_gluon_kernel, gconsts, direct)
-        self.gluon4_launch = DirectLaunch(int4_split_gluon_kernel, g4consts, direct)
-        self.tri_launch = DirectLaunch(_decode_split_kernel, consts, direct)
-        self.merge_launch = DirectLaunch(_merge_splits_kernel, mconsts, direct)
+        self.fused_launch = DirectLaunch(mixed_split_gluon_kernel, fconsts, direct, True)
+        self.gluon2_launch = DirectLaunch(int2_split_gluon_kernel, gconsts, direct, True)
+        self.gluon4_launch = DirectLaunch(int4_split_gluon_kernel, g4consts, direct, True)
+        self.tri_launch = DirectLaunch(_decode_split_kernel, consts, direct, True)
+        self.merge_launch = DirectLaunch(_merge_splits_kernel, mconsts, direct, True)
 
     def run(
         self,

@@ -37,14 +37,30 @@ class DirectLaunch:
     :meth:`__call__` with ``grid`` (three ints) and the positional arguments.
 
     enabled: False takes Triton's path on every launch (``DecodeConfig.direct_launch``, and
-    always under the interpreter, which compiles nothing)."""
+    always under the interpreter, which compiles nothing). one_specialization: the owner
+    launches the site only with arguments Triton would specialize alike (its own key covers
+    every argument's dtype, 16-byte alignment and int value, as a
+    :class:`~.decode_attention.DecodePlan`'s does), so no fingerprint is taken (~2-4 µs a
+    launch on a GPU machine's host)."""
 
-    __slots__ = ("kernel", "consts", "enabled", "_compiled", "_tensor_pos", "_int_pos", "_n")
+    __slots__ = (
+        "kernel",
+        "consts",
+        "enabled",
+        "one_specialization",
+        "_compiled",
+        "_tensor_pos",
+        "_int_pos",
+        "_n",
+    )
 
-    def __init__(self, kernel: Any, consts: dict, enabled: bool = True) -> None:
+    def __init__(
+        self, kernel: Any, consts: dict, enabled: bool = True, one_specialization: bool = False
+    ) -> None:
         self.kernel = kernel
         self.consts = consts
         self.enabled = enabled
+        self.one_specialization = one_specialization
         self._compiled: dict[tuple, tuple] = {}
         self._tensor_pos: tuple[int, ...] = ()
         self._int_pos: tuple[int, ...] = ()
@@ -56,19 +72,24 @@ class DirectLaunch:
         if not self.enabled or kernel is not self.kernel or _hooked():
             kernel[grid](*args, **self.consts)
             return
-        if len(args) != self._n:
-            self._n = len(args)
-            self._tensor_pos = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
-            self._int_pos = tuple(
-                i for i, a in enumerate(args) if isinstance(a, int) and not isinstance(a, bool)
-            )
-            self._compiled.clear()
         device = driver.active.get_current_device()
-        key = (
-            device,
-            *[(args[i].dtype, args[i].data_ptr() & 15 == 0) for i in self._tensor_pos],
-            *[args[i] for i in self._int_pos],
-        )
+        if self.one_specialization:
+            key: tuple = (device,)
+        else:
+            if len(args) != self._n:
+                self._n = len(args)
+                self._tensor_pos = tuple(
+                    i for i, a in enumerate(args) if isinstance(a, torch.Tensor)
+                )
+                self._int_pos = tuple(
+                    i for i, a in enumerate(args) if isinstance(a, int) and not isinstance(a, bool)
+                )
+                self._compiled.clear()
+            key = (
+                device,
+                *[(args[i].dtype, args[i].data_ptr() & 15 == 0) for i in self._tensor_pos],
+                *[args[i] for i in self._int_pos],
+            )
         hit = self._compiled.get(key)
         if hit is not None:
             run, function, metadata, tail = hit

@@ -176,10 +176,10 @@ def test_direct_launches_match_tritons_dispatch(monkeypatch, case, head_mask) ->
 
 
 @needs_gpu
-def test_direct_launches_follow_the_arguments_alignment() -> None:
-    """The same plan with a length tensor off a 16-byte boundary: Triton specializes on
-    alignment, so that call takes its own compiled kernel (through Triton), and the aligned
-    one its own again."""
+def test_a_call_off_a_16_byte_boundary_gets_its_own_plan() -> None:
+    """Triton specializes on alignment, so the plan's key holds the call tensors': a length
+    tensor off a 16-byte boundary takes its own plan (its launches compiled through Triton),
+    the aligned one its own again, and both give the same bits."""
     mb = build_mixed_batch(CASES["all"], hq=32, hkv=8, d=128, seed=9)
     aligned = mb.decode()
     buf = torch.zeros(mb.seq_lens.numel() + 1, dtype=mb.seq_lens.dtype, device=DEVICE)
@@ -188,12 +188,37 @@ def test_direct_launches_follow_the_arguments_alignment() -> None:
     assert off.data_ptr() % 16 == 4
     shifted = dataclasses.replace(mb, seq_lens=off)
     outs = [shifted.decode(), mb.decode(), shifted.decode()]
-    assert len(dattn._PLANS) == 1
-    plan = next(iter(dattn._PLANS.values()))
-    assert len(plan.merge_launch._compiled) == 1  # (the merge reads no length)
-    assert any(len(s._compiled) == 2 for s in (plan.tri_launch, plan.gluon4_launch, plan.fused_launch))  # fmt: skip
+    assert len(dattn._PLANS) == 2
     for out in outs:
         assert torch.equal(out, aligned)
+
+
+def _merge_ref(po: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """The merge kernel's math: base-2 log-sum-exp weights over the splits."""
+    w = torch.exp2(lse - lse.max(-1, keepdim=True).values)
+    return (w[..., None] * po).sum(-2) / w.sum(-1)[..., None]
+
+
+@needs_gpu
+def test_a_direct_launch_site_fingerprints_its_arguments() -> None:
+    """A site that does not trust its owner (``one_specialization`` False) keeps one
+    compiled kernel per specialization: pointers off a 16-byte boundary and ints equal to 1
+    compile their own, and each launch reads the arguments it is given."""
+    from agentkv.kernels.direct_launch import DirectLaunch
+
+    kernel = dattn._merge_splits_kernel
+    b, hq, d = 2, 4, 128
+    site = DirectLaunch(kernel, dict(D=d, BLOCK_S=16, BLOCK_D=d, num_warps=4))
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    for off, splits in ((0, 5), (1, 5), (0, 5), (0, 1), (1, 5)):
+        n = b * hq * splits
+        po = torch.randn(n * d + 1, device=DEVICE, generator=gen)[off : off + n * d]
+        lse = torch.randn(n + 1, device=DEVICE, generator=gen)[off : off + n]
+        out = torch.empty(b, hq, d, device=DEVICE)
+        site(kernel, (b * hq, 1, 1), (po, lse, out, out.stride(0), out.stride(1), hq, splits))
+        ref = _merge_ref(po.view(b, hq, splits, d), lse.view(b, hq, splits))
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    assert len(site._compiled) == 3  # aligned x 5, off x 5, aligned x 1 splits
 
 
 @needs_gpu
