@@ -37,6 +37,7 @@ Supported head_dim: 64 and 128 (other sizes: ``backend="torch"``).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import operator
@@ -2756,7 +2757,8 @@ def decode_attention(
             max_lens, split_len, interpreting,
         )  # fmt: skip
         if len(_PLANS) >= _MAX_PLANS:
-            del _PLANS[next(iter(_PLANS))]  # the oldest
+            with contextlib.suppress(StopIteration, RuntimeError):  # (another thread's)
+                _PLANS.pop(next(iter(_PLANS)), None)  # the oldest
         _PLANS[key] = plan
     return plan.run(q, pools, slot_map, seq_lens, n2, n4, hm)
 

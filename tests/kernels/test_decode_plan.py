@@ -46,6 +46,35 @@ def test_a_repeated_call_reuses_its_plan() -> None:
     assert _rel(again, _ref(mb)) < 3e-3
 
 
+def _tensors_in(obj, seen: set) -> list:
+    """Tensors reachable from ``obj`` through dicts, sequences and the attributes and slots
+    of agentkv's objects (Triton's, the kernels and compiled launchers, hold none)."""
+    if id(obj) in seen:
+        return []
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        return [t for v in obj.values() for t in _tensors_in(v, seen)]
+    if isinstance(obj, (list, tuple, set)):
+        return [t for v in obj for t in _tensors_in(v, seen)]
+    if not type(obj).__module__.startswith("agentkv"):
+        return []
+    fields = dict(getattr(obj, "__dict__", {}))
+    for name in getattr(type(obj), "__slots__", ()):
+        if hasattr(obj, name):
+            fields[name] = getattr(obj, name)
+    return [t for v in fields.values() for t in _tensors_in(v, seen)]
+
+
+def test_a_plan_keeps_none_of_its_calls_tensors() -> None:
+    """A kept plan would otherwise keep a layer's query, slot map or pools alive."""
+    mb = build_mixed_batch(LENS, hq=8, hkv=2, d=128, seed=11, head_mask_fraction=0.2)
+    mb.decode()
+    (plan,) = dattn._PLANS.values()
+    assert _tensors_in(plan, set()) == []
+
+
 def test_layers_alike_share_a_plan_and_read_their_own_tensors() -> None:
     """Two layers (pools allocated alike, other contents, other queries) take one plan,
     and each call reads its own tensors: the plan keeps none of the first call's."""
