@@ -23,6 +23,7 @@ from .backend import Backend, resolve_backend
 from .decode_attention import (
     DecodeConfig,
     SegmentMaxLens,
+    clear_decode_plans,
     decode_attention,
     plan_split_len,
     validate_decode_inputs,
@@ -63,6 +64,7 @@ __all__ = [
     "Int4RowMap",
     "KVPools",
     "SegmentMaxLens",
+    "clear_decode_plans",
     "decode_attention",
     "decode_attention_ref",
     "dequant_gather",

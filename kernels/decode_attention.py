@@ -33,6 +33,11 @@ dequantized in registers with packed f16x2 PTX, remains selectable. Its MMA oper
 fp16 whatever the query dtype, and its GQA group is unpadded too. Full precision: unchanged (16 padded rows, 64-token blocks).
 Online softmax in base 2; a second kernel merges the splits by log-sum-exp.
 Supported head_dim: 64 and 128 (other sizes: ``backend="torch"``).
+
+Host side: a call's launches are planned once per distinct call (:class:`DecodePlan`, kept
+under its shapes, strides, dtypes, alignment, pool layout, bounds, scalars and config) and
+launched through :class:`~.direct_launch.DirectLaunch` (the compiled kernels' launchers,
+without Triton's per-launch dispatch).
 """
 
 from __future__ import annotations

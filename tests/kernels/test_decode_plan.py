@@ -11,8 +11,14 @@ import pytest
 import torch
 from mixed_batch import DEVICE, build_mixed_batch
 
-from agentkv.kernels import DecodeConfig, KVPools, SegmentMaxLens, decode_attention_ref
-from agentkv.kernels.decode_attention import DecodePlan, clear_decode_plans
+from agentkv.kernels import (
+    DecodeConfig,
+    KVPools,
+    SegmentMaxLens,
+    clear_decode_plans,
+    decode_attention_ref,
+)
+from agentkv.kernels.decode_attention import DecodePlan
 
 dattn = importlib.import_module("agentkv.kernels.decode_attention")
 
