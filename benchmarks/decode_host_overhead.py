@@ -58,7 +58,7 @@ def main() -> None:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import make_backend
-    from triton.runtime.jit import compute_cache_key, create_function_from_signature
+    from triton.runtime.jit import JITFunction, compute_cache_key, create_function_from_signature
 
     kdir = Path(args.kernels).resolve()
     spec = importlib.util.spec_from_file_location(
@@ -83,10 +83,11 @@ def main() -> None:
         def run(*args) -> None:
             pass
 
-    class Stub:
+    class Stub(JITFunction):
         """``kernel[grid](...)``: nothing, or Triton's Python launch work without a driver
         (``bind``), returning a stand-in compiled kernel (``compiled``: what a direct launch
-        records, so the later launches of its site go direct)."""
+        records, so the later launches of its site go direct; a ``JITFunction`` to
+        ``DirectLaunch``, built without its constructor)."""
 
         def __init__(self, jit, bind: bool, compiled: bool = False) -> None:
             self.jit, self.bind, self.key_cache = jit, bind, {}

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from triton import knobs
 from triton.runtime import driver
+from triton.runtime.jit import JITFunction
 
 
 class DirectLaunch:
@@ -36,8 +37,9 @@ class DirectLaunch:
     ``consts`` (``num_warps``, ``launch_pdl`` and the like included), launched by
     :meth:`__call__` with ``grid`` (three ints) and the positional arguments.
 
-    enabled: False takes Triton's path on every launch (``DecodeConfig.direct_launch``, and
-    always under the interpreter, which compiles nothing). one_specialization: the owner
+    enabled: False takes Triton's path on every launch (``DecodeConfig.direct_launch``;
+    always for a ``kernel`` that is no ``JITFunction``, as under the interpreter, which
+    compiles nothing). one_specialization: the owner
     launches the site only with arguments Triton would specialize alike (its own key covers
     every argument's dtype, 16-byte alignment and int value, as a
     :class:`~.decode_attention.DecodePlan`'s does), so no fingerprint is taken (~2-4 µs a
@@ -59,7 +61,8 @@ class DirectLaunch:
     ) -> None:
         self.kernel = kernel
         self.consts = consts
-        self.enabled = enabled
+        # (a test's or benchmark's stand-in, or the interpreter's function: Triton's path)
+        self.enabled = enabled and isinstance(kernel, JITFunction)
         self.one_specialization = one_specialization
         self._compiled: dict[tuple, tuple] = {}
         self._tensor_pos: tuple[int, ...] = ()
