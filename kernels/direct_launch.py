@@ -12,13 +12,13 @@ Its first launch of each specialization goes through Triton (which compiles if n
 keeps the compiled kernel under that specialization's fingerprint: the device, each
 tensor argument's dtype and whether it starts on a 16-byte boundary, and every int
 argument's value (stricter than Triton's own key, never looser). The kinds of the
-arguments (tensor, int, other) at each position must not change between a site's
-launches (a :class:`~.decode_attention.DecodePlan`'s sites keep them). Later launches with the same fingerprint call the
-compiled kernel's launcher directly, with the argument list Triton's binder would have
-made (the positional arguments, then each constexpr parameter's value in signature
-order). Anything else (the interpreter, a launch hook such as a profiler's, a Triton whose
-compiled kernels lack the launcher fields read here, a kernel replaced on its module, as
-tests and benchmarks do) takes Triton's own path.
+arguments (tensor, int, other) at each position must not change between a site's launches
+(a :class:`~.decode_attention.DecodePlan`'s sites keep them). Later launches with the same
+fingerprint call the compiled kernel's launcher directly, with the argument list Triton's
+binder would have made (the positional arguments, then each constexpr parameter's value in
+signature order). Anything else (the interpreter, a launch hook such as a profiler's, a
+Triton whose compiled kernels lack the launcher fields read here, a kernel replaced on its
+module, as tests and benchmarks do) takes Triton's own path.
 """
 
 from __future__ import annotations
@@ -39,11 +39,10 @@ class DirectLaunch:
 
     enabled: False takes Triton's path on every launch (``DecodeConfig.direct_launch``;
     always for a ``kernel`` that is no ``JITFunction``, as under the interpreter, which
-    compiles nothing). one_specialization: the owner
-    launches the site only with arguments Triton would specialize alike (its own key covers
-    every argument's dtype, 16-byte alignment and int value, as a
-    :class:`~.decode_attention.DecodePlan`'s does), so no fingerprint is taken (~2-4 µs a
-    launch on a GPU machine's host)."""
+    compiles nothing). one_specialization: the owner launches the site only with arguments
+    Triton would specialize alike (its own key covers every argument's dtype, 16-byte
+    alignment and int value, as a :class:`~.decode_attention.DecodePlan`'s does), so no
+    fingerprint is taken (~2-4 µs a launch on a GPU machine's host)."""
 
     __slots__ = (
         "kernel",

@@ -352,7 +352,9 @@ class KVPools:
         its shape, strides, dtype, device and address modulo 16 bytes (None for an absent
         one). Two pools with equal keys take the same kernel launches (different tensors,
         e.g. two layers'). Remembered while the pools hold the same tensor objects (as
-        :meth:`Int4Pool.row_map`: a tensor restrided or re-pointed in place is not seen)."""
+        :meth:`Int4Pool.row_map`: a tensor restrided or re-pointed in place is not seen;
+        a tensor replaced stays referenced until the next call, so free a pool by
+        replacing the :class:`KVPools`, not its tensors)."""
         tensors = self._tensors()
         held = self._layout
         if held is not None and len(held[0]) == len(tensors):
