@@ -4,14 +4,16 @@
     python benchmarks/decode_host_gpu.py --config '{"direct_launch": false}' --profile
     PYTHONPATH=/tmp/old_agentkv python benchmarks/decode_host_gpu.py   # another checkout
 
-For each shape it prints, per impl (and SDPA on the same K/V as the anchor), the median and
-the fastest of ``--loops`` loops of ``--calls`` back-to-back calls (CPU clock, the GPU
-synchronized before and after each loop: host time per call where the host is slower
-than the kernels, as at these shapes) and the same with every kernel launch stubbed
-(``python``: the Python part). ``--profile``: cProfile of 300 calls per impl at the first
-shape, top functions by own time. The pools and inputs are ``decode_attention.py``'s
-(``Shape``, random slot layout). What it measures is the host, which on a shared machine
-is noisy: compare builds side by side in one run, by their ratio to SDPA's host time.
+For each shape it prints, per impl (and SDPA on the same K/V as the anchor), what
+``decode_attention.py``'s host probe measures (:func:`decode_attention._host_probe`): the
+host time per call over three loops of ``--calls`` back-to-back calls (median and fastest
+loop; host time per call where the host is slower than the kernels, as at these shapes)
+and ``python``, the fastest loop with every kernel launch stubbed (the Python part).
+``--profile``: cProfile of 300 calls per impl at the first shape, top functions by own
+time. The pools and inputs are ``decode_attention.py``'s (``Shape``, random slot layout).
+What it measures is the host, which on a shared machine is noisy: compare builds side by
+side in one run, by their ratio to SDPA's host time. (Session 29's tables came from its
+first version, five loops of its own timing; the probe is the same measurement.)
 """
 
 from __future__ import annotations
@@ -21,9 +23,7 @@ import cProfile
 import io
 import json
 import pstats
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -34,20 +34,6 @@ import decode_attention as bench  # noqa: E402
 from agentkv.kernels import DecodeConfig  # noqa: E402
 
 
-def per_call_us(fn, calls: int, loops: int) -> tuple[float, float]:
-    """(median, fastest) over ``loops`` loops of ``calls`` calls, µs per call."""
-    times = []
-    for _ in range(loops):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        t1 = time.perf_counter()
-        torch.cuda.synchronize()
-        times.append((t1 - t) / calls * 1e6)
-    return statistics.median(times), min(times)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batches", default="8,1")
@@ -55,9 +41,10 @@ def main() -> None:
     ap.add_argument("--impls", default="int4,mixed,int2,bf16,tiered")
     ap.add_argument("--config", default="{}", help="JSON DecodeConfig kwargs")
     ap.add_argument("--calls", type=int, default=200)
-    ap.add_argument("--loops", type=int, default=5)
     ap.add_argument("--profile", action="store_true")
     args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("decode_host_gpu.py times a GPU machine's host: it needs CUDA")
     cfg = DecodeConfig(**json.loads(args.config))
     print(f"torch {torch.__version__} config {args.config} {torch.cuda.get_device_name()}")
     for i, b in enumerate(int(x) for x in args.batches.split(",")):
@@ -65,19 +52,20 @@ def main() -> None:
         sdpa = bench._sdpa(s)
         for _ in range(20):
             sdpa()
-        med, best = per_call_us(sdpa, args.calls, args.loops)
-        print(f"B={b} N={args.length} sdpa host median {med:.1f} min {best:.1f}")
+        r = bench._host_probe(sdpa, args.calls)
+        print(
+            f"B={b} N={args.length} sdpa host median {r['host_us']:.1f} min {r['host_us_min']:.1f}"
+        )
         for impl in args.impls.split(","):
             fn = bench._ours(s, impl, False, cfg)
             stub = bench._ours_no_launch(s, impl, False, cfg)
             for _ in range(20):
                 fn()
                 stub()
-            med, best = per_call_us(fn, args.calls, args.loops)
-            pmed, pbest = per_call_us(stub, args.calls, args.loops)
+            r = bench._host_probe(fn, args.calls, no_launch_fn=stub)
             print(
-                f"B={b} N={args.length} {impl}: host median {med:.1f} min {best:.1f}; "
-                f"python median {pmed:.1f} min {pbest:.1f}",
+                f"B={b} N={args.length} {impl}: host median {r['host_us']:.1f} min "
+                f"{r['host_us_min']:.1f}; python {r['python_us']:.1f}",
                 flush=True,
             )
             if args.profile and i == 0:

@@ -12,7 +12,7 @@ Per impl it prints medians over repeated loops of back-to-back calls on CPU tens
   every argument, ``compute_cache_key``, the global-values check), with a CUDA sm_90 backend
   and no driver (``DecodeConfig.direct_launch`` off: every launch through Triton);
 * ``direct_us`` (``--gluon``): the same call with direct launches (the default from
-  session 29: after a site's first launch, its fingerprint and the compiled kernel's
+  session 29: after a site's first launch, the compiled kernel's
   launcher, here a no-op).
 
 ``--gluon`` stands in for an sm_90 GPU as far as the host sees one (132 SMs, programmatic

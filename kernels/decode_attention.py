@@ -2261,8 +2261,8 @@ def _cuda_properties(index: int):
 
 
 def _device_properties(device: torch.device):
-    """``device``'s CUDA properties (None off CUDA); cached per device, because
-    ``torch.cuda.get_device_properties`` is a Python call on every decode step's hot path."""
+    """``device``'s CUDA properties (None off CUDA); cached per device
+    (``torch.cuda.get_device_properties`` is a Python call)."""
     if device.type != "cuda":
         return None
     return _cuda_properties(
@@ -2299,7 +2299,7 @@ def _use_gluon(
     if wanted is False or interpreting:
         return False
     why = None
-    props = _device_properties(device)  # cached: this runs on every decode step
+    props = _device_properties(device)
     if not GLUON_AVAILABLE or props is None or (props.major, props.minor) < MIN_CAPABILITY:
         why = "a CUDA device of compute capability >= 8.0 and a Triton with Gluon"
     elif head_dim != 128 or group > 8:
@@ -2457,7 +2457,6 @@ class SplitGrid:
     programs: int
 
 
-@functools.lru_cache(maxsize=1024)  # (pure; ~3 µs of every call's host time uncached)
 def _split_grid(
     lens: tuple[int, ...], splits: tuple[int, ...], caps: tuple[int, ...], chunk4: bool
 ) -> SplitGrid:
@@ -2487,7 +2486,6 @@ class ChainLink:
     launch_dependents: bool
 
 
-@functools.lru_cache(maxsize=64)  # (pure; ~5 µs of every call's host time uncached)
 def launch_chain(
     pdl: bool, launched: tuple[bool, ...], splits: bool | Literal["last"] = False
 ) -> tuple[ChainLink, ...]:
@@ -2756,7 +2754,7 @@ def decode_attention(
         interpreting,
     )
     plan = _PLANS.get(key)
-    if plan is None or plan.config is not cfg:
+    if plan is None:
         plan = DecodePlan(
             cfg, q, pools, slot_map, seq_lens, n2, n4, hm, has2, has4, scale, dead_id,
             max_lens, split_len, interpreting,
@@ -2811,7 +2809,7 @@ class DecodePlan:
         b, hq, d = q.shape
         hkv = pools.num_kv_heads
         self.hkv = hkv
-        self.per_head = per_head = slot_map.dim() == 3
+        per_head = slot_map.dim() == 3
         m2 = max_lens.int2 if has2 else 0
         m4 = max_lens.int4 if has4 else 0
         mf = max_lens.full
