@@ -74,6 +74,8 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     # gather_roofline.py's read-only probe: the same rows read, nothing computed
     "int4 read-only probe": ("probe", dict(layout="int4 pool")),
     "int2 read-only probe": ("probe", dict(layout="int2 pages")),
+    # (consecutive rows, a head's positions in row order: the store's rows before any churn)
+    "int4 head-major read-only probe": ("probe", dict(layout="int4 head-major", scatter=False)),
 }
 KERNELS = (
     "_decode_split_kernel",
@@ -130,7 +132,13 @@ def child(b: int, n: int, names: list[str], slots: str = "random") -> None:
     s = Shape(b, n, slots=slots)
     s.drop_sdpa_kv()
     fns = [
-        probe_fn(VARIANTS[k][1]["layout"], b, n, True, planned_split_len(b, n))[0]
+        probe_fn(
+            VARIANTS[k][1]["layout"],
+            b,
+            n,
+            VARIANTS[k][1].get("scatter", True),
+            planned_split_len(b, n),
+        )[0]
         if VARIANTS[k][0] == "probe"
         else _ours(s, VARIANTS[k][0], False, DecodeConfig(**VARIANTS[k][1]))
         for k in names

@@ -345,6 +345,16 @@ class DecodeConfig:
     INT4 launch has at least :data:`INT4_TWO_STAGE_PAIRS` (request, KV head) pairs, else 3
     (:meth:`int4_stages`); the mixed launch keeps 3 (its INT4 programs lost 6-9% at N <=
     16k with 2, session 27).
+    int4_gluon_resident_cap: plan the Gluon INT4 split (not the mixed launch) for this many
+    programs per SM instead of its residency (12 or 16), where that plan's programs fit one
+    wave of them: fewer, longer splits, the same bytes in flight per SM (these programs
+    are bound by the rows' reads, not by their count), fewer partial rows to store and
+    merge. Where they would not (the split cap binds: B=8 N=128k, B=32 N=32k) the plan for
+    the residency stays. 0: off. H200, session 30, kernel time on the store's rows, two
+    rounds, 8 vs off: B=1 N=32k 23.1 vs 24.4 µs, B=4 N=16k 38.2 vs 41.5, B=8 N=4k 25.0
+    vs 27.2, B=32 N=4k 62.2 vs 64.9, B=8 N=32k 106.9 vs 106.2 (-1.6% and -2.6% in two
+    earlier runs), B=16 N=8k, B=32 N=32k and B=8 N=128k even; against 8 a SM, 6 took 4-22%
+    longer, 10 from 3% less (B=1 N=32k) to 8-11% more (B=8 N=32k, B=4 N=16k).
     int2_gluon_stages: the same for the Gluon INT2 split (default 2: 10,240 bytes; 3: 13,312;
     16 programs per SM either way, its registers' limit). H200, session 22, split kernel, 2
     vs 3 (two rounds): B=1 N=32k 15.1 vs 18.3 µs, B=32 N=32k 265 vs 274, B=8 N=128k 271 vs
@@ -417,6 +427,7 @@ class DecodeConfig:
     int4_gluon: bool | None = None
     int4_gluon_cap_factor: int = 4
     int4_gluon_stages: int | None = None
+    int4_gluon_resident_cap: int = 8
     int2_gluon_stages: int = INT2_GLUON_STAGES
     mixed_gluon_fused: bool = True
     mixed_int4_cost: float = 1.5
@@ -438,6 +449,10 @@ class DecodeConfig:
         if self.pdl_splits not in (None, False, True, "last"):
             raise ValueError(
                 f"pdl_splits must be None, False, True or 'last', got {self.pdl_splits!r}"
+            )
+        if self.int4_gluon_resident_cap < 0:
+            raise ValueError(
+                f"int4_gluon_resident_cap must be >= 0, got {self.int4_gluon_resident_cap}"
             )
         for knob, allowed in (("int4_gluon_stages", (None, 2, 3)), ("int2_gluon_stages", (2, 3))):
             if getattr(self, knob) not in allowed:
@@ -3057,7 +3072,13 @@ class DecodePlan:
                 splits = (wave_plan(res2, (m2, 0, 0))[0], *splits[1:])
             if gluon4 and not fused:
                 res4 = gluon_resident("gluon-int4", int4_split_gluon_kernel, self.gluon4_args, g4consts)  # fmt: skip
-                splits = (splits[0], wave_plan(res4, (0, m4, 0))[1], splits[2])
+                l4 = wave_plan(res4, (0, m4, 0))[1]
+                few = cfg.int4_gluon_resident_cap
+                if 0 < few < res4:  # fewer, longer programs where they fill one wave
+                    l4_few = wave_plan(few, (0, m4, 0))[1]
+                    if b * hkv * -(-m4 // l4_few) <= _num_sms(q.device) * few:
+                        l4 = l4_few
+                splits = (splits[0], l4, splits[2])
         else:
             total, sms = m2 + m4 + mf, _num_sms(q.device)
             splits = tuple(
