@@ -45,6 +45,8 @@ REASONS = {
     0x100: "display_clocks",
 }
 FIELDS = "clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_event_reasons.active"
+#: the board's limits, recorded once (W, MHz)
+LIMITS = "power.limit,enforced.power.limit,power.max_limit,clocks.max.sm,clocks.max.mem"
 
 
 def reasons(mask: int) -> list[str]:
@@ -172,12 +174,21 @@ def main() -> None:
             del fn
         del s
         torch.cuda.empty_cache()
+    limits = subprocess.run(
+        ["nvidia-smi", f"--query-gpu={LIMITS}", "--format=csv,noheader,nounits"],
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
     meta = {
         "date": datetime.now(timezone.utc).isoformat(timespec="minutes"),
         "device": torch.cuda.get_device_name(),
+        "limits": dict(
+            zip(LIMITS.split(","), (x.strip() for x in limits.split(",")), strict=False)
+        ),
         "command": "python3 benchmarks/decode_clocks.py " + " ".join(sys.argv[1:]),
     }
     args.out.write_text(json.dumps({**meta, "rows": rows}, indent=1))
+    print("limits:", meta["limits"])
     print("\n| B | N | impl | µs per call | vs SDPA | SM MHz (min) | power W | temp C | reasons |")
     print("|---:|---:|---|---:|---:|---:|---:|---:|---|")
     for r in rows:

@@ -11,7 +11,9 @@ records (``--slots``: where the tokens' rows lie in the full and INT4 pools, one
 layouts measured side by side, e.g. ``random,sequential,runs:32,churn`` to see what scattered
 rows cost and what the allocator's free lists give after a churn, ``/head`` appended for an
 INT4 pool whose rows lie head-major, e.g. ``runs:32/head``; ``--separate-scales``:
-the INT4 scales and zeros as four tensors instead of the pool's interleaved buffer):
+the INT4 scales and zeros as four tensors instead of the pool's interleaved buffer;
+``--dead random,runs``: with 50% of the positions DEAD too, as ``decode_attention.py``'s
+DEAD tables):
 
 - ``kernel_us``: the whole call (split kernel + merge) from a CUDA graph, L2 flushed, and its
   ratio to SDPA's on the same shape;
@@ -75,9 +77,14 @@ def kernel_means(fn, calls: int = 10) -> dict[str, float]:
     return out
 
 
-def measure(s: Shape, impl: str, cfg: DecodeConfig, sdpa_us: float) -> dict:
-    fn = _ours(s, impl, False, cfg)
-    errs = _ref_errors(s, impl, False, fn(), _ours(s, impl, False, cfg, s.q.half())())
+def measure(s: Shape, impl: str, cfg: DecodeConfig, sdpa_us: float, dead: str = "none") -> dict:
+    """One variant's times and errors; ``dead``: "none", or the pattern of 50% DEAD
+    positions ("random" or "runs", :meth:`Shape.use_dead_pattern`)."""
+    on = dead != "none"
+    if on:
+        s.use_dead_pattern(dead)
+    fn = _ours(s, impl, on, cfg)
+    errs = _ref_errors(s, impl, on, fn(), _ours(s, impl, on, cfg, s.q.half())())
     _warm_gpu(0.1)
     us = _kernel_us(fn)
     per = kernel_means(fn)
@@ -100,6 +107,7 @@ def summary(rows: list[dict]) -> str:
     groups: dict[tuple, dict[str, list[dict]]] = {}
     for r in rows:
         name = r["variant"] + (f" @{r['slots']}" if r.get("slots", "random") != "random" else "")
+        name += f" dead:{r['dead']}" if r.get("dead", "none") != "none" else ""
         groups.setdefault((r["B"], r["N"], r["impl"]), {}).setdefault(name, []).append(r)
     lines = [
         "| B | N | impl | variant | kernel µs (median) | min-max | vs first | vs SDPA | rounds |",
@@ -157,8 +165,17 @@ def main() -> None:
         action="store_true",
         help="the INT4 scales and zeros as four tensors (the pool interleaves them by default)",
     )
+    ap.add_argument(
+        "--dead",
+        default="none",
+        help="comma-separated, each measured in every round: none (every position live), "
+        "random or runs (50%% of the positions DEAD, as decode_attention.py's DEAD tables)",
+    )
     ap.add_argument("--out", type=Path, default=Path("decode_splits.json"))
     args = ap.parse_args()
+    deads = args.dead.split(",")
+    if set(deads) - {"none", "random", "runs"}:
+        raise SystemExit(f"--dead takes none, random, runs; got {args.dead!r}")
     variants = {}
     for spec in filter(None, args.variants.split(";")):
         name, _, kwargs = spec.partition("=")
@@ -175,13 +192,14 @@ def main() -> None:
                 sdpa_us = _kernel_us(_sdpa(shapes[lay]))
             shapes[lay].drop_sdpa_kv()
         print(f"B={b} N={n}: SDPA {sdpa_us} us", flush=True)
-        for rnd, impl, lay, (name, kw) in itertools.product(
-            range(args.rounds), args.impls.split(","), layouts, variants.items()
+        for rnd, impl, lay, dead, (name, kw) in itertools.product(
+            range(args.rounds), args.impls.split(","), layouts, deads, variants.items()
         ):
             row = {"B": b, "N": n, "impl": impl, "variant": name, "slots": lay, "round": rnd}
+            row["dead"] = dead
             try:
                 cfg = DecodeConfig(**kw)
-                row.update(measure(shapes[lay], impl, cfg, sdpa_us))
+                row.update(measure(shapes[lay], impl, cfg, sdpa_us, dead))
                 row["config"] = asdict(cfg)
             except Exception as e:  # noqa: BLE001 - one bad config must not end the sweep
                 row["error"] = f"{type(e).__name__}: {e}"[:300]

@@ -347,14 +347,17 @@ class DecodeConfig:
     16k with 2, session 27).
     int4_gluon_resident_cap: plan the Gluon INT4 split (not the mixed launch) for this many
     programs per SM instead of its residency (12 or 16), where that plan's programs fit one
-    wave of them: fewer, longer splits, the same bytes in flight per SM (these programs
-    are bound by the rows' reads, not by their count), fewer partial rows to store and
-    merge. Where they would not (the split cap binds: B=8 N=128k, B=32 N=32k) the plan for
-    the residency stays. 0: off. H200, session 30, kernel time on the store's rows, two
-    rounds, 8 vs off: B=1 N=32k 23.1 vs 24.4 µs, B=4 N=16k 38.2 vs 41.5, B=8 N=4k 25.0
-    vs 27.2, B=32 N=4k 62.2 vs 64.9, B=8 N=32k 106.9 vs 106.2 (-1.6% and -2.6% in two
-    earlier runs), B=16 N=8k, B=32 N=32k and B=8 N=128k even; against 8 a SM, 6 took 4-22%
-    longer, 10 from 3% less (B=1 N=32k) to 8-11% more (B=8 N=32k, B=4 N=16k).
+    wave of them and its splits are at most ``int4_gluon_resident_cap_split`` positions:
+    half the programs, each twice as long, half the partial rows to store and merge, where
+    a program's fixed cost (prologue, pipeline fill, partial rows) weighs on its short
+    split. Longer splits keep the residency's plan: there the bytes in flight per SM bound
+    them, and with half the positions DEAD (half the bytes of each block) 8 programs a SM
+    ran 7-12% slower (B=8 N=32k, B=16 N=8k, B=32 N=4k) while every position live they were
+    1.5% slower to 6% faster. 0: off. H200, session 30, kernel time on the store's rows, 8
+    a SM vs off, every position live (two rounds): B=1 N=32k 23.1 vs 24.4 µs, B=4 N=16k
+    38.2 vs 41.5, B=8 N=4k 25.0 vs 27.2; half the positions DEAD (one round): B=1 N=32k
+    22.5 vs 22.4, B=4 N=16k 34.8 vs 35.5, B=8 N=4k 22.4 vs 22.9. Against 8 a SM, 6 took
+    4-22% longer, 10 from 3% less (B=1 N=32k) to 11% more (B=4 N=16k).
     int2_gluon_stages: the same for the Gluon INT2 split (default 2: 10,240 bytes; 3: 13,312;
     16 programs per SM either way, its registers' limit). H200, session 22, split kernel, 2
     vs 3 (two rounds): B=1 N=32k 15.1 vs 18.3 µs, B=32 N=32k 265 vs 274, B=8 N=128k 271 vs
@@ -428,6 +431,7 @@ class DecodeConfig:
     int4_gluon_cap_factor: int = 4
     int4_gluon_stages: int | None = None
     int4_gluon_resident_cap: int = 8
+    int4_gluon_resident_cap_split: int = 512
     int2_gluon_stages: int = INT2_GLUON_STAGES
     mixed_gluon_fused: bool = True
     mixed_int4_cost: float = 1.5
@@ -450,10 +454,9 @@ class DecodeConfig:
             raise ValueError(
                 f"pdl_splits must be None, False, True or 'last', got {self.pdl_splits!r}"
             )
-        if self.int4_gluon_resident_cap < 0:
-            raise ValueError(
-                f"int4_gluon_resident_cap must be >= 0, got {self.int4_gluon_resident_cap}"
-            )
+        for knob in ("int4_gluon_resident_cap", "int4_gluon_resident_cap_split"):
+            if getattr(self, knob) < 0:
+                raise ValueError(f"{knob} must be >= 0, got {getattr(self, knob)}")
         for knob, allowed in (("int4_gluon_stages", (None, 2, 3)), ("int2_gluon_stages", (2, 3))):
             if getattr(self, knob) not in allowed:
                 raise ValueError(f"{knob} must be 2 or 3, got {getattr(self, knob)}")
@@ -3074,9 +3077,10 @@ class DecodePlan:
                 res4 = gluon_resident("gluon-int4", int4_split_gluon_kernel, self.gluon4_args, g4consts)  # fmt: skip
                 l4 = wave_plan(res4, (0, m4, 0))[1]
                 few = cfg.int4_gluon_resident_cap
-                if 0 < few < res4:  # fewer, longer programs where they fill one wave
+                if 0 < few < res4:  # fewer, longer short programs where they fill one wave
                     l4_few = wave_plan(few, (0, m4, 0))[1]
-                    if b * hkv * -(-m4 // l4_few) <= _num_sms(q.device) * few:
+                    one_wave = b * hkv * -(-m4 // l4_few) <= _num_sms(q.device) * few
+                    if one_wave and l4_few <= cfg.int4_gluon_resident_cap_split:
                         l4 = l4_few
                 splits = (splits[0], l4, splits[2])
         else:

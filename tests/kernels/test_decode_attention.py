@@ -929,31 +929,36 @@ def test_default_launch_chain_narrow_merge_and_chained_window(
 
 
 @pytest.mark.parametrize(
-    ("tokens", "folded_cap", "resident_cap", "programs"),
+    ("tokens", "folded_cap", "resident_cap", "cap_split", "programs"),
     [
         # 2 requests x 2 KV heads on 2 SMs of 16 resident programs (a wave: 32 programs)
-        (1024, 1024, 8, 16),  # 8 splits of 128 (one full wave) -> 4 of 256: 16 programs
-        (1024, 1024, 0, 32),  # the cap off: the full residency's plan
-        (1024, 1024, 16, 32),  # a cap at the residency: the same
+        (1024, 1024, 8, 512, 16),  # 8 splits of 128 (one full wave) -> 4 of 256: 16 programs
+        (1024, 1024, 0, 512, 32),  # the cap off: the full residency's plan
+        (1024, 1024, 16, 512, 32),  # a cap at the residency: the same
+        # 8 splits of 512 -> 4 of 1,024, longer than the 512 allowed: kept, unless allowed
+        (4096, 1024, 8, 512, 32),
+        (4096, 1024, 8, 1024, 16),
         # with splits of at most 192 the plan for 8 a SM would take 44 programs (three
         # waves of 8 programs on 2 SMs): the full residency's 64 of 128 (two waves) stay
-        (2048, 192, 8, 64),
+        (2048, 192, 8, 512, 64),
     ],
 )
 def test_int4_gluon_split_planned_for_fewer_longer_programs_in_one_wave(
-    monkeypatch, tokens, folded_cap, resident_cap, programs
+    monkeypatch, tokens, folded_cap, resident_cap, cap_split, programs
 ) -> None:
     """The Gluon INT4 split is planned for ``int4_gluon_resident_cap`` programs per SM
-    instead of its residency where that plan's programs fit one wave of them (H200: 4-8%
-    faster at B=1 N=32k, B=4 N=16k, B=8 N=4k, B=32 N=4k); where they do not (the split cap
-    binds), it keeps the plan for its residency. The GPU and the kernels are stood in for,
-    as above."""
+    instead of its residency where that plan's programs fit one wave of them and its splits
+    stay within ``int4_gluon_resident_cap_split`` positions (H200: 4-8% faster at B=1
+    N=32k, B=4 N=16k, B=8 N=4k; longer splits with half their positions DEAD lost 7-12%);
+    elsewhere it keeps the plan for its residency. The GPU and the kernels are stood in
+    for, as above."""
     seen = _record_sm90_launches(monkeypatch, 2)
     mb = build_mixed_batch([(0, tokens, 0)] * 2, hq=8, hkv=2, d=128, seed=7)
     cfg = DecodeConfig(
         int4_gluon=True,
         resident_programs=16,
         int4_gluon_resident_cap=resident_cap,
+        int4_gluon_resident_cap_split=cap_split,
         max_split_len_folded=folded_cap,
         int4_gluon_cap_factor=1,
     )
@@ -963,9 +968,10 @@ def test_int4_gluon_split_planned_for_fewer_longer_programs_in_one_wave(
     assert seen[-1][1]["args"][6] == programs // 4  # (the merge's S_total: splits per pair)
 
 
-def test_int4_gluon_resident_cap_must_not_be_negative() -> None:
-    with pytest.raises(ValueError, match="int4_gluon_resident_cap"):
-        DecodeConfig(int4_gluon_resident_cap=-1)
+@pytest.mark.parametrize("knob", ["int4_gluon_resident_cap", "int4_gluon_resident_cap_split"])
+def test_int4_gluon_resident_caps_must_not_be_negative(knob) -> None:
+    with pytest.raises(ValueError, match=knob):
+        DecodeConfig(**{knob: -1})
 
 
 @pytest.mark.parametrize(
