@@ -59,3 +59,13 @@ def test_rendered_table_shows_the_chosen_timer() -> None:
     assert "kernel_us, the kernels alone" in kernel
     plain = render(_doc())
     assert "| 8 | 32k | 300.0 |" in plain
+
+
+def test_host_table_keeps_do_bench_beside_the_kernel_time() -> None:
+    """With ``--kernel`` the main tables show kernel_us, but the host table's do_bench
+    column still shows do_bench's own time (it is there to be compared with the kernel's)."""
+    doc = _doc()
+    doc["results"][1]["host_us"] = 90.0
+    kernel = render(kernel_times(doc))
+    assert "| 8 | 32k | int4 | 400.0 | 125.0 | 90.0 |" in kernel
+    assert "| 8 | 32k | int4 | 400.0 | 125.0 | 90.0 |" in render(doc)
