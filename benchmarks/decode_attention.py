@@ -136,6 +136,17 @@ def _flush_buffer() -> torch.Tensor:
     return _FLUSH
 
 
+def warm_for_capture(fn, calls: int = 2) -> None:
+    """Run ``fn`` ``calls`` times on a side stream, as torch's docs ask before a CUDA graph
+    captures it (compiles, autotunes and allocates outside the capture)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(calls):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+
+
 def _kernel_us(fn, calls: int = 20, reps: int = 7) -> float | None:
     """GPU time of ``fn`` without any host overhead, L2 flushed before every call: one CUDA
     graph of ``calls`` x (flush, fn) minus one of ``calls`` x flush, median over ``reps``
@@ -143,12 +154,7 @@ def _kernel_us(fn, calls: int = 20, reps: int = 7) -> float | None:
     if DEVICE.type != "cuda":
         return None
     flush = _flush_buffer()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm up on a side stream before capture (torch docs)
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
+    warm_for_capture(fn)
     torch.cuda.synchronize()
     g_flush, g_both = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
     with torch.cuda.graph(g_flush):
@@ -1104,10 +1110,11 @@ def main() -> None:
     print(f"wrote {args.out}")
 
 
-def _gpu_sampler(out: str) -> subprocess.Popen | None:
-    """nvidia-smi sampling SM clock, power, temperature, utilisation and throttle reasons
-    every 200 ms into ``<out>.gpu.csv`` for the whole run (None without nvidia-smi)."""
-    path = Path(out).with_suffix(".gpu.csv")
+def gpu_sampler(path: Path, interval_ms: int = 200) -> subprocess.Popen | None:
+    """nvidia-smi sampling every ``interval_ms`` into the CSV ``path`` (a header, then per
+    sample: timestamp, SM clock, memory clock, power, temperature, utilisation, clock-event
+    reasons; values with their units) until the returned process is terminated (None
+    without nvidia-smi). The reasons field takes the name this driver knows."""
     path.parent.mkdir(parents=True, exist_ok=True)
     for reasons in ("clocks_event_reasons.active", "clocks_throttle_reasons.active"):
         q = f"timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,utilization.gpu,{reasons}"
@@ -1122,7 +1129,8 @@ def _gpu_sampler(out: str) -> subprocess.Popen | None:
             return None
         if ok.returncode == 0:
             return subprocess.Popen(
-                ["nvidia-smi", f"--query-gpu={q}", "--format=csv", "-lms", "200", "-f", str(path)],
+                ["nvidia-smi", f"--query-gpu={q}", "--format=csv", "-lms", str(interval_ms)]
+                + ["-f", str(path)],
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
             )
@@ -1142,7 +1150,7 @@ if __name__ == "__main__":
         (sys.argv[i + 1] for i, a in enumerate(sys.argv[:-1]) if a == "--out"),
         "docs/benchmarks/decode_attention.json",
     )
-    sampler = _gpu_sampler(out_arg) if DEVICE.type == "cuda" else None
+    sampler = gpu_sampler(Path(out_arg).with_suffix(".gpu.csv")) if DEVICE.type == "cuda" else None
     try:
         main()
     finally:

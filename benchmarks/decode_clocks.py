@@ -12,7 +12,9 @@ CUDA graph of ``--calls`` back-to-back calls (no L2 flush: a decode loop's stead
 replays it for ``--seconds`` while ``nvidia-smi`` samples the GPU every ``--sample-ms``, and
 records the time per call (CUDA events over the replays) with the samples' median SM clock
 (MHz), power (W), temperature (C) and the clock-event reasons seen (``sw_power_cap``,
-``hw_slowdown``, ...; :data:`REASONS`). Writes ``--out`` (JSON) and prints a table.
+``hw_slowdown``, ...; :data:`REASONS`). Writes ``--out`` (JSON), the samples of each
+measurement beside it (``<out>.B8_N32768_int4.gpu.csv``: ``decode_attention.gpu_sampler``'s
+CSV) and prints a table.
 """
 
 from __future__ import annotations
@@ -30,7 +32,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from decode_attention import DecodeConfig, Shape, _ours, _sdpa, _warm_gpu  # noqa: E402
+from decode_attention import (  # noqa: E402
+    DecodeConfig,
+    Shape,
+    _ours,
+    _sdpa,
+    _warm_gpu,
+    gpu_sampler,
+    warm_for_capture,
+)
 
 #: nvidia-smi's clock-event reason bits (``clocks_event_reasons.active``)
 REASONS = {
@@ -44,7 +54,6 @@ REASONS = {
     0x80: "hw_power_brake",
     0x100: "display_clocks",
 }
-FIELDS = "clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_event_reasons.active"
 #: the board's limits, recorded once (W, MHz)
 LIMITS = "power.limit,enforced.power.limit,power.max_limit,clocks.max.sm,clocks.max.mem"
 
@@ -55,9 +64,10 @@ def reasons(mask: int) -> list[str]:
 
 
 def parse_sample(line: str) -> dict | None:
-    """One ``nvidia-smi --format=csv,noheader,nounits`` line of :data:`FIELDS` (None if it
-    is not one, e.g. a field the driver reports as N/A)."""
-    parts = [p.strip() for p in line.split(",")]
+    """One sample: SM clock, memory clock, power, temperature, clock-event reasons,
+    comma-separated, with or without their units (None if it is not one, e.g. a field the
+    driver reports as N/A)."""
+    parts = [p.split()[0] if p.split() else "" for p in line.split(",")]
     if len(parts) != 5:
         return None
     try:
@@ -72,14 +82,23 @@ def parse_sample(line: str) -> dict | None:
         return None
 
 
-def sustained(fn, calls: int, seconds: float, sample_ms: int) -> dict:
-    """Replay a graph of ``calls`` x ``fn`` for ``seconds`` under nvidia-smi sampling."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
+def read_samples(path: Path) -> list[dict]:
+    """The samples of a :func:`decode_attention.gpu_sampler` CSV (its header and a line
+    that does not parse skipped; the timestamp and utilisation columns dropped)."""
+    out = []
+    for line in path.read_text().splitlines()[1:]:
+        cols = line.split(",")
+        if len(cols) == 7:
+            s = parse_sample(",".join(cols[1:5] + cols[6:]))
+            if s:
+                out.append(s)
+    return out
+
+
+def sustained(fn, calls: int, seconds: float, sample_ms: int, csv: Path) -> dict:
+    """Replay a graph of ``calls`` x ``fn`` for ``seconds`` under nvidia-smi sampling into
+    ``csv``."""
+    warm_for_capture(fn)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for _ in range(calls):
@@ -87,16 +106,9 @@ def sustained(fn, calls: int, seconds: float, sample_ms: int) -> dict:
     for _ in range(3):
         graph.replay()
     torch.cuda.synchronize()
-    smi = subprocess.Popen(
-        [
-            "nvidia-smi",
-            f"--query-gpu={FIELDS}",
-            "--format=csv,noheader,nounits",
-            f"-lms={sample_ms}",
-        ],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+    smi = gpu_sampler(csv, sample_ms)
+    if smi is None:
+        raise SystemExit("decode_clocks.py needs nvidia-smi")
     time.sleep(0.2)  # (its first sample)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     replays = 0
@@ -110,8 +122,8 @@ def sustained(fn, calls: int, seconds: float, sample_ms: int) -> dict:
     end.record()
     torch.cuda.synchronize()
     smi.terminate()
-    out, _ = smi.communicate(timeout=10)
-    samples = [s for s in map(parse_sample, out.splitlines()[2:-1]) if s]  # (edges dropped)
+    smi.wait(timeout=10)
+    samples = read_samples(csv)[2:-1]  # (the edges dropped)
     seen = 0
     for s in samples:
         seen |= s["reasons"]
@@ -163,11 +175,12 @@ def main() -> None:
             else:
                 fn = _ours(s, impl, False, DecodeConfig())
             _warm_gpu()
+            csv = args.out.with_name(f"{args.out.stem}.B{b}_N{n}_{impl}.gpu.csv")
             r = {
                 "B": b,
                 "N": n,
                 "impl": impl,
-                **sustained(fn, args.calls, args.seconds, args.sample_ms),
+                **sustained(fn, args.calls, args.seconds, args.sample_ms, csv),
             }
             rows.append(r)
             print(json.dumps(r), flush=True)
