@@ -8,6 +8,7 @@ from agentkv.cache.dead_slot import DEAD, live_slots
 from agentkv.cache.decode_index import DecodeIndex
 from agentkv.cache.kv_pool import KVPool
 from agentkv.cache.kv_store import (
+    CompactionResult,
     EvictResult,
     KVStore,
     KVStoreStats,
@@ -22,6 +23,7 @@ from agentkv.cache.slot_map import SlotMap
 
 __all__ = [
     "DEAD",
+    "CompactionResult",
     "DecodeIndex",
     "EvictResult",
     "KVPool",

@@ -209,3 +209,25 @@ class KVPool:
             )
         else:
             raise ValueError(f"cannot demote to {precision!r}")
+
+    def move_int4(
+        self, layer: int, heads: torch.Tensor, src: torch.Tensor, dst: torch.Tensor
+    ) -> None:
+        """Copy INT4 cells of ``layer`` (codes and scales, bit for bit) to other INT4 cells
+        of the same columns (the write path of :meth:`KVStore.compact_int4`).
+
+        Args:
+            layer: layer index.
+            heads: int64 ``[m]`` KV head of each cell.
+            src, dst: int64 ``[m]`` INT4 cell ids (unified), ``dst`` disjoint from ``src``.
+        """
+        if src.numel() == 0:
+            return
+        pools = self.layers[layer]
+        p4 = pools.int4
+        assert p4 is not None, "no INT4 pool"
+        dev = self.device
+        heads = heads.to(dev)
+        i, j = src.to(dev) - pools.int4_base, dst.to(dev) - pools.int4_base
+        for t in (p4.k, p4.v, p4.k_scale, p4.k_zero, p4.v_scale, p4.v_zero):
+            t[j, heads] = t[i, heads]

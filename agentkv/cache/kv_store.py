@@ -64,6 +64,8 @@ class RequestKV:
         finished: set by ``finish_request``.
         namespace: tenant namespace (cache salt) the request matches and is cached under;
             ``None``: the default one.
+        int4_thinned: an eviction dropped INT4 cells of this request since the last
+            :meth:`KVStore.compact_int4` (which only then looks for sparse runs).
     """
 
     request_id: int
@@ -75,6 +77,7 @@ class RequestKV:
     prefix_from_session: bool
     finished: bool = False
     namespace: str | None = None
+    int4_thinned: bool = False
     _locked: list[TreeNode] = field(default_factory=list, repr=False)
 
     @property
@@ -111,6 +114,16 @@ class PrecisionResult:
     int4: int
     int2: int
     slots_freed: int
+
+
+@dataclass(frozen=True)
+class CompactionResult:
+    """Outcome of one :meth:`KVStore.compact_int4` call: (layer, KV head) columns whose INT4
+    cells moved, and cells moved (resident bytes unchanged: each moved cell's old one was
+    freed)."""
+
+    columns: int
+    cells_moved: int
 
 
 @dataclass(frozen=True)
@@ -195,6 +208,8 @@ class KVStore:
         int4_slots: INT4 pool rows per layer (default ``num_slots``; 0 = no INT4 pool).
         int2_pages: INT2 pages (32 rows) per layer (default ``num_slots // 32``; 0 = none).
         backend: kernels backend for gathers (default: Triton on CUDA, torch on CPU).
+        int4_min_density: :meth:`compact_int4`'s default: a column's INT4 cells are moved
+            when they fill less than this fraction of the 32-cell runs they touch (0: never).
     """
 
     def __init__(
@@ -208,7 +223,11 @@ class KVStore:
         int4_slots: int | None = None,
         int2_pages: int | None = None,
         backend: Backend | None = None,
+        int4_min_density: float = 0.75,
     ) -> None:
+        if not 0.0 <= int4_min_density <= 1.0:
+            raise ValueError(f"int4_min_density must be in [0, 1], got {int4_min_density}")
+        self.int4_min_density = float(int4_min_density)
         quantizable = head_dim % 32 == 0 and head_dim & (head_dim - 1) == 0
         if int4_slots is None:
             int4_slots = num_slots if quantizable else 0
@@ -473,6 +492,84 @@ class KVStore:
             sel = layers == layer
             self.pool.demote(layer, heads[sel], old[sel], new[sel], p)
 
+    def compact_int4(
+        self, req: RequestKV, min_density: float | None = None
+    ) -> CompactionResult:
+        """Move ``req``'s INT4 cells into fuller runs where per-token eviction left them sparse.
+
+        The decode kernel reads a KV head's INT4 rows fastest when a block of positions lies
+        on consecutive rows; after eviction, a demoted span's surviving cells are scattered
+        over part-empty 32-cell runs. A cell may move when every holder is known: the
+        request's map and, for a matched prefix, the session node of the request's locked
+        path that stores the same cell at that position (a cell anyone else holds, e.g. a
+        sibling request, stays: moving it would duplicate it). In every column where such
+        cells fill less than ``min_density`` (default ``int4_min_density``) of the runs they
+        touch, they are copied bit for bit into cells of the column's fullest free runs
+        (:meth:`SlotAllocator.compact_int4`), the map and the nodes repointed and the old
+        cells freed. Positions, precisions and values are unchanged, and so are resident
+        bytes; a column without enough free runs is left as it is. Rebuild any
+        :class:`DecodeIndex` of ``req`` afterwards (its cell ids changed).
+
+        Only looks when an eviction dropped INT4 cells of ``req`` since the last call
+        (``req.int4_thinned``): the check reads every INT4 cell of the map (host time)."""
+        self._check_live(req)
+        if not req.int4_thinned:
+            return CompactionResult(0, 0)
+        req.int4_thinned = False
+        d = self.int4_min_density if min_density is None else float(min_density)
+        sm = req.slot_map
+        slots = sm.slots
+        lay = self.layout
+        is4 = (slots >= lay.int4_base) & (slots < lay.int2_base)
+        if d <= 0.0 or not bool(is4.any()):
+            return CompactionResult(0, 0)
+        # the holders this call repoints: the map, and the locked path's nodes where they
+        # store the map's cell
+        nodes = self._path_nodes(req)
+        holders = torch.ones_like(slots, dtype=torch.int32)
+        for start, node in nodes:
+            n = min(len(node), len(sm) - start)
+            if n > 0:
+                holders[:, start : start + n] += (node.value[:, :n] == slots[:, start : start + n]).int()
+        movable = is4 & (self.allocator.refcount(slots) == holders)
+        cols, pos = torch.nonzero(movable, as_tuple=True)
+        old = slots[cols, pos]
+        new = self.allocator.compact_int4(cols, old, d)
+        moved = new != old
+        if not bool(moved.any()):
+            return CompactionResult(0, 0)
+        cols, pos, old, new = cols[moved], pos[moved], old[moved], new[moved]
+        layers, heads = cols // self.num_kv_heads, cols % self.num_kv_heads
+        for layer in torch.unique(layers).tolist():
+            sel = layers == layer
+            self.pool.move_int4(layer, heads[sel], old[sel], new[sel])
+        sm.replace(cols, pos, new)
+        self.allocator.decref_pairs(cols, old)
+        for start, node in nodes:
+            at = (pos >= start) & (pos < start + len(node))
+            at[at.clone()] = node.value[cols[at], pos[at] - start] == old[at]
+            if bool(at.any()):
+                node.value[cols[at], pos[at] - start] = new[at]
+                self.allocator.incref_pairs(cols[at], new[at])
+                self.allocator.decref_pairs(cols[at], old[at])
+        return CompactionResult(int(torch.unique(cols).numel()), int(cols.numel()))
+
+    def _path_nodes(self, req: RequestKV) -> list[tuple[int, TreeNode]]:
+        """``(start position, node)`` of every node on the request's locked paths (the
+        matched prefix's, and those ``cache_unfinished_request`` inserted), roots excluded."""
+        seen: dict[int, tuple[int, TreeNode]] = {}
+        for last in req._locked:
+            chain = []
+            node = last
+            while node is not None and node.parent is not None:
+                chain.append(node)
+                node = node.parent
+            start = 0
+            for node in reversed(chain):
+                seen.setdefault(id(node), (start, node))
+                start += len(node)
+        return list(seen.values())
+
     def calibrate_key_channels(self, req: RequestKV, statistic: str = "absmax") -> None:
         """Set every layer's INT4 key channel scales (:meth:`KVPool.set_key_channel_scales`)
         from the full-precision keys of ``req`` (a calibration prompt, before any request is
@@ -648,6 +745,9 @@ class KVStore:
     def _release(
         self, req: RequestKV, before_live: int, before_res: int, released: torch.Tensor
     ) -> EvictResult:
+        lay = self.layout
+        if bool(((released >= lay.int4_base) & (released < lay.int2_base)).any()):
+            req.int4_thinned = True
         freed = self.allocator.decref(released)
         return EvictResult(
             entries_evicted=before_live - req.slot_map.live_entries(),

@@ -265,6 +265,81 @@ class SlotAllocator:
         self._count_pairs(got_cols, ids, 1)
         return out
 
+    def compact_int4(
+        self, cols: torch.Tensor, ids: torch.Tensor, min_density: float
+    ) -> torch.Tensor:
+        """Denser cells for INT4 cells where per-token eviction has left them sparse.
+
+        Eviction leaves a demoted span's runs of :data:`INT4_RUN` ids part-used, and the
+        decode kernel reads a head's rows slower the more runs a block of positions spans.
+        ``(cols, ids)`` (int64 ``[m]``; any precision, DEAD allowed: only INT4 cells count)
+        are cells the caller may move: it will repoint every holder of each (the caller
+        checks that it knows them all). In every column, the cells of aligned runs of
+        :data:`INT4_RUN` ids that they fill less than ``min_density`` of are candidates
+        (fuller runs stay); where the candidates number at least :data:`INT4_RUN` and could
+        lie on fewer runs, as many cells are taken from the column's fullest free runs
+        (:meth:`alloc_int4`'s bulk rule) and kept if they lie on fewer runs than the
+        candidates do and fill at least ``min_density`` of them, or lie on as few runs as
+        they can (else given back: the column's free cells are too scattered to help). A
+        column with too few free cells is left alone; nothing is evicted for this.
+
+        Returns int64 ``[m]``: each entry's new cell where it moves, else its id. Every new
+        cell has one reference; the caller copies each moved cell's data, repoints its
+        holders (one more reference per further holder) and drops the old ids' references.
+        A column's moved cells keep their order: the i-th lowest old id moves to the i-th
+        lowest new one.
+        """
+        out = ids.clone()
+        lay = self.layout
+        if ids.numel() == 0 or lay.int4_slots == 0:
+            return out
+        where = torch.nonzero((ids >= lay.int4_base) & (ids < lay.int2_base)).reshape(-1)
+        c, i = cols[where], ids[where]
+        # the candidates: cells in runs they fill less than min_density of (dense runs stay)
+        per = -(-lay.int4_slots // INT4_RUN)
+        _, inv, cnt = torch.unique(
+            c * per + (i - lay.int4_base) // INT4_RUN, return_inverse=True, return_counts=True
+        )
+        sparse = cnt[inv] < min_density * INT4_RUN
+        where, c, i = where[sparse], c[sparse], i[sparse]
+        n = torch.bincount(c, minlength=self.num_columns)
+        used = self._runs_used(c, i)
+        fewest = -(-n // INT4_RUN)
+        stacks = self._free[Precision.INT4]
+        ask = (n >= INT4_RUN) & (used > fewest) & (stacks.top >= n)
+        for col in torch.nonzero(ask).reshape(-1).tolist():
+            k = int(n[col])
+            new = stacks.take_runs(col, k)  # ascending
+            runs = int(torch.unique((new - lay.int4_base) // INT4_RUN).numel())
+            if runs >= int(used[col]) or (
+                k < min_density * INT4_RUN * runs and runs > int(fewest[col])
+            ):
+                stacks.push(torch.full_like(new, col), new)
+                continue
+            mine = where[c == col]
+            out[mine[torch.argsort(ids[mine], stable=True)]] = new
+            self._count_pairs(torch.full_like(new, col), new, 1)
+        return out
+
+    def int4_run_density(self, cols: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """float ``[C]``: per column, how full the aligned runs of :data:`INT4_RUN` ids that
+        its INT4 cells among ``(cols, ids)`` (int64 ``[m]``) touch are with them (1.0:
+        whole runs; NaN where a column has none)."""
+        lay = self.layout
+        sel = (ids >= lay.int4_base) & (ids < lay.int2_base)
+        c, i = cols[sel], ids[sel]
+        n = torch.bincount(c, minlength=self.num_columns).double()
+        out = n / (INT4_RUN * self._runs_used(c, i))
+        out[n == 0] = float("nan")
+        return out
+
+    def _runs_used(self, cols: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """int64 ``[C]``: distinct aligned INT4 runs that INT4 cells ``(cols, ids)`` touch."""
+        runs = (ids - self.layout.int4_base) // INT4_RUN
+        per = -(-self.layout.int4_slots // INT4_RUN)
+        key = torch.unique(cols * per + runs)
+        return torch.bincount(key // per, minlength=self.num_columns)
+
     def alloc_int2_pages(self, cols: torch.Tensor) -> torch.Tensor:
         """One INT2 page for each entry of ``cols`` (int64 ``[p]``): row ids ``[p, 32]``, each
         row with one reference."""
@@ -281,6 +356,10 @@ class SlotAllocator:
         """One more reference on every non-DEAD cell of ``cells`` (int64 ``[C, n]``). Each must
         already be held (a reference can only be copied from a holder)."""
         cols, ids = self._pairs(cells)
+        self.incref_pairs(cols, ids)
+
+    def incref_pairs(self, cols: torch.Tensor, ids: torch.Tensor) -> None:
+        """:meth:`incref` of explicit ``(cols [m], ids [m])`` pairs (no DEAD)."""
         if ids.numel() == 0:
             return
         if bool((self._refcount[cols, ids] <= 0).any()):

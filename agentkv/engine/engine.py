@@ -701,6 +701,7 @@ class Engine:
             "evicted_tokens": evicted_tokens,
             "evicted_entries": evicted_entries,
             "quantized": quantized,
+            "compacted": 0,
             "note": plan.note,
             "planned_live": float(req.slot_map.effective_live_tokens()),
             "decode": plan.decode,
@@ -789,6 +790,8 @@ class Engine:
                 view = LiveView(self.store, req)
                 if kernel is not None:
                     kernel.rebuild()
+        if kernel is not None:
+            info["compacted"] += kernel.compacted
         return out, finish, (raw, eff)
 
     def _greedy_fork(self, req: RequestKV, logits: torch.Tensor, n_tokens: int) -> list[int]:
@@ -884,6 +887,7 @@ class Engine:
             resident_kv_bytes=stats.resident_bytes,
             resident_kv_bytes_by_precision=stats.resident_bytes_by_precision,
             quantized_entries=plan_info["quantized"],
+            compacted_entries=plan_info.get("compacted", 0),
             slot_map_bytes=stats.slot_map_bytes,
             planned_live_kv_tokens=round(plan_info["planned_live"], 2),
             compression_ratio=round(1 - stats.effective_live_tokens / max(stats.seq_len, 1), 4),

@@ -33,10 +33,14 @@ class KernelDecode:
         self.req = req
         self.room = room
         self.backend = backend
+        self.compacted = 0  # INT4 cells moved by this decode's rebuilds
         self.rebuild()
 
     def rebuild(self) -> None:
-        """Rebuild the index from the slot map (after a precision change)."""
+        """Rebuild the index from the slot map (after a precision change or an eviction),
+        first moving the request's INT4 cells that eviction left sparse into fuller runs
+        (:meth:`KVStore.compact_int4`: the kernel reads consecutive rows faster)."""
+        self.compacted += self.store.compact_int4(self.req).cells_moved
         self.index = DecodeIndex.build(
             self.req.slot_map, self.store.layout, self.room, self.store.pool.device
         )

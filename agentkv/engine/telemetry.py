@@ -48,6 +48,11 @@ class KVUsage(BaseModel):
         default_factory=dict, description="resident bytes split by full / int4 / int2"
     )
     quantized_entries: int = Field(0, description="(layer, KV head, position) cells quantized")
+    compacted_entries: int = Field(
+        0,
+        description="INT4 cells moved into fuller runs after eviction had thinned them (same "
+        "bytes; the decode kernel reads consecutive rows faster): kernel decode path",
+    )
     slot_map_bytes: int = Field(0, description="host bytes of the request's slot map")
     planned_live_kv_tokens: float = Field(
         0.0, description="effective live KV right after the plan, before decode / target tokens"

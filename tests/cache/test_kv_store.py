@@ -530,3 +530,120 @@ def test_read_kv_dequantizes_mixed_precisions_and_holes():
     check_content(st, r)
     st.finish_request(r, cache=False)
     drained(st)
+
+
+def test_compact_int4_moves_thinned_cells_bit_for_bit_and_keeps_resident_bytes():
+    """After per-token eviction thins INT4 spans, ``compact_int4`` moves the cells whose
+    holders it knows (the request's own, and a matched session prefix's together with its
+    tree node) into whole runs: same values read back (the codes copied, not
+    re-quantized), same resident bytes, old cells free, every reference accounted for.
+    Cells a sibling request also holds stay; nothing happens without an eviction since
+    the last call."""
+    from agentkv.cache.slot_allocator import INT4_RUN
+
+    M = 128
+    st = store(num_slots=512, int4_min_density=0.75)
+    system = list(range(300, 300 + M))  # M tokens, quantized by a first turn and cached
+    first = run(st, "S", system + [1])
+    st.set_precision(first, torch.full((M,), P4, dtype=torch.int8))
+    st.finish_request(first)
+    r = run(st, "S", system + list(range(2, 258)))  # 256 own tokens after the M matched
+    node_cells = r.slot_map.slots[:, :M].clone()
+    assert r.num_cached == M and bool((st.allocator.refcount(node_cells) == 2).all())
+    sibling = st.begin_request("S", system + [7])  # holds the M cells too
+    st.set_precision(r, torch.full((M + 256,), P4, dtype=torch.int8))
+    assert st.compact_int4(r).cells_moved == 0  # nothing evicted yet
+    keep = torch.ones(L, H, M + 256, dtype=torch.bool)
+    g = torch.Generator().manual_seed(0)
+    keep[:, :, M:] = torch.rand(L, H, 256, generator=g) < 0.5  # own span thinned
+    keep[1, 0, M:] = True  # one column left dense
+    keep[:, :, :M] = torch.rand(L, H, M, generator=g) < 0.5  # matched span thinned
+    st.evict_per_head(r, keep)
+    assert r.int4_thinned
+    slots = r.slot_map.slots.clone()
+    cols = torch.arange(C)[:, None].expand(C, 256)
+    own = slots[:, M:]
+    dens = st.allocator.int4_run_density(cols[own != DEAD], own[own != DEAD])
+    kv = [st.read_kv(r, layer) for layer in range(L)]
+    used = st.stats().used_bytes
+    res = st.compact_int4(r)
+    assert not r.int4_thinned and st.compact_int4(r).cells_moved == 0
+    new = r.slot_map.slots
+    changed = new != slots
+    assert res.columns == C - 1 and res.cells_moved == int(changed.sum())
+    assert not changed[:, :M].any()  # the sibling holds them too: they stay
+    assert not changed[2].any()  # (layer 1, head 0): dense, stays
+    own = new[:, M:]
+    dens_after = st.allocator.int4_run_density(cols[own != DEAD], own[own != DEAD])
+    assert bool((dens[[0, 1, 3]] < 0.75).all())
+    for c in (0, 1, 3):  # each moved column: ascending, on as few runs as its cells fill
+        ids = own[c][own[c] != DEAD]
+        assert bool((ids[1:] > ids[:-1]).all())
+        assert float(dens_after[c]) == ids.numel() / (INT4_RUN * -(-ids.numel() // INT4_RUN))
+    assert st.stats().used_bytes == used  # resident bytes unchanged
+    assert bool((st.allocator.refcount(slots)[changed] == 0).all())  # old cells freed
+    for layer in range(L):
+        k, v, pos, hm = st.read_kv(r, layer)
+        k0, v0, pos0, hm0 = kv[layer]
+        assert torch.equal(pos, pos0) and torch.equal(k, k0) and torch.equal(v, v0)
+        assert (hm is None and hm0 is None) or torch.equal(hm, hm0)
+    check_content(st, r)
+    st.check_invariants()
+    # the sibling gone, the matched span moves with its tree node: both repointed
+    st.finish_request(sibling, cache=False)
+    keep = torch.ones(L, H, M + 256, dtype=torch.bool)
+    keep[0, 0, int(torch.nonzero(r.slot_map.slots[0, :M])[0])] = False
+    st.evict_per_head(r, keep)
+    slots = r.slot_map.slots.clone()
+    res = st.compact_int4(r)
+    changed = r.slot_map.slots != slots
+    assert res.cells_moved == int(changed.sum()) and bool(changed[:, :M].any())
+    (node,) = [n for _, start, n in st.prefix_cache.iter_nodes() if start == 0 and len(n) == M]
+    live = r.slot_map.slots[:, :M] != DEAD
+    assert torch.equal(node.value[live], r.slot_map.slots[:, :M][live])  # node repointed
+    assert bool((st.allocator.refcount(r.slot_map.slots[:, :M])[live] == 2).all())
+    assert st.stats().used_bytes == used
+    check_content(st, r)
+    st.check_invariants()
+    st.finish_request(r)
+    drained(st, ["S"])
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_compact_int4_over_random_multi_turn_sessions(seed):
+    """Turns of two sessions, each demoting its context to INT4 and evicting per head (the
+    matched turns' cells included) before compacting: cells move, every holder reads its
+    own K/V, every reference is accounted for and resident bytes never change."""
+    import random
+
+    rng = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    st = store(num_slots=1024, int4_min_density=0.75)
+    history: dict[str, list[int]] = {}
+    moved = 0
+    for _ in range(8):
+        session = rng.choice(["a", "b"])
+        prompt = history.get(session, list(range(500, 500 + rng.randint(40, 120))))
+        req = run(st, session, prompt + [rng.randint(0, 50) for _ in range(rng.randint(60, 150))])
+        t = req.seq_len
+        prec = torch.full((t,), P4, dtype=torch.int8)
+        prec[-16:] = int(Precision.FULL)
+        st.set_precision(req, prec)
+        keep = torch.rand(L, H, t, generator=g) < rng.choice([0.3, 0.5, 0.8])
+        keep[..., -16:] = True
+        st.evict_per_head(req, keep)
+        sibling = run(st, session, prompt + [99]) if rng.random() < 0.3 else None
+        used = st.stats().used_bytes
+        res = st.compact_int4(req)
+        moved += res.cells_moved
+        assert st.stats().used_bytes == used
+        for r in (req, sibling):
+            if r is not None:
+                check_content(st, r)
+        st.check_invariants()
+        if sibling is not None:
+            st.finish_request(sibling, cache=False)
+        st.finish_request(req)
+        history[session] = req.token_ids
+    assert moved > 0
+    drained(st, ["a", "b"])

@@ -199,6 +199,22 @@ class KVStoreMachine(RuleBasedStateMachine):
         self._set_precision(req, precision_plan(seed, grain, t), leftover)
 
     @precondition(lambda self: self.reqs)
+    @rule(i=st.integers(0, 3), density=st.sampled_from([0.75, 1.0]))
+    def compact_int4(self, i, density):
+        """Moving a request's sparse INT4 cells changes no precision, no live position and
+        no resident byte (the invariants recheck every holder's content and count)."""
+        st_ = self.store
+        req = self._pick(i)
+        req.int4_thinned = True  # look even where this step's evictions did not
+        before = req.slot_map.slots.clone()
+        used = st_.stats().used_bytes
+        res = st_.compact_int4(req, min_density=density)
+        after = req.slot_map.slots
+        assert int((after != before).sum()) == res.cells_moved
+        assert torch.equal(st_.layout.precision(after), st_.layout.precision(before))
+        assert st_.stats().used_bytes == used
+
+    @precondition(lambda self: self.reqs)
     @rule(i=st.integers(0, 3), n=st.integers(1, 40))
     def cache_unfinished(self, i, n):
         req = self._pick(i)

@@ -230,3 +230,48 @@ def test_int4_run_bookkeeping_follows_the_free_lists():
         assert torch.equal(stacks.refcount[c] == 0, flags)  # (free: no references)
         assert torch.equal(stacks.per_run[c], torch.bincount(free // INT4_RUN, minlength=10))
         assert len(set(free.tolist())) == free.numel()
+
+
+def test_int4_compaction_moves_a_sparse_columns_cells_into_whole_runs_in_order():
+    """A column's cells that per-token eviction left in half-empty runs move to its fullest
+    free runs (order kept, one reference each, the old ids still held until the caller
+    drops them); dense columns, columns not asked about and columns without free runs
+    stay."""
+    from agentkv.cache.slot_allocator import INT4_RUN
+
+    a = SlotAllocator(3, PoolLayout(2, 256, 0))
+    base = a.layout.int4_base
+    cols = torch.arange(3).repeat_interleave(128)
+    held = a.alloc_int4(cols).view(3, 128)  # runs 0-3 of each column
+    keep = torch.arange(128) % 2 == 0  # every other position evicted in columns 0 and 2
+    a.decref_pairs(torch.zeros(64, dtype=torch.int64), held[0, ~keep])
+    a.decref_pairs(torch.full((64,), 2, dtype=torch.int64), held[2, ~keep])
+    ids = torch.cat([held[0, keep], held[1]])  # column 2 not asked about
+    cc = torch.cat([torch.zeros(64), torch.ones(128)]).long()
+    assert a.int4_run_density(cc, ids)[:2].tolist() == [0.5, 1.0]
+    assert a.int4_run_density(cc, ids)[2].isnan()
+    new = a.compact_int4(cc, ids, min_density=0.75)
+    moved = new != ids
+    assert moved[:64].all() and not moved[64:].any()  # column 0 only
+    # runs 4 and 5: whole, ascending in the order of the old cells
+    assert torch.equal(new[:64], base + 128 + torch.arange(64))
+    assert a.int4_run_density(cc, new)[0] == 1.0
+    assert bool((a.refcount()[0, new[:64]] == 1).all())
+    assert bool((a.refcount()[0, ids[:64]] == 1).all())  # the caller's to drop
+    a.decref_pairs(cc[:64], ids[:64])
+    assert a.free_cells(Precision.INT4).tolist() == [256 - 64, 128, 256 - 64]
+    # compacted: nothing more to do; a threshold of 0 never moves anything
+    assert torch.equal(a.compact_int4(cc, new, 0.75), new)
+    assert torch.equal(a.compact_int4(cc, ids, 0.0), ids)
+    # free cells too scattered to help: given back, nothing moves, nothing leaks
+    b = SlotAllocator(1, PoolLayout(2, 4 * INT4_RUN, 0))
+    all_ = b.alloc_int4(torch.zeros(4 * INT4_RUN, dtype=torch.int64))
+    b.decref_pairs(torch.zeros(2 * INT4_RUN, dtype=torch.int64), all_[1::2])
+    mine = all_[0::2]
+    zeros = torch.zeros_like(mine)
+    free_before = b.free_ids(0, Precision.INT4).sort().values
+    assert torch.equal(b.compact_int4(zeros, mine, 0.75), mine)
+    assert torch.equal(b.free_ids(0, Precision.INT4).sort().values, free_before)
+    assert int(b.refcount().sum()) == 2 * INT4_RUN
+    # fewer than a run's worth of cells: not worth a move
+    assert torch.equal(b.compact_int4(zeros[:8], mine[:8], 1.0), mine[:8])

@@ -80,3 +80,44 @@ def test_triton_decode_kernel_matches_dense_path(engine):
     assert u.resident_kv_bytes_by_precision["int4"] > 0  # the kernel read INT4 cells
     shape = engine.shape  # every prompt cell before the window of 8 is INT4
     assert u.quantized_entries >= (u.prompt_tokens - 8) * shape.num_layers * shape.num_kv_heads
+
+
+def test_second_turn_eviction_compacts_the_sessions_int4_cells(engine):
+    """Turn 1 quantizes the context to INT4 and is cached in its session; turn 2 (H2O)
+    evicts most of those cells. Before the kernels' decode the survivors move into fuller
+    runs (with the session's tree node repointed), which changes no value: the reference
+    decode picks the dense path's tokens, and only the kernels' path moves cells."""
+    from agentkv.engine.engine import GenerationConfig
+
+    system = {"role": "system", "content": "You are a helpful assistant for a shop. " * 12}
+    turn1 = [system, {"role": "user", "content": "What colors does the blue mug come in?"}]
+    runs = {}
+    for path in ("dense", "reference"):
+        session = f"compact:{path}"
+        engine.decode_attention = path
+        try:
+            first = engine.chat(
+                turn1,
+                payload=build_payload(turn1, UniformQuant(bits=4, residual=16), session),
+                gen=GenerationConfig(max_tokens=4, ignore_eos=True),
+            )
+            turn2 = [
+                *turn1,
+                {"role": "assistant", "content": first.text},
+                {"role": "user", "content": "And how much does it cost?"},
+            ]
+            runs[path] = engine.chat(
+                turn2,
+                payload=build_payload(turn2, H2O(budget=96, recent=16), session),
+                gen=GenerationConfig(max_tokens=6, ignore_eos=True),
+            )
+        finally:
+            engine.decode_attention = "dense"
+        engine.store.check_invariants()
+    dense, ref = runs["dense"], runs["reference"]
+    assert dense.usage.prefix_hit_tokens > 64 and dense.usage.evicted_entries > 0
+    assert dense.usage.resident_kv_bytes_by_precision["int4"] > 0
+    assert dense.usage.compacted_entries == 0
+    assert ref.usage.compacted_entries > 0
+    assert ref.token_ids == dense.token_ids
+    assert ref.usage.resident_kv_bytes == dense.usage.resident_kv_bytes
