@@ -208,8 +208,10 @@ class KVStore:
         int4_slots: INT4 pool rows per layer (default ``num_slots``; 0 = no INT4 pool).
         int2_pages: INT2 pages (32 rows) per layer (default ``num_slots // 32``; 0 = none).
         backend: kernels backend for gathers (default: Triton on CUDA, torch on CPU).
-        int4_min_density: :meth:`compact_int4`'s default: a column's INT4 cells are moved
-            when they fill less than this fraction of the 32-cell runs they touch (0: never).
+        int4_min_density: :meth:`compact_int4`'s default: INT4 cells are moved out of the
+            32-cell runs they fill less than this fraction of (0, the default: never). Off
+            by default: the move's host bookkeeping (~0.2 µs per moved cell) outweighs the
+            decode kernel's gain for thousands of steps (docs/cache.md, "Compaction").
     """
 
     def __init__(
@@ -223,7 +225,7 @@ class KVStore:
         int4_slots: int | None = None,
         int2_pages: int | None = None,
         backend: Backend | None = None,
-        int4_min_density: float = 0.75,
+        int4_min_density: float = 0.0,
     ) -> None:
         if not 0.0 <= int4_min_density <= 1.0:
             raise ValueError(f"int4_min_density must be in [0, 1], got {int4_min_density}")
@@ -513,15 +515,15 @@ class KVStore:
         Only looks when an eviction dropped INT4 cells of ``req`` since the last call
         (``req.int4_thinned``): the check reads every INT4 cell of the map (host time)."""
         self._check_live(req)
-        if not req.int4_thinned:
+        d = self.int4_min_density if min_density is None else float(min_density)
+        if d <= 0.0 or not req.int4_thinned:
             return CompactionResult(0, 0)
         req.int4_thinned = False
-        d = self.int4_min_density if min_density is None else float(min_density)
         sm = req.slot_map
         slots = sm.slots
         lay = self.layout
         is4 = (slots >= lay.int4_base) & (slots < lay.int2_base)
-        if d <= 0.0 or not bool(is4.any()):
+        if not bool(is4.any()):
             return CompactionResult(0, 0)
         # the holders this call repoints: the map, and the locked path's nodes where they
         # store the map's cell

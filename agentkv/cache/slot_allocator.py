@@ -159,6 +159,21 @@ class _FreeStacks:
         self.top[col] = rest.size
         return pick
 
+    def remove_held(self, cols: torch.Tensor, held_cols: torch.Tensor, held: torch.Tensor) -> None:
+        """Drop from the free lists of columns ``cols`` (int64 ``[a]``, distinct) the ids
+        ``(held_cols, held)`` (int64 ``[m]``, of those columns) that the caller just took
+        references on (their counts are no longer 0); the rest keep their order. One pass
+        over each of those columns' lists, in numpy on views (as :meth:`take_runs`: its
+        indexing is several times faster than torch's on rows of 10^5 ids)."""
+        self._track(held_cols, held, False)
+        rc = self.refcount.numpy()
+        stack = self.stack.numpy()
+        for col in cols.tolist():
+            free = stack[col, : int(self.top[col])]
+            rest = free[rc[col, free - self.base] == 0]  # (a copy)
+            stack[col, : rest.size] = rest
+            self.top[col] = rest.size
+
     def push(self, cols: torch.Tensor, ids: torch.Tensor) -> None:
         order = torch.argsort(cols, stable=True)
         cols, ids = cols[order], ids[order]
@@ -272,16 +287,18 @@ class SlotAllocator:
 
         Eviction leaves a demoted span's runs of :data:`INT4_RUN` ids part-used, and the
         decode kernel reads a head's rows slower the more runs a block of positions spans.
-        ``(cols, ids)`` (int64 ``[m]``; any precision, DEAD allowed: only INT4 cells count)
-        are cells the caller may move: it will repoint every holder of each (the caller
-        checks that it knows them all). In every column, the cells of aligned runs of
-        :data:`INT4_RUN` ids that they fill less than ``min_density`` of are candidates
-        (fuller runs stay); where the candidates number at least :data:`INT4_RUN` and could
-        lie on fewer runs, as many cells are taken from the column's fullest free runs
-        (:meth:`alloc_int4`'s bulk rule) and kept if they lie on fewer runs than the
-        candidates do and fill at least ``min_density`` of them, or lie on as few runs as
-        they can (else given back: the column's free cells are too scattered to help). A
-        column with too few free cells is left alone; nothing is evicted for this.
+        ``(cols, ids)`` (int64 ``[m]``, distinct pairs; INT4 cells only) are cells the
+        caller may move: it will repoint every holder of each (the caller checks that it
+        knows them all). In every column, the cells of aligned runs that they fill less
+        than ``min_density`` of are candidates (fuller runs stay). Where the candidates
+        number at least :data:`INT4_RUN` and could lie on fewer runs, they move, in
+        ascending id order, onto the column's whole free runs (lowest first): all of them
+        where there are enough whole free runs, else as many whole runs' worth as there are
+        (a later call moves more once the vacated runs are free). Nothing is evicted for
+        this, and partly free runs are never used (they would stay sparse).
+
+        Host cost: a few vectorized passes over the ``m`` cells and over the asking
+        columns' free lists (no per-column Python work beyond one loop-free pass).
 
         Returns int64 ``[m]``: each entry's new cell where it moves, else its id. Every new
         cell has one reference; the caller copies each moved cell's data, repoints its
@@ -291,34 +308,48 @@ class SlotAllocator:
         """
         out = ids.clone()
         lay = self.layout
-        if ids.numel() == 0 or lay.int4_slots == 0:
-            return out
-        where = torch.nonzero((ids >= lay.int4_base) & (ids < lay.int2_base)).reshape(-1)
-        c, i = cols[where], ids[where]
-        # the candidates: cells in runs they fill less than min_density of (dense runs stay)
-        per = -(-lay.int4_slots // INT4_RUN)
-        _, inv, cnt = torch.unique(
-            c * per + (i - lay.int4_base) // INT4_RUN, return_inverse=True, return_counts=True
-        )
-        sparse = cnt[inv] < min_density * INT4_RUN
-        where, c, i = where[sparse], c[sparse], i[sparse]
-        n = torch.bincount(c, minlength=self.num_columns)
-        used = self._runs_used(c, i)
-        fewest = -(-n // INT4_RUN)
         stacks = self._free[Precision.INT4]
-        ask = (n >= INT4_RUN) & (used > fewest) & (stacks.top >= n)
-        for col in torch.nonzero(ask).reshape(-1).tolist():
-            k = int(n[col])
-            new = stacks.take_runs(col, k)  # ascending
-            runs = int(torch.unique((new - lay.int4_base) // INT4_RUN).numel())
-            if runs >= int(used[col]) or (
-                k < min_density * INT4_RUN * runs and runs > int(fewest[col])
-            ):
-                stacks.push(torch.full_like(new, col), new)
-                continue
-            mine = where[c == col]
-            out[mine[torch.argsort(ids[mine], stable=True)]] = new
-            self._count_pairs(torch.full_like(new, col), new, 1)
+        if ids.numel() == 0 or lay.int4_slots < INT4_RUN:
+            return out
+        C, R = self.num_columns, lay.int4_slots // INT4_RUN  # (whole runs only)
+        run = (ids - lay.int4_base) // INT4_RUN
+        key = cols * R + run.clamp_max(R - 1)
+        cnt = torch.bincount(key, minlength=C * R)
+        # candidates: cells of runs they fill less than min_density of
+        sparse = (cnt[key] < min_density * INT4_RUN) & (run < R)
+        n = torch.bincount(cols[sparse], minlength=C)
+        cnt = cnt.view(C, R)
+        used = ((cnt > 0) & (cnt < min_density * INT4_RUN)).sum(1)
+        whole = stacks.per_run[:, :R] == INT4_RUN
+        take = torch.minimum(-(-n // INT4_RUN), whole.sum(1))
+        k = torch.minimum(n, take * INT4_RUN)  # cells each column moves
+        ask = (n >= INT4_RUN) & (used > -(-n // INT4_RUN)) & (take > 0)
+        if not bool(ask.any()):
+            return out
+        asking = torch.nonzero(ask).reshape(-1)
+        k = torch.where(ask, k, 0)
+        # the new cells: each asking column's lowest `take` whole free runs, trimmed to k
+        chosen = whole[asking] & (torch.cumsum(whole[asking].int(), 1) <= take[asking, None])
+        row, runs = torch.nonzero(chosen, as_tuple=True)  # column-major, runs ascending
+        new = (lay.int4_base + runs[:, None] * INT4_RUN + torch.arange(INT4_RUN)).reshape(-1)
+        new_cols = asking[row].repeat_interleave(INT4_RUN)
+        rank = torch.arange(new.numel()) - torch.repeat_interleave(
+            torch.cumsum(take[asking] * INT4_RUN, 0) - take[asking] * INT4_RUN,
+            take[asking] * INT4_RUN,
+        )
+        keep = rank < k[new_cols]
+        new, new_cols = new[keep], new_cols[keep]
+        # the moving cells: each asking column's first k candidates in id order
+        where = torch.nonzero(sparse & ask[cols]).reshape(-1)
+        where = where[torch.argsort(cols[where] * lay.num_ids + ids[where])]
+        n_ask = torch.where(ask, n, 0)
+        at = torch.arange(where.numel()) - torch.repeat_interleave(
+            torch.cumsum(n_ask, 0) - n_ask, n_ask
+        )
+        moving = where[at < k[cols[where]]]
+        out[moving] = new
+        self._count_pairs(new_cols, new, 1)
+        stacks.remove_held(asking, new_cols, new)
         return out
 
     def int4_run_density(self, cols: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

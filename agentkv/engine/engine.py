@@ -231,6 +231,9 @@ class Engine:
             (default on CPU), ``"reference"`` through the kernels' torch reference (tests).
         key_channel_scales: INT4 key channel scales from calibration text: ``"absmax"``,
             ``"rms"`` or ``"none"`` (plain per-token groups).
+        int4_compaction: before the kernels' decode, move INT4 cells that eviction left in
+            32-cell runs filled below this fraction into whole runs
+            (:meth:`KVStore.compact_int4`; 0, the default: never; e.g. 0.75).
     """
 
     def __init__(
@@ -244,6 +247,7 @@ class Engine:
         int2_pages: int | None = None,
         decode_attention: str | None = None,
         key_channel_scales: str = "none",
+        int4_compaction: float = 0.0,
     ):
         self.model, self.tokenizer = load_model(model, device, dtype)
         self.device = next(self.model.parameters()).device
@@ -271,6 +275,7 @@ class Engine:
             device=self.device,
             int4_slots=int4_slots,
             int2_pages=int2_pages,
+            int4_min_density=int4_compaction,
         )
         if decode_attention is None:
             decode_attention = "kernels" if self.device.type == "cuda" else "dense"

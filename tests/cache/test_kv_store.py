@@ -542,7 +542,7 @@ def test_compact_int4_moves_thinned_cells_bit_for_bit_and_keeps_resident_bytes()
     from agentkv.cache.slot_allocator import INT4_RUN
 
     M = 128
-    st = store(num_slots=512, int4_min_density=0.75)
+    st = store(num_slots=1024, int4_min_density=0.75)
     system = list(range(300, 300 + M))  # M tokens, quantized by a first turn and cached
     first = run(st, "S", system + [1])
     st.set_precision(first, torch.full((M,), P4, dtype=torch.int8))
@@ -566,6 +566,8 @@ def test_compact_int4_moves_thinned_cells_bit_for_bit_and_keeps_resident_bytes()
     dens = st.allocator.int4_run_density(cols[own != DEAD], own[own != DEAD])
     kv = [st.read_kv(r, layer) for layer in range(L)]
     used = st.stats().used_bytes
+    assert st.compact_int4(r, min_density=0.0).cells_moved == 0 and r.int4_thinned  # off
+    assert KVStore(L, H, D, 64).int4_min_density == 0.0  # off unless asked for
     res = st.compact_int4(r)
     assert not r.int4_thinned and st.compact_int4(r).cells_moved == 0
     new = r.slot_map.slots

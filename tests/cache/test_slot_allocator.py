@@ -275,3 +275,51 @@ def test_int4_compaction_moves_a_sparse_columns_cells_into_whole_runs_in_order()
     assert int(b.refcount().sum()) == 2 * INT4_RUN
     # fewer than a run's worth of cells: not worth a move
     assert torch.equal(b.compact_int4(zeros[:8], mine[:8], 1.0), mine[:8])
+
+
+def test_int4_compaction_with_few_whole_free_runs_moves_in_steps():
+    """With fewer whole free runs than the sparse cells need, a call moves as many whole
+    runs' worth (the lowest old ids first) and the next call, once the caller has freed
+    the vacated cells, moves more; the free lists and run counts stay exact throughout."""
+    from agentkv.cache.slot_allocator import INT4_RUN
+
+    a = SlotAllocator(1, PoolLayout(2, 10 * INT4_RUN, 0))
+    base = a.layout.int4_base
+    held = a.alloc_int4(torch.zeros(8 * INT4_RUN, dtype=torch.int64))  # runs 0-7; 8, 9 free
+    gone = torch.arange(8 * INT4_RUN) % 4 != 0  # keep a quarter: 64 cells on 8 runs
+    a.decref_pairs(torch.zeros(int(gone.sum()), dtype=torch.int64), held[gone])
+    mine = held[~gone]
+    zeros = torch.zeros_like(mine)
+    # runs 0-7 each keep 8 cells (not whole): only runs 8 and 9 are whole and free
+    new = a.compact_int4(zeros, mine, 0.75)
+    moved = new != mine
+    assert torch.equal(new[moved], base + 8 * INT4_RUN + torch.arange(2 * INT4_RUN))
+    assert torch.equal(moved, torch.arange(64) < 64)  # 64 cells fit the 2 runs: all move
+    a.decref_pairs(zeros[moved], mine[moved])
+    stacks = a._free[Precision.INT4]
+    for c in range(1):
+        free = a.free_ids(c, Precision.INT4) - base
+        assert len(set(free.tolist())) == free.numel() == 8 * INT4_RUN
+        assert torch.equal(stacks.per_run[c], torch.bincount(free // INT4_RUN, minlength=10))
+        assert bool((a.refcount()[c, base + free] == 0).all())
+    # one whole free run for 3 runs' worth of sparse cells: one run now, the rest later
+    b = SlotAllocator(1, PoolLayout(2, 7 * INT4_RUN, 0))
+    held = b.alloc_int4(torch.zeros(6 * INT4_RUN, dtype=torch.int64))
+    gone = torch.arange(6 * INT4_RUN) % 2 == 1  # half of runs 0-5: 96 cells on 6 runs
+    b.decref_pairs(torch.zeros(int(gone.sum()), dtype=torch.int64), held[gone])
+    mine = held[~gone]
+    zeros = torch.zeros_like(mine)
+    new = b.compact_int4(zeros, mine, 0.75)
+    moved = new != mine
+    assert int(moved.sum()) == INT4_RUN and bool(moved[:INT4_RUN].all())  # the lowest ids
+    assert torch.equal(new[moved], base + 6 * INT4_RUN + torch.arange(INT4_RUN))
+    b.decref_pairs(zeros[moved], mine[moved])  # runs 0 and 1 are now whole and free
+    again = b.compact_int4(zeros, new, 0.75)
+    more = again != new
+    assert int(more.sum()) == 2 * INT4_RUN  # the remaining 64 onto runs 0 and 1
+    assert torch.equal(again[more], base + torch.arange(2 * INT4_RUN))
+    b.decref_pairs(zeros[more], new[more])
+    assert b.int4_run_density(zeros, again)[0] == 1.0
+    free = b.free_ids(0, Precision.INT4) - base
+    assert torch.equal(free.sort().values, torch.arange(2 * INT4_RUN, 6 * INT4_RUN))  # runs 2-5
+    assert torch.equal(b._free[Precision.INT4].per_run[0], torch.bincount(free // INT4_RUN, minlength=7))

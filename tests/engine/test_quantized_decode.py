@@ -95,6 +95,7 @@ def test_second_turn_eviction_compacts_the_sessions_int4_cells(engine):
     for path in ("dense", "reference"):
         session = f"compact:{path}"
         engine.decode_attention = path
+        engine.store.int4_min_density = 0.75  # (Engine(int4_compaction=0.75))
         try:
             first = engine.chat(
                 turn1,
@@ -113,6 +114,7 @@ def test_second_turn_eviction_compacts_the_sessions_int4_cells(engine):
             )
         finally:
             engine.decode_attention = "dense"
+            engine.store.int4_min_density = 0.0
         engine.store.check_invariants()
     dense, ref = runs["dense"], runs["reference"]
     assert dense.usage.prefix_hit_tokens > 64 and dense.usage.evicted_entries > 0
