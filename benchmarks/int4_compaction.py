@@ -88,7 +88,9 @@ def batch_index(store: KVStore, reqs, layer: int):
     return sm.to(DEVICE), lens.to(DEVICE), SegmentMaxLens(0, cap, 0)
 
 
-def measure(store: KVStore, reqs, q: torch.Tensor, backend: str) -> tuple[float | None, torch.Tensor]:
+def measure(
+    store: KVStore, reqs, q: torch.Tensor, backend: str
+) -> tuple[float | None, torch.Tensor]:
     """Kernel µs of one decode call over layer 0 of the batch (None off CUDA) and its output."""
     sm, lens, bound = batch_index(store, reqs, 0)
 
@@ -158,7 +160,7 @@ def run_keep(args, keep: float, backend: str) -> dict:
     row["compacted_us"], out1 = measure(store, reqs, q, backend)
     row["rel_err_compacted_vs_sparse"] = _rel(out1.float(), out0.float())
     row["sdpa_us"] = sdpa_us(args.batch, live)
-    if row["sparse_us"] and row["compacted_us"]:
+    if row["sparse_us"] and row["compacted_us"] and moved:
         row["speedup"] = row["sparse_us"] / row["compacted_us"]
         gain = row["sparse_us"] - row["compacted_us"]
         # decode steps (one call per layer) after which the move has paid for itself

@@ -494,9 +494,7 @@ class KVStore:
             sel = layers == layer
             self.pool.demote(layer, heads[sel], old[sel], new[sel], p)
 
-    def compact_int4(
-        self, req: RequestKV, min_density: float | None = None
-    ) -> CompactionResult:
+    def compact_int4(self, req: RequestKV, min_density: float | None = None) -> CompactionResult:
         """Move ``req``'s INT4 cells into fuller runs where per-token eviction left them sparse.
 
         The decode kernel reads a KV head's INT4 rows fastest when a block of positions lies
@@ -532,7 +530,9 @@ class KVStore:
         for start, node in nodes:
             n = min(len(node), len(sm) - start)
             if n > 0:
-                holders[:, start : start + n] += (node.value[:, :n] == slots[:, start : start + n]).int()
+                holders[:, start : start + n] += (
+                    node.value[:, :n] == slots[:, start : start + n]
+                ).int()
         movable = is4 & (self.allocator.refcount(slots) == holders)
         cols, pos = torch.nonzero(movable, as_tuple=True)
         old = slots[cols, pos]

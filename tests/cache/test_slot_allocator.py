@@ -322,4 +322,6 @@ def test_int4_compaction_with_few_whole_free_runs_moves_in_steps():
     assert b.int4_run_density(zeros, again)[0] == 1.0
     free = b.free_ids(0, Precision.INT4) - base
     assert torch.equal(free.sort().values, torch.arange(2 * INT4_RUN, 6 * INT4_RUN))  # runs 2-5
-    assert torch.equal(b._free[Precision.INT4].per_run[0], torch.bincount(free // INT4_RUN, minlength=7))
+    assert torch.equal(
+        b._free[Precision.INT4].per_run[0], torch.bincount(free // INT4_RUN, minlength=7)
+    )
