@@ -83,7 +83,8 @@ class _FreeStacks:
     ``refcount`` (the allocator's counts of these ids, ``[C, len(ids)]``, a view kept in step
     by the allocator: an id is free where its count is 0), the ids (consecutive, from
     ``ids[0]``) are also counted per aligned run of ``run``, by every push and pop, for
-    :meth:`take_runs`."""
+    :meth:`take_runs`, and each free id's place in its stack is kept (``where``), so ids
+    taken from the middle of a stack leave it in O(taken) (:meth:`_remove`)."""
 
     def __init__(
         self,
@@ -103,7 +104,9 @@ class _FreeStacks:
             self.refcount = refcount
             sizes = torch.bincount(torch.arange(n) // run, minlength=-(-n // run))
             self.per_run = sizes.repeat(num_columns, 1)
-            self._taken = np.zeros(n, dtype=bool)  # (scratch of take_runs)
+            self._taken = np.zeros(n, dtype=bool)  # (scratch of _remove)
+            # where[c, id - base]: the id's place in column c's stack while it is free
+            self.where = torch.arange(n - 1, -1, -1, dtype=torch.int64).repeat(num_columns, 1)
 
     def _track(self, cols: torch.Tensor, ids: torch.Tensor, free: bool) -> None:
         """Count ``(cols, ids)`` in (``free``) or out of their runs."""
@@ -134,45 +137,62 @@ class _FreeStacks:
     def take_runs(self, col: int, k: int) -> torch.Tensor:
         """Take ``k`` free ids of column ``col`` from its fullest aligned runs (``run``
         stacks): whole free runs first, the last run chosen in part (its lowest ids);
-        returned ascending. The rest of the list keeps its order. ``k`` must not exceed the
-        column's free ids. Cost: the runs' counts and the chosen runs' cells, then one pass
-        over the column's list to drop the taken ids (a flag per id, one gather; a batched
-        pass over all asking columns was slower). In numpy, on views of the tensors: its
-        indexing is 3-5x faster than torch's on single rows of 10^4 ids (the allocator's
-        host time when a method demotes long spans)."""
+        returned ascending. ``k`` must not exceed the column's free ids. Cost: one pass
+        over the column's run counts (the fullest runs found by a partial sort), the chosen
+        runs' cells and :meth:`_remove` (O(k), not O(free list)). In numpy, on views of the
+        tensors: its indexing is 3-5x faster than torch's on single rows."""
         n = self.refcount.shape[1]
         per_run = self.per_run[col].numpy()
-        order = np.argsort(-per_run, kind="stable")
+        best = int(np.argmax(per_run))  # (the lowest of the fullest)
+        if per_run[best] >= k:  # (e.g. a decode-time page: one run)
+            order = np.array([best])
+        else:  # the runs at least as full as the need-th fullest, fullest (then lowest) first
+            need = min(-(-k // self.run), per_run.size)
+            cut = np.partition(per_run, per_run.size - need)[per_run.size - need]
+            cand = np.flatnonzero(per_run >= cut)
+            if int(per_run[cand].sum()) < k:  # (part-free runs: more of them needed)
+                cand = np.arange(per_run.size)
+            order = cand[np.argsort(-per_run[cand], kind="stable")]
         need = int(np.searchsorted(np.cumsum(per_run[order]), k)) + 1
         cells = (order[:need, None] * self.run + np.arange(self.run)).reshape(-1)
         cells = cells[cells < n]  # (a last, shorter run)
         local = np.sort(cells[self.refcount[col].numpy()[cells] == 0][:k])
         pick = torch.from_numpy(local + self.base)
         self._track(torch.full_like(pick, col), pick, False)
-        free = self.stack[col, : int(self.top[col])].numpy()
-        # (the caller counts the picked ids' references next: drop them from the list here,
-        # by a flag per id: one gather over the list)
-        self._taken[local] = True
-        rest = free[~self._taken[free - self.base]]  # (a copy)
-        self._taken[local] = False
-        self.stack[col, : rest.size] = torch.from_numpy(rest)
-        self.top[col] = rest.size
+        self._remove(col, local)
         return pick
 
+    def _remove(self, col: int, local: np.ndarray) -> None:
+        """Drop the free ids ``local + base`` (distinct, all in column ``col``'s stack) from
+        that stack in O(len(local)): the ids above the stack's new top that stay fill the
+        places the dropped ones leave below it, in their order."""
+        k = local.size
+        if k == 0:
+            return
+        stack, where = self.stack[col].numpy(), self.where[col].numpy()
+        t = int(self.top[col])
+        t2 = t - k
+        places = where[local]
+        holes = np.sort(places[places < t2])
+        self._taken[local] = True
+        tail = stack[t2:t]
+        movers = tail[~self._taken[tail - self.base]]
+        self._taken[local] = False
+        stack[holes] = movers
+        where[movers - self.base] = holes
+        self.top[col] = t2
+
     def remove_held(self, cols: torch.Tensor, held_cols: torch.Tensor, held: torch.Tensor) -> None:
-        """Drop from the free lists of columns ``cols`` (int64 ``[a]``, distinct) the ids
-        ``(held_cols, held)`` (int64 ``[m]``, of those columns) that the caller just took
-        references on (their counts are no longer 0); the rest keep their order. One pass
-        over each of those columns' lists, in numpy on views (as :meth:`take_runs`: its
-        indexing is several times faster than torch's on rows of 10^5 ids)."""
+        """Drop the free ids ``(held_cols, held)`` (int64 ``[m]``, distinct, grouped by
+        column in the order of ``cols``, the distinct columns they belong to) that the
+        caller just took references on from their stacks, O(m) (:meth:`_remove`)."""
         self._track(held_cols, held, False)
-        rc = self.refcount.numpy()
-        stack = self.stack.numpy()
-        for col in cols.tolist():
-            free = stack[col, : int(self.top[col])]
-            rest = free[rc[col, free - self.base] == 0]  # (a copy)
-            stack[col, : rest.size] = rest
-            self.top[col] = rest.size
+        local = (held - self.base).numpy()
+        counts = torch.bincount(held_cols, minlength=self.top.numel())[cols].tolist()
+        start = 0
+        for col, n in zip(cols.tolist(), counts, strict=True):
+            self._remove(col, local[start : start + n])
+            start += n
 
     def push(self, cols: torch.Tensor, ids: torch.Tensor) -> None:
         order = torch.argsort(cols, stable=True)
@@ -181,6 +201,8 @@ class _FreeStacks:
         first = torch.cumsum(counts, 0) - counts
         offs = torch.arange(int(cols.numel())) - torch.repeat_interleave(first, counts)
         self.stack[cols, self.top[cols] + offs] = ids
+        if self.run:
+            self.where[cols, ids - self.base] = self.top[cols] + offs
         self.top += counts
         self._track(cols, ids, True)
 
