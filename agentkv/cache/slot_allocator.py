@@ -182,17 +182,48 @@ class _FreeStacks:
         where[movers - self.base] = holes
         self.top[col] = t2
 
+    def take_fullest_run(self, cols: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
+        """For columns ``cols`` (int64 ``[a]``, distinct) asking ``k[a] <= run`` ids each:
+        the lowest ``k`` free ids of each column's fullest run (the lowest such run), all
+        columns in a few vectorized passes: int64 ``[sum k]``, grouped by column in the
+        order of ``cols``, ascending; None (nothing taken) when some column's fullest run
+        has fewer than ``k`` free. Not yet removed from the stacks: the caller counts
+        references on them, then calls :meth:`remove_held`."""
+        n = self.refcount.shape[1]
+        per = self.per_run[cols]  # [a, R]
+        best = torch.argmax(per, dim=1)  # (the first of the fullest)
+        if bool((per.gather(1, best[:, None])[:, 0] < k).any()):
+            return None
+        cells = best[:, None] * self.run + torch.arange(self.run)  # [a, run] local
+        free = (cells < n) & (self.refcount[cols[:, None], cells.clamp_max(n - 1)] == 0)
+        pick = free & (torch.cumsum(free.int(), 1) <= k[:, None])
+        return cells[pick] + self.base  # (row-major: grouped by column, ascending)
+
     def remove_held(self, cols: torch.Tensor, held_cols: torch.Tensor, held: torch.Tensor) -> None:
         """Drop the free ids ``(held_cols, held)`` (int64 ``[m]``, distinct, grouped by
         column in the order of ``cols``, the distinct columns they belong to) that the
-        caller just took references on from their stacks, O(m) (:meth:`_remove`)."""
+        caller just took references on (counts no longer 0) from their stacks: in each
+        column the ids above the new top that stay free fill the dropped ones' places below
+        it, in their order. Vectorized over the columns: O(m + a * max taken per column)."""
         self._track(held_cols, held, False)
-        local = (held - self.base).numpy()
-        counts = torch.bincount(held_cols, minlength=self.top.numel())[cols].tolist()
-        start = 0
-        for col, n in zip(cols.tolist(), counts, strict=True):
-            self._remove(col, local[start : start + n])
-            start += n
+        k = torch.bincount(held_cols, minlength=self.top.numel())[cols]  # [a]
+        t2 = self.top[cols] - k
+        j = torch.arange(int(k.max()) if k.numel() else 0)
+        in_tail = j[None, :] < k[:, None]  # [a, K]
+        pos = (t2[:, None] + j).clamp_max(self.stack.shape[1] - 1)
+        tail = self.stack[cols[:, None], pos]
+        stays = in_tail & (self.refcount[cols[:, None], tail - self.base] == 0)
+        # the dropped ids' places below the new top, by column, ascending
+        row = torch.repeat_interleave(torch.arange(cols.numel()), k)
+        places = self.where[held_cols, held - self.base]
+        below = places < t2[row]
+        width = self.stack.shape[1]
+        holes = torch.sort(row[below] * width + places[below]).values
+        hole_row, hole = holes // width, holes % width
+        movers = tail[stays]  # (row-major: by column, in stack order)
+        self.stack[cols[hole_row], hole] = movers
+        self.where[cols[hole_row], movers - self.base] = hole
+        self.top[cols] = t2
 
     def push(self, cols: torch.Tensor, ids: torch.Tensor) -> None:
         order = torch.argsort(cols, stable=True)
@@ -291,15 +322,28 @@ class SlotAllocator:
         stacks.check(counts)  # (nothing taken: OutOfSlots names the column)
         bulk = counts >= INT4_RUN
         asking = torch.nonzero(bulk).reshape(-1)
-        taken = [stacks.take_runs(c, int(counts[c])) for c in asking.tolist()]
+        # one run's worth per column (a decode-time page): every column's fullest run at
+        # once where each has room, else run by run per column
+        one = None
+        if asking.numel() and bool((counts[asking] == INT4_RUN).all()):
+            one = stacks.take_fullest_run(asking, counts[asking])
+        bulk_cols = torch.repeat_interleave(asking, counts[asking])
+        if one is not None:
+            taken = one
+            self._count_pairs(bulk_cols, taken, 1)  # (remove_held tells them by their counts)
+            stacks.remove_held(asking, bulk_cols, taken)
+        else:
+            runs = [stacks.take_runs(c, int(counts[c])) for c in asking.tolist()]
+            taken = torch.cat(runs) if runs else bulk_cols  # (empty without bulk columns)
+            self._count_pairs(bulk_cols, taken, 1)
         got_cols, ids = stacks.pop(torch.where(bulk, 0, counts))
-        if taken:  # every column's ids, grouped by column (as pop groups them)
-            both = torch.cat([torch.repeat_interleave(asking, counts[asking]), got_cols])
+        self._count_pairs(got_cols, ids, 1)
+        if taken.numel():  # every column's ids, grouped by column (as pop groups them)
+            both = torch.cat([bulk_cols, got_cols])
             order = torch.argsort(both, stable=True)
-            got_cols, ids = both[order], torch.cat([*taken, ids])[order]
+            got_cols, ids = both[order], torch.cat([taken, ids])[order]
         out = torch.empty_like(cols)
         out[torch.argsort(cols, stable=True)] = ids
-        self._count_pairs(got_cols, ids, 1)
         return out
 
     def compact_int4(

@@ -325,3 +325,50 @@ def test_int4_compaction_with_few_whole_free_runs_moves_in_steps():
     assert torch.equal(
         b._free[Precision.INT4].per_run[0], torch.bincount(free // INT4_RUN, minlength=7)
     )
+
+
+def test_one_run_per_column_in_one_pass_matches_the_per_column_path():
+    """A run's worth of cells in every column (a decode-time page) is taken for all
+    columns at once: the same ids, and the same free lists in the same order, as taking
+    each column's fullest run one column at a time; the run counts stay exact."""
+    import copy
+    import random
+
+    from agentkv.cache.slot_allocator import INT4_RUN
+
+    rng = random.Random(5)
+    g = torch.Generator().manual_seed(5)
+    a = SlotAllocator(6, PoolLayout(2, 12 * INT4_RUN, 0))
+    base = a.layout.int4_base
+    held = []
+    for _ in range(40):  # churn: bulk and small allocations, whole and partial frees
+        if held and rng.random() < 0.4:
+            cols, ids = held.pop(rng.randrange(len(held)))
+            gone = torch.rand(ids.numel(), generator=g) < rng.choice([0.3, 1.0])
+            a.decref_pairs(cols[gone], ids[gone])
+            if bool((~gone).any()):
+                held.append((cols[~gone], ids[~gone]))
+            continue
+        cols = torch.randint(0, 6, (rng.choice([3, 20, 70]),), generator=g)
+        if bool((torch.bincount(cols, minlength=6) <= a.free_cells(Precision.INT4)).all()):
+            held.append((cols, a.alloc_int4(cols)))
+    b = copy.deepcopy(a)
+    sa = a._free[Precision.INT4]
+    asked = torch.full((6,), INT4_RUN)
+    assert sa.take_fullest_run(torch.arange(6), asked) is not None  # (the one-pass path)
+    assert bool((sa.per_run < INT4_RUN).any())  # (and the churn left part-free runs)
+    page = torch.arange(6).repeat_interleave(INT4_RUN)
+    fast = a.alloc_int4(page)  # all columns at once
+    slow = torch.cat(  # one column at a time, as before
+        [b._free[Precision.INT4].take_runs(c, INT4_RUN) for c in range(6)]
+    )
+    b._count_pairs(page, slow, 1)
+    assert torch.equal(fast, slow)
+    assert torch.equal(sa.top, b._free[Precision.INT4].top)
+    for c in range(6):
+        assert torch.equal(a.free_ids(c, Precision.INT4), b.free_ids(c, Precision.INT4))
+        free = a.free_ids(c, Precision.INT4) - base
+        assert torch.equal(sa.per_run[c], torch.bincount(free // INT4_RUN, minlength=12))
+        assert torch.equal(sa.where[c, free], torch.arange(free.numel()))  # places kept
+        assert bool((a.refcount()[c, base + free] == 0).all())
+    assert torch.equal(a.refcount(), b.refcount())
