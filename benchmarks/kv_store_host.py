@@ -8,7 +8,8 @@ shape (``--shape L,Hkv,D``, ``--kv-slots`` cells per column; K/V written at rand
 1. demoted to INT4 but for its last ``32 * --pages`` positions (``set_precision``, one call:
    a prefill plan's quantization);
 2. demoted one 32-position page at a time over those (the engine's decode-time pages,
-   ``Engine._demote_tail``), each timed;
+   ``Engine._demote_tail``), each timed, then its kernels' ``DecodeIndex`` built on the
+   device (as ``KernelDecode.rebuild`` does after every page; checked against the CPU's);
 3. thinned by per-(layer, KV head) eviction keeping half of the cells (``evict_per_head``);
 4. compacted (``compact_int4``, min density 0.75), where the store has it.
 
@@ -32,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from agentkv.cache import KVStore, Precision
+from agentkv.cache import DecodeIndex, KVStore, Precision
 
 
 def _timed(device: torch.device, fn, *args):
@@ -70,6 +71,18 @@ def run(args) -> dict:
         pages.append(s * 1e3)
     row["page_ms"] = pages
     row["page_ms_median"] = statistics.median(pages)
+    # the kernels' decode index, rebuilt after every page (KernelDecode.rebuild)
+    builds = []
+    for _ in range(3):
+        s, index = _timed(device, DecodeIndex.build, req.slot_map, st.layout, 256, device)
+        builds.append(s * 1e3)
+    row["index_build_ms"] = statistics.median(builds)
+    if device.type != "cpu":  # the same index as built on the CPU
+        ref = DecodeIndex.build(req.slot_map, st.layout, 256, "cpu")
+        row["index_matches_cpu"] = all(
+            torch.equal(getattr(index, f).cpu(), getattr(ref, f))
+            for f in ("slot_map", "seq_lens", "int2_lens", "int4_lens")
+        ) and (index.max_lens, index.longest) == (ref.max_lens, ref.longest)
     keep = torch.rand(layers, heads, args.tokens, generator=g) < 0.5
     s, res = _timed(device, st.evict_per_head, req, keep)
     row["evict_ms"] = s * 1e3
@@ -105,7 +118,8 @@ def main() -> None:
     )
     print(
         f"{args.label} | {args.shape} | {args.kv_slots} | demote {row['demote_ns_per_cell']:.0f} "
-        f"ns/cell | page {row['page_ms_median']:.1f} ms | evict "
+        f"ns/cell | page {row['page_ms_median']:.1f} ms | index "
+        f"{row['index_build_ms']:.1f} ms ({row.get('index_matches_cpu', '-')}) | evict "
         f"{row['evict_ns_per_evicted_cell']:.0f} ns/cell | compact "
         + (
             f"{row['compact_ns_per_moved_cell']:.0f} ns/moved cell"

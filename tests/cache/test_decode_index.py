@@ -99,3 +99,53 @@ def test_decode_over_the_index_equals_dense_attention_and_follows_decode_steps()
     with pytest.raises(RuntimeError, match="full"):
         idx.append(st.extend(req, [92]))  # room was 2
     st.finish_request(req, cache=False)
+
+
+def _index_by_columns(cells, layout, room):
+    """The index one column at a time (the plain reference of the vectorized build): per
+    column, its INT2 pages in page order (32 entries each, DEAD where a row is gone), its
+    INT4 cells in id order, its full cells in position order."""
+    rows, n2s, n4s = [], [], []
+    for row in cells:
+        ids2 = row[row >= layout.int2_base]
+        off = ids2 - layout.int2_base
+        pages = torch.unique(off // INT2_PAGE)
+        seg2 = torch.full((pages.numel() * INT2_PAGE,), DEAD, dtype=torch.int64)
+        seg2[torch.searchsorted(pages, off // INT2_PAGE) * INT2_PAGE + off % INT2_PAGE] = ids2
+        seg4 = row[(row >= layout.int4_base) & (row < layout.int2_base)].sort().values
+        segf = row[(row != DEAD) & (row < layout.int4_base)]
+        rows.append(torch.cat([seg2, seg4, segf]))
+        n2s.append(seg2.numel())
+        n4s.append(seg4.numel())
+    cap = max(r.numel() for r in rows) + max(room, 1)
+    sm = torch.full((len(rows), cap), DEAD, dtype=torch.int32)
+    for c, r in enumerate(rows):
+        sm[c, : r.numel()] = r.to(torch.int32)
+    return sm, [r.numel() for r in rows], n2s, n4s
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_vectorized_build_matches_the_column_by_column_index(seed):
+    """Random mixes (INT2 pages with evicted rows, INT4 spans demoted apart, full cells,
+    evictions per head) give the index the plain per-column construction gives."""
+    g = torch.Generator().manual_seed(seed)
+    st = KVStore(L, H, D, 512)
+    req = st.begin_request(None, list(range(1, 301)))
+    fill(st, req, st.extend(req))
+    for span in ((0, 96), (150, 230)):  # INT2 pages, then INT4 spans in two calls
+        prec = torch.full((L, H, span[1]), 16, dtype=torch.int8)
+        choice = torch.randint(0, 3, (L, H, 1), generator=g)
+        prec[..., span[0] : span[1]] = torch.tensor([16, P4, P2], dtype=torch.int8)[choice]
+        st.set_precision(req, prec, int2_leftover="int4")
+    st.set_precision(req, torch.full((L, H, 120), P4, dtype=torch.int8))
+    st.evict_per_head(req, torch.rand(L, H, 300, generator=g) < 0.7)
+    ix = DecodeIndex.build(req.slot_map, st.layout, 16, "cpu")
+    sm, lens, n2, n4 = _index_by_columns(req.slot_map.slots, st.layout, 16)
+    assert torch.equal(ix.slot_map.view(L * H, -1), sm)
+    assert ix.seq_lens.view(-1).tolist() == lens and ix.longest == max(lens)
+    assert ix.int2_lens.view(-1).tolist() == n2 and ix.int4_lens.view(-1).tolist() == n4
+    nf = [t - a - b for t, a, b in zip(lens, n2, n4, strict=True)]
+    bounds = ix.max_lens
+    assert (bounds.int2, bounds.int4, bounds.full) == (max(n2), max(n4), max(nf) + 16)
+    assert sum(n2) > 0 and sum(n4) > 0  # (the mix has both)
+    st.finish_request(req, cache=False)
