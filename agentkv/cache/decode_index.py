@@ -77,9 +77,10 @@ class DecodeIndex:
         lens = n2 + n4 + nf
         n_max = torch.stack([lens.max(), n2.max(), n4.max(), nf.max()]).tolist() if C else [0] * 4
         cap = n_max[0] + max(room, 1)
+        # (DEAD where an INT2 row is gone, and past each column's length)
         sm = torch.full((C * cap,), DEAD, dtype=torch.int32, device=cells.device)
         sm[c2 * cap + rank2 * INT2_PAGE + off2 % INT2_PAGE] = (off2 + layout.int2_base).int()
-        sm[c4 * cap + n2[c4] + rank4] = id4.int()  # (DEAD where an INT2 row is gone)
+        sm[c4 * cap + n2[c4] + rank4] = id4.int()
         sm[cf * cap + n2[cf] + n4[cf] + rankf] = cells[cf, pf]
         n2, n4, lens = n2.int(), n4.int(), lens.int()
         bounds = SegmentMaxLens(n_max[1], n_max[2], n_max[3] + max(room, 1))
