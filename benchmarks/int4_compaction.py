@@ -14,8 +14,8 @@ the cells at random. Timed (CUDA graph, L2 flushed, µs per call, layer 0):
 - ``sdpa``: bf16 SDPA over the same number of live positions per request (dense K/V);
 
 and the compaction itself (all layers, ms, and its host part per moved cell; per layer it
-is paid once, the decode kernel's gain on every step: ``break_even_steps``), beside what the demotion
-and the eviction cost per cell (``demote_ns_per_cell``, ``evict_ns_per_evicted_cell``). The two kernel outputs are compared (the same
+is paid once, the decode kernel's gain on every step: ``break_even_steps``; the store's
+other moves per cell: ``kv_store_host.py``). The two kernel outputs are compared (the same
 values, summed in another order: a relative error near fp32 rounding)::
 
     python3 benchmarks/int4_compaction.py --batch 8 --tokens 32768 --keep 1,0.9,0.75,0.5,0.25 \\
@@ -61,31 +61,17 @@ def build_store(batch: int, tokens: int, layers: int, keep: float, seed: int = 0
         int2_pages=0,
     )
     reqs = []
-    times = {"demote_s": 0.0, "evict_s": 0.0}
     for r in range(batch):
         req = store.begin_request(None, list(range(r * tokens, (r + 1) * tokens)))
         cells = store.extend(req)  # [L * Hkv, T]
         for layer in range(layers):
             kv = torch.randn(2, tokens, HKV, D, generator=g).to(DEVICE, torch.bfloat16)
             store.write_kv(layer, store.layer_cells(cells, layer), kv[0], kv[1])
-        prec = torch.full((tokens,), int(Precision.INT4), dtype=torch.int8)
-        times["demote_s"] += _synced(store.set_precision, req, prec)
+        store.set_precision(req, torch.full((tokens,), int(Precision.INT4), dtype=torch.int8))
         if keep < 1.0:
-            keep_mask = torch.rand(layers, HKV, tokens, generator=g) < keep
-            times["evict_s"] += _synced(store.evict_per_head, req, keep_mask)
+            store.evict_per_head(req, torch.rand(layers, HKV, tokens, generator=g) < keep)
         reqs.append(req)
-    return store, reqs, times
-
-
-def _synced(fn, *args) -> float:
-    """Seconds ``fn(*args)`` takes, the device's work included."""
-    if DEVICE.type == "cuda":
-        torch.cuda.synchronize()
-    t = time.perf_counter()
-    fn(*args)
-    if DEVICE.type == "cuda":
-        torch.cuda.synchronize()
-    return time.perf_counter() - t
+    return store, reqs
 
 
 def batch_index(store: KVStore, reqs, layer: int):
@@ -148,9 +134,8 @@ def density(store: KVStore, reqs) -> float:
 
 def run_keep(args, keep: float, backend: str) -> dict:
     t0 = time.perf_counter()
-    store, reqs, times = build_store(args.batch, args.tokens, args.layers, keep, args.seed)
+    store, reqs = build_store(args.batch, args.tokens, args.layers, keep, args.seed)
     build_s = time.perf_counter() - t0
-    cells = args.batch * args.tokens * args.layers * HKV
     g = torch.Generator().manual_seed(args.seed + 1)
     q = torch.randn(args.batch, HQ, D, generator=g).to(DEVICE, torch.bfloat16)
     live = max(int(r.slot_map.layer_slots(0).ne(DEAD).sum(1).max()) for r in reqs)
@@ -185,10 +170,6 @@ def run_keep(args, keep: float, backend: str) -> dict:
             row["sparse_vs_sdpa"] = row["sdpa_us"] / row["sparse_us"]
             row["compacted_vs_sdpa"] = row["sdpa_us"] / row["compacted_us"]
     row["build_s"] = build_s
-    # the store's other per-cell moves, for scale: demoting every cell, evicting 1 - keep
-    row["demote_ns_per_cell"] = times["demote_s"] * 1e9 / cells
-    evicted = cells - sum(int(r.slot_map.slots.ne(DEAD).sum()) for r in reqs)
-    row["evict_ns_per_evicted_cell"] = times["evict_s"] * 1e9 / evicted if evicted else None
     del store, reqs
     if DEVICE.type == "cuda":
         torch.cuda.empty_cache()

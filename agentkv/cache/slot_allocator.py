@@ -84,7 +84,7 @@ class _FreeStacks:
     by the allocator: an id is free where its count is 0), the ids (consecutive, from
     ``ids[0]``) are also counted per aligned run of ``run``, by every push and pop, for
     :meth:`take_runs`, and each free id's place in its stack is kept (``where``), so ids
-    taken from the middle of a stack leave it in O(taken) (:meth:`_remove`)."""
+    taken from the middle of a stack leave it in O(taken) (:meth:`remove_held`)."""
 
     def __init__(
         self,
@@ -104,7 +104,6 @@ class _FreeStacks:
             self.refcount = refcount
             sizes = torch.bincount(torch.arange(n) // run, minlength=-(-n // run))
             self.per_run = sizes.repeat(num_columns, 1)
-            self._taken = np.zeros(n, dtype=bool)  # (scratch of _remove)
             # where[c, id - base]: the id's place in column c's stack while it is free
             self.where = torch.arange(n - 1, -1, -1, dtype=torch.int64).repeat(num_columns, 1)
 
@@ -135,16 +134,17 @@ class _FreeStacks:
         return cols, ids
 
     def take_runs(self, col: int, k: int) -> torch.Tensor:
-        """Take ``k`` free ids of column ``col`` from its fullest aligned runs (``run``
+        """Pick ``k`` free ids of column ``col`` from its fullest aligned runs (``run``
         stacks): whole free runs first, the last run chosen in part (its lowest ids);
-        returned ascending. ``k`` must not exceed the column's free ids. Cost: one pass
-        over the column's run counts (the fullest runs found by a partial sort), the chosen
-        runs' cells and :meth:`_remove` (O(k), not O(free list)). In numpy, on views of the
-        tensors: its indexing is 3-5x faster than torch's on single rows."""
+        returned ascending. ``k`` must not exceed the column's free ids. Not yet removed
+        from the stack: the caller counts references on them, then calls
+        :meth:`remove_held`. Cost: one pass over the column's run counts (the fullest runs
+        found by a partial sort) and the chosen runs' cells, in numpy on views of the
+        tensors (its indexing is 3-5x faster than torch's on single rows)."""
         n = self.refcount.shape[1]
         per_run = self.per_run[col].numpy()
         best = int(np.argmax(per_run))  # (the lowest of the fullest)
-        if per_run[best] >= k:  # (e.g. a decode-time page: one run)
+        if per_run[best] >= k:
             order = np.array([best])
         else:  # the runs at least as full as the need-th fullest, fullest (then lowest) first
             need = min(-(-k // self.run), per_run.size)
@@ -157,43 +157,16 @@ class _FreeStacks:
         cells = (order[:need, None] * self.run + np.arange(self.run)).reshape(-1)
         cells = cells[cells < n]  # (a last, shorter run)
         local = np.sort(cells[self.refcount[col].numpy()[cells] == 0][:k])
-        pick = torch.from_numpy(local + self.base)
-        self._track(torch.full_like(pick, col), pick, False)
-        self._remove(col, local)
-        return pick
+        return torch.from_numpy(local + self.base)
 
-    def _remove(self, col: int, local: np.ndarray) -> None:
-        """Drop the free ids ``local + base`` (distinct, all in column ``col``'s stack) from
-        that stack in O(len(local)): the ids above the stack's new top that stay fill the
-        places the dropped ones leave below it, in their order."""
-        k = local.size
-        if k == 0:
-            return
-        stack, where = self.stack[col].numpy(), self.where[col].numpy()
-        t = int(self.top[col])
-        t2 = t - k
-        places = where[local]
-        holes = np.sort(places[places < t2])
-        self._taken[local] = True
-        tail = stack[t2:t]
-        movers = tail[~self._taken[tail - self.base]]
-        self._taken[local] = False
-        stack[holes] = movers
-        where[movers - self.base] = holes
-        self.top[col] = t2
-
-    def take_fullest_run(self, cols: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
-        """For columns ``cols`` (int64 ``[a]``, distinct) asking ``k[a] <= run`` ids each:
-        the lowest ``k`` free ids of each column's fullest run (the lowest such run), all
-        columns in a few vectorized passes: int64 ``[sum k]``, grouped by column in the
-        order of ``cols``, ascending; None (nothing taken) when some column's fullest run
-        has fewer than ``k`` free. Not yet removed from the stacks: the caller counts
-        references on them, then calls :meth:`remove_held`."""
+    def take_fullest_run(self, cols: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        """:meth:`take_runs` for columns ``cols`` (int64 ``[a]``, distinct) whose fullest
+        run has ``k[a]`` free ids (a decode-time page: one run's worth in every column), all
+        in a few vectorized passes: the lowest ``k`` free ids of each column's fullest run
+        (the lowest such run), int64 ``[sum k]``, grouped by column in the order of
+        ``cols``, ascending. Not yet removed from the stacks (:meth:`remove_held`)."""
         n = self.refcount.shape[1]
-        per = self.per_run[cols]  # [a, R]
-        best = torch.argmax(per, dim=1)  # (the first of the fullest)
-        if bool((per.gather(1, best[:, None])[:, 0] < k).any()):
-            return None
+        best = torch.argmax(self.per_run[cols], dim=1)  # (the first of the fullest)
         cells = best[:, None] * self.run + torch.arange(self.run)  # [a, run] local
         free = (cells < n) & (self.refcount[cols[:, None], cells.clamp_max(n - 1)] == 0)
         pick = free & (torch.cumsum(free.int(), 1) <= k[:, None])
@@ -322,20 +295,20 @@ class SlotAllocator:
         stacks.check(counts)  # (nothing taken: OutOfSlots names the column)
         bulk = counts >= INT4_RUN
         asking = torch.nonzero(bulk).reshape(-1)
-        # one run's worth per column (a decode-time page): every column's fullest run at
-        # once where each has room, else run by run per column
-        one = None
-        if asking.numel() and bool((counts[asking] == INT4_RUN).all()):
-            one = stacks.take_fullest_run(asking, counts[asking])
-        bulk_cols = torch.repeat_interleave(asking, counts[asking])
-        if one is not None:
-            taken = one
-            self._count_pairs(bulk_cols, taken, 1)  # (remove_held tells them by their counts)
-            stacks.remove_held(asking, bulk_cols, taken)
-        else:
-            runs = [stacks.take_runs(c, int(counts[c])) for c in asking.tolist()]
-            taken = torch.cat(runs) if runs else bulk_cols  # (empty without bulk columns)
-            self._count_pairs(bulk_cols, taken, 1)
+        # a column whose ask fits its fullest run (a decode-time page) takes it in one pass
+        # with the others; the rest pick run by run; all leave the free lists in one pass
+        k = counts[asking]
+        fits = (k <= INT4_RUN) & (stacks.per_run[asking].amax(dim=1) >= k)
+        parts = [stacks.take_fullest_run(asking[fits], k[fits])] if bool(fits.any()) else []
+        parts += [stacks.take_runs(c, int(counts[c])) for c in asking[~fits].tolist()]
+        bulk_cols = torch.cat(
+            [asking[fits].repeat_interleave(k[fits]), asking[~fits].repeat_interleave(k[~fits])]
+        )
+        taken = torch.cat(parts) if parts else bulk_cols  # (empty without bulk columns)
+        order = torch.argsort(bulk_cols, stable=True)  # (grouped by column, as asking is)
+        bulk_cols, taken = bulk_cols[order], taken[order]
+        self._count_pairs(bulk_cols, taken, 1)  # (remove_held tells them by their counts)
+        stacks.remove_held(asking, bulk_cols, taken)
         got_cols, ids = stacks.pop(torch.where(bulk, 0, counts))
         self._count_pairs(got_cols, ids, 1)
         if taken.numel():  # every column's ids, grouped by column (as pop groups them)

@@ -354,15 +354,14 @@ def test_one_run_per_column_in_one_pass_matches_the_per_column_path():
             held.append((cols, a.alloc_int4(cols)))
     b = copy.deepcopy(a)
     sa = a._free[Precision.INT4]
-    asked = torch.full((6,), INT4_RUN)
-    assert sa.take_fullest_run(torch.arange(6), asked) is not None  # (the one-pass path)
+    assert bool((sa.per_run.amax(dim=1) == INT4_RUN).all())  # (the one-pass path for all)
     assert bool((sa.per_run < INT4_RUN).any())  # (and the churn left part-free runs)
     page = torch.arange(6).repeat_interleave(INT4_RUN)
     fast = a.alloc_int4(page)  # all columns at once
-    slow = torch.cat(  # one column at a time, as before
-        [b._free[Precision.INT4].take_runs(c, INT4_RUN) for c in range(6)]
-    )
+    sb = b._free[Precision.INT4]
+    slow = torch.cat([sb.take_runs(c, INT4_RUN) for c in range(6)])  # one column at a time
     b._count_pairs(page, slow, 1)
+    sb.remove_held(torch.arange(6), page, slow)
     assert torch.equal(fast, slow)
     assert torch.equal(sa.top, b._free[Precision.INT4].top)
     for c in range(6):
