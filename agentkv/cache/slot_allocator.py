@@ -399,16 +399,11 @@ class SlotAllocator:
         sel = (ids >= lay.int4_base) & (ids < lay.int2_base)
         c, i = cols[sel], ids[sel]
         n = torch.bincount(c, minlength=self.num_columns).double()
-        out = n / (INT4_RUN * self._runs_used(c, i))
+        per = -(-lay.int4_slots // INT4_RUN)
+        runs = torch.unique(c * per + (i - lay.int4_base) // INT4_RUN)  # (column, run) touched
+        out = n / (INT4_RUN * torch.bincount(runs // per, minlength=self.num_columns))
         out[n == 0] = float("nan")
         return out
-
-    def _runs_used(self, cols: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """int64 ``[C]``: distinct aligned INT4 runs that INT4 cells ``(cols, ids)`` touch."""
-        runs = (ids - self.layout.int4_base) // INT4_RUN
-        per = -(-self.layout.int4_slots // INT4_RUN)
-        key = torch.unique(cols * per + runs)
-        return torch.bincount(key // per, minlength=self.num_columns)
 
     def alloc_int2_pages(self, cols: torch.Tensor) -> torch.Tensor:
         """One INT2 page for each entry of ``cols`` (int64 ``[p]``): row ids ``[p, 32]``, each

@@ -892,7 +892,7 @@ class Engine:
             resident_kv_bytes=stats.resident_bytes,
             resident_kv_bytes_by_precision=stats.resident_bytes_by_precision,
             quantized_entries=plan_info["quantized"],
-            compacted_entries=plan_info.get("compacted", 0),
+            compacted_entries=plan_info["compacted"],
             slot_map_bytes=stats.slot_map_bytes,
             planned_live_kv_tokens=round(plan_info["planned_live"], 2),
             compression_ratio=round(1 - stats.effective_live_tokens / max(stats.seq_len, 1), 4),
