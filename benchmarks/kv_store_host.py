@@ -25,6 +25,7 @@ to compare.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import statistics
 import time
@@ -63,11 +64,16 @@ def run(args) -> dict:
     s, _ = _timed(device, st.set_precision, req, prec)
     row = {"demote_ms": s * 1e3, "demote_ns_per_cell": s * 1e9 / (bulk * columns)}
     pages = []
+    windowed = "start" in inspect.signature(st.set_precision).parameters
     for p in range(args.pages):
         end = bulk + 32 * (p + 1)
-        prec = torch.full((end,), int(Precision.FULL), dtype=torch.int8)
-        prec[end - 32 :] = int(Precision.INT4)
-        s, _ = _timed(device, st.set_precision, req, prec)
+        if windowed:  # as Engine._demote_tail calls it: the page's 32 positions only
+            page = torch.full((32,), int(Precision.INT4), dtype=torch.int8)
+            s, _ = _timed(device, st.set_precision, req, page, "int4", end - 32)
+        else:  # (a package from before session 32: every position, FULL before the page)
+            prec = torch.full((end,), int(Precision.FULL), dtype=torch.int8)
+            prec[end - 32 :] = int(Precision.INT4)
+            s, _ = _timed(device, st.set_precision, req, prec)
         pages.append(s * 1e3)
     row["page_ms"] = pages
     row["page_ms_median"] = statistics.median(pages)

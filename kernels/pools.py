@@ -61,7 +61,9 @@ def row_stride(t: torch.Tensor) -> int | None:
     return ss
 
 
-def _check_head_dim(head_dim: int) -> None:
+def check_head_dim(head_dim: int) -> None:
+    """Raise ValueError unless ``head_dim`` suits the quantized pools (a power of two and a
+    multiple of 32)."""
     if head_dim % GROUP_SIZE or head_dim & (head_dim - 1):
         raise ValueError(f"head_dim must be a power of two and a multiple of 32, got {head_dim}")
 
@@ -142,7 +144,7 @@ class Int4Pool:
         ``[num_slots, Hkv, ...]`` views), so consecutive slots of one head are adjacent;
         else the rows of a slot's heads are adjacent (``[num_slots, Hkv, ...]`` storage).
         The kernels read both (:meth:`row_map`)."""
-        _check_head_dim(head_dim)
+        check_head_dim(head_dim)
         ng = head_dim // GROUP_SIZE
 
         def buffer(*inner: int, dtype: torch.dtype) -> torch.Tensor:
@@ -276,7 +278,7 @@ class Int2Pool:
         cls, num_pages: int, num_kv_heads: int, head_dim: int, device: torch.device | str = "cpu"
     ) -> Int2Pool:
         """Zero-filled pool of ``num_pages`` pages of 32 tokens."""
-        _check_head_dim(head_dim)
+        check_head_dim(head_dim)
         ng = head_dim // GROUP_SIZE
         shape = (num_pages, num_kv_heads, INT2_PAGE, head_dim // 4)
 
@@ -331,7 +333,7 @@ class KVPools:
 
     def __post_init__(self) -> None:
         if self.int4 is not None or self.int2 is not None:
-            _check_head_dim(self.head_dim)
+            check_head_dim(self.head_dim)
         if self.full.k.shape != self.full.v.shape:
             raise ValueError("full.k and full.v must have the same shape")
         if self.full.k.dtype not in (torch.bfloat16, torch.float16, torch.float32):

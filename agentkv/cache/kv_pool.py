@@ -10,9 +10,15 @@ only as storage, never as a unit of allocation.
 Quantization happens once, on the write path (:meth:`KVPool.demote`): a full-precision cell
 is quantized into a fresh INT4 cell or, 32 cells of a column at a time, into an INT2 page;
 the full cell is then released. No full-precision copy is kept.
+
+Each buffer of every layer is one view ``[l]`` of a tensor stacked over layers
+(:class:`PoolStack`), so a demotion or a move that touches many layers (a decode-time page
+touches all of them) is a handful of indexed ops, not a handful per layer.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -21,7 +27,12 @@ from agentkv.cache.slot_allocator import PoolLayout
 from agentkv.kernels import (
     GROUP_SIZE,
     INT2_PAGE,
+    SCALE_DTYPE,
+    FullPool,
+    Int2Pool,
+    Int4Pool,
     KVPools,
+    check_head_dim,
     dequant_gather,
     quantize_int2_keys_ref,
     quantize_int2_values_ref,
@@ -29,12 +40,104 @@ from agentkv.kernels import (
 )
 from agentkv.kernels.backend import Backend
 
+#: cells quantized per batch of :meth:`KVPool.demote` (bounds its temporaries)
+DEMOTE_CHUNK_CELLS = 1 << 18
+
+
+@dataclass
+class PoolStack:
+    """Every layer's pool buffers, stacked over layers (layer ``l``'s tensors are views
+    ``[l]``; ``None`` where the layout has no such pool). Shapes, ``L`` layers, ``S`` full
+    slots, ``S4`` INT4 slots, ``P`` INT2 pages, ``ng = D / 32``:
+
+    - ``full_k``, ``full_v``: ``[L, S, Hkv, D]`` model dtype;
+    - ``int4_k``, ``int4_v``: ``[L, Hkv, S4, D / 2]`` uint8 (head-major rows);
+    - ``int4_scales``: ``[L, Hkv, S4, 4, ng]`` fp16, each row's ``[ks | kz | vs | vz]``;
+    - ``int2_k``, ``int2_v``: ``[L, P, Hkv, 32, D / 4]`` uint8;
+    - ``int2_k_scale``, ``int2_k_zero``: ``[L, P, Hkv, D]`` fp16 (per channel over a page);
+    - ``int2_v_scale``, ``int2_v_zero``: ``[L, P, Hkv, 32, ng]`` fp16;
+    - ``k_channel``: ``[L, Hkv, D]`` fp32 INT4 key channel scales, ones for a layer without
+      (made by the first :meth:`KVPool.set_key_channel_scales`).
+    """
+
+    full_k: torch.Tensor
+    full_v: torch.Tensor
+    int4_k: torch.Tensor | None = None
+    int4_v: torch.Tensor | None = None
+    int4_scales: torch.Tensor | None = None
+    int2_k: torch.Tensor | None = None
+    int2_v: torch.Tensor | None = None
+    int2_k_scale: torch.Tensor | None = None
+    int2_k_zero: torch.Tensor | None = None
+    int2_v_scale: torch.Tensor | None = None
+    int2_v_zero: torch.Tensor | None = None
+    k_channel: torch.Tensor | None = None
+
+    @classmethod
+    def allocate(
+        cls,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        layout: PoolLayout,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> PoolStack:
+        """Zero-filled buffers of ``layout``'s sizes."""
+        L, H, D = num_layers, num_kv_heads, head_dim
+
+        def zeros(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+            return torch.zeros(L, *shape, dtype=dtype, device=device)
+
+        st = cls(
+            zeros(layout.full_slots, H, D, dtype=dtype), zeros(layout.full_slots, H, D, dtype=dtype)
+        )
+        ng = D // GROUP_SIZE
+        u8, f16 = torch.uint8, SCALE_DTYPE
+        if layout.int4_slots:
+            s4 = layout.int4_slots
+            st.int4_k, st.int4_v = zeros(H, s4, D // 2, dtype=u8), zeros(H, s4, D // 2, dtype=u8)
+            st.int4_scales = zeros(H, s4, 4, ng, dtype=f16)
+        if layout.int2_pages:
+            p = layout.int2_pages
+            st.int2_k = zeros(p, H, INT2_PAGE, D // 4, dtype=u8)
+            st.int2_v = zeros(p, H, INT2_PAGE, D // 4, dtype=u8)
+            st.int2_k_scale, st.int2_k_zero = zeros(p, H, D, dtype=f16), zeros(p, H, D, dtype=f16)
+            st.int2_v_scale = zeros(p, H, INT2_PAGE, ng, dtype=f16)
+            st.int2_v_zero = zeros(p, H, INT2_PAGE, ng, dtype=f16)
+        return st
+
+    def layer(self, layer: int) -> KVPools:
+        """Layer ``layer``'s pools, views of the stacked buffers (the INT4 pool head-major,
+        its four scale vectors interleaved, as :meth:`Int4Pool.allocate` lays them)."""
+        full = FullPool(self.full_k[layer], self.full_v[layer])
+        int4 = int2 = None
+        if self.int4_k is not None:
+            scales = self.int4_scales[layer].transpose(0, 1)  # [S4, Hkv, 4, ng]
+            int4 = Int4Pool(
+                self.int4_k[layer].transpose(0, 1),
+                self.int4_v[layer].transpose(0, 1),
+                *scales.unbind(2),
+            )
+        if self.int2_k is not None:
+            int2 = Int2Pool(
+                self.int2_k[layer],
+                self.int2_v[layer],
+                self.int2_k_scale[layer],
+                self.int2_k_zero[layer],
+                self.int2_v_scale[layer],
+                self.int2_v_zero[layer],
+            )
+        return KVPools(full, int4, int2)
+
 
 class KVPool:
     """K/V pools of every layer.
 
-    Each layer's INT4 pool is head-major (``Int4Pool.allocate(head_major=True)``): a (layer,
-    KV head) column's cells are consecutive rows of its own run, and the allocator hands a
+    ``layers[l]`` is layer ``l``'s :class:`KVPools`, views of :attr:`stack` (one tensor per
+    buffer over all layers). Each layer's INT4 pool is head-major, as
+    ``Int4Pool.allocate(head_major=True)`` lays it: a (layer, KV head) column's cells are
+    consecutive rows of its own run, and the allocator hands a
     demoted span out in runs of consecutive cells (``SlotAllocator.alloc_int4``), so the
     decode kernel reads each head's 32-position blocks as whole 2 KB runs (H200: INT4
     decode 7-15% faster than over slot-major rows, docs/benchmarks.md §3, session 26).
@@ -69,19 +172,12 @@ class KVPool:
         self.dtype = dtype
         self.device = torch.device(device)
         self.backend: Backend = backend or ("triton" if self.device.type == "cuda" else "torch")
-        self.layers = [
-            KVPools.allocate(
-                layout.full_slots,
-                layout.int4_slots,
-                layout.int2_pages,
-                num_kv_heads,
-                head_dim,
-                dtype,
-                self.device,
-                int4_head_major=True,
-            )
-            for _ in range(num_layers)
-        ]
+        if layout.int4_slots or layout.int2_pages:
+            check_head_dim(head_dim)  # before allocating
+        self.stack = PoolStack.allocate(
+            num_layers, num_kv_heads, head_dim, layout, dtype, self.device
+        )
+        self.layers = [self.stack.layer(layer) for layer in range(num_layers)]
         self._heads = torch.arange(num_kv_heads, device=self.device)[None, :]  # write index
 
     # ------------------------------------------------------------------ sizes
@@ -152,82 +248,90 @@ class KVPool:
         p4 = self.layers[layer].int4
         if p4 is None:
             return
+        st = self.stack
+        if st.k_channel is None:  # ones: dividing by 1 leaves a layer without scales as is
+            st.k_channel = torch.ones(
+                self.num_layers, self.num_kv_heads, self.head_dim, device=self.device
+            )
         a = key_absmax.float().to(self.device).clamp_min(1e-6)
-        p4.k_channel = torch.exp2(torch.floor(torch.log2(a))).contiguous()
+        st.k_channel[layer] = torch.exp2(torch.floor(torch.log2(a)))
+        p4.k_channel = st.k_channel[layer]
 
     def demote(
         self,
-        layer: int,
+        layers: torch.Tensor,
         heads: torch.Tensor,
         src: torch.Tensor,
         dst: torch.Tensor,
         precision: Precision,
     ) -> None:
-        """Quantize full-precision cells into quantized ones (the write path of a demotion).
+        """Quantize full-precision cells into quantized ones (the write path of a demotion),
+        every layer at once.
 
         Args:
-            layer: layer index.
+            layers: int64 ``[m]`` layer of each cell (INT2: of each page).
             heads: int64 ``[m]`` KV head of each cell (INT2: of each page).
             src: int64 full-precision cell ids, ``[m]`` (INT4) or ``[m, 32]`` (INT2: the 32
                 rows of one page, position order).
             dst: int64 ``[m]`` INT4 cell ids, or ``[m, 32]`` INT2 row ids of whole pages.
             precision: ``INT4`` or ``INT2``.
         """
-        if src.numel() == 0:
-            return
-        pools = self.layers[layer]
-        dev = self.device
-        heads, src, dst = heads.to(dev), src.to(dev), dst.to(dev)
+        if precision not in (Precision.INT4, Precision.INT2):
+            raise ValueError(f"cannot demote to {precision!r}")
+        # in chunks: the float temporaries of one chunk stay ~100 MB at D = 128 (a whole
+        # 32k-token request of an 8B model's shape is ~9M cells)
+        step = DEMOTE_CHUNK_CELLS // (1 if precision == Precision.INT4 else INT2_PAGE)
+        for i in range(0, int(src.shape[0]), step):
+            s = slice(i, i + step)
+            self._demote_chunk(layers[s], heads[s], src[s], dst[s], precision)
+
+    def _demote_chunk(
+        self,
+        layers: torch.Tensor,
+        heads: torch.Tensor,
+        src: torch.Tensor,
+        dst: torch.Tensor,
+        precision: Precision,
+    ) -> None:
+        st, lay, dev = self.stack, self.layout, self.device
+        layers, heads, src, dst = layers.to(dev), heads.to(dev), src.to(dev), dst.to(dev)
         if precision == Precision.INT4:
-            p4 = pools.int4
-            assert p4 is not None, "no INT4 pool"
-            i = dst - pools.int4_base
-            k = pools.full.k[src, heads]
-            if p4.k_channel is not None:
-                k = k.float() / p4.k_channel[heads]
-            v = pools.full.v[src, heads]
-            p4.k[i, heads], p4.k_scale[i, heads], p4.k_zero[i, heads] = quantize_int4_ref(k)
-            p4.v[i, heads], p4.v_scale[i, heads], p4.v_zero[i, heads] = quantize_int4_ref(v)
+            assert st.int4_k is not None, "no INT4 pool"
+            i = dst - lay.int4_base
+            k = st.full_k[layers, src, heads]  # [m, D]
+            if st.k_channel is not None:
+                k = k.float() / st.k_channel[layers, heads]
+            v = st.full_v[layers, src, heads]
+            st.int4_k[layers, heads, i], ks, kz = quantize_int4_ref(k)
+            st.int4_v[layers, heads, i], vs, vz = quantize_int4_ref(v)
+            st.int4_scales[layers, heads, i] = torch.stack((ks, kz, vs, vz), dim=1)
         elif precision == Precision.INT2:
-            p2 = pools.int2
-            assert p2 is not None, "no INT2 pool"
-            page = (dst[:, 0] - pools.int2_base) // INT2_PAGE
-            hh = heads[:, None]
-            k = pools.full.k[src, hh][:, :, None, :]  # [P, 32, 1, D]
-            v = pools.full.v[src, hh][:, :, None, :]
+            assert st.int2_k is not None, "no INT2 pool"
+            page = (dst[:, 0] - lay.int2_base) // INT2_PAGE
+            at = (layers, page, heads)
+            k = st.full_k[layers[:, None], src, heads[:, None]][:, :, None, :]  # [P, 32, 1, D]
+            v = st.full_v[layers[:, None], src, heads[:, None]][:, :, None, :]
             kc, ks, kz = quantize_int2_keys_ref(k)
             vc, vs, vz = quantize_int2_values_ref(v)
-            p2.k[page, heads], p2.k_scale[page, heads], p2.k_zero[page, heads] = (
-                kc[:, 0],
-                ks[:, 0],
-                kz[:, 0],
-            )
-            p2.v[page, heads], p2.v_scale[page, heads], p2.v_zero[page, heads] = (
-                vc[:, 0],
-                vs[:, 0],
-                vz[:, 0],
-            )
-        else:
-            raise ValueError(f"cannot demote to {precision!r}")
+            st.int2_k[at], st.int2_k_scale[at], st.int2_k_zero[at] = kc[:, 0], ks[:, 0], kz[:, 0]
+            st.int2_v[at], st.int2_v_scale[at], st.int2_v_zero[at] = vc[:, 0], vs[:, 0], vz[:, 0]
 
     def move_int4(
-        self, layer: int, heads: torch.Tensor, src: torch.Tensor, dst: torch.Tensor
+        self, layers: torch.Tensor, heads: torch.Tensor, src: torch.Tensor, dst: torch.Tensor
     ) -> None:
-        """Copy INT4 cells of ``layer`` (codes and scales, bit for bit) to other INT4 cells
-        of the same columns (the write path of :meth:`KVStore.compact_int4`).
+        """Copy INT4 cells (codes and scales, bit for bit) to other INT4 cells of the same
+        columns, every layer at once (the write path of :meth:`KVStore.compact_int4`).
 
         Args:
-            layer: layer index.
+            layers: int64 ``[m]`` layer of each cell.
             heads: int64 ``[m]`` KV head of each cell.
             src, dst: int64 ``[m]`` INT4 cell ids (unified), ``dst`` disjoint from ``src``.
         """
         if src.numel() == 0:
             return
-        pools = self.layers[layer]
-        p4 = pools.int4
-        assert p4 is not None, "no INT4 pool"
-        dev = self.device
-        heads = heads.to(dev)
-        i, j = src.to(dev) - pools.int4_base, dst.to(dev) - pools.int4_base
-        for t in (p4.k, p4.v, p4.k_scale, p4.k_zero, p4.v_scale, p4.v_zero):
-            t[j, heads] = t[i, heads]
+        st, dev = self.stack, self.device
+        assert st.int4_k is not None, "no INT4 pool"
+        layers, heads = layers.to(dev), heads.to(dev)
+        i, j = src.to(dev) - self.layout.int4_base, dst.to(dev) - self.layout.int4_base
+        for t in (st.int4_k, st.int4_v, st.int4_scales):
+            t[layers, heads, j] = t[layers, heads, i]

@@ -420,20 +420,27 @@ class KVStore:
 
     # ----------------------------------------------------------- precision
     def set_precision(
-        self, req: RequestKV, precision: torch.Tensor, int2_leftover: str = "int4"
+        self,
+        req: RequestKV,
+        precision: torch.Tensor,
+        int2_leftover: str = "int4",
+        start: int = 0,
     ) -> PrecisionResult:
         """Quantize live full-precision cells of ``req`` as ``precision`` says.
 
         Args:
             precision: int8 :class:`Precision` values broadcastable to ``[L, Hkv, T']``
-                (``T' <= seq_len``; e.g. ``[T']`` per position or ``[L, 1, T']`` per layer).
-                ``INT4`` / ``INT2`` demote a live full-precision cell; ``FULL`` and
-                ``EVICTED`` leave it (evict first with :meth:`evict_per_head`). Quantized cells
-                never move back to full precision.
+                for positions ``start .. start + T' - 1`` (``start + T' <= seq_len``; e.g.
+                ``[T']`` per position or ``[L, 1, T']`` per layer). ``INT4`` / ``INT2``
+                demote a live full-precision cell; ``FULL`` and ``EVICTED`` leave it (evict
+                first with :meth:`evict_per_head`). Quantized cells never move back to full
+                precision.
             int2_leftover: INT2 cells are quantized per column in pages of 32 (position
-                order); the ``< 32`` that do not fill a page go to INT4 (``"int4"``, as
-                TriAxialKV does) or stay at full precision until a later call fills the page
-                (``"full"``, for decode).
+                order, within the window); the ``< 32`` that do not fill a page go to INT4
+                (``"int4"``, as TriAxialKV does) or stay at full precision until a later
+                call fills the page (``"full"``, for decode).
+            start: first position ``precision`` covers. A decode-time page passes its own
+                32 positions so the call reads ``O(page)`` of the map, not ``O(seq_len)``.
 
         Raises :class:`OutOfSlots` when a column's quantized pool has no room even after
         evicting the prefix cache.
@@ -442,11 +449,13 @@ class KVStore:
         sm = req.slot_map
         L, H = self.num_layers, self.num_kv_heads
         t = int(precision.shape[-1])
-        if t > len(sm):
-            raise ValueError(f"precision covers {t} positions but the request has {len(sm)}")
+        if start < 0 or start + t > len(sm):
+            raise ValueError(
+                f"precision covers positions {start}..{start + t - 1} but the request has {len(sm)}"
+            )
         prec = torch.as_tensor(precision, dtype=torch.int8).to("cpu")
         prec = prec.expand(L, H, t).reshape(L * H, t)
-        full = sm.full_precision()[:, :t]
+        full = sm.full_precision(start, start + t)
         to4 = full & (prec == int(Precision.INT4))
         to2 = full & (prec == int(Precision.INT2))
         if not bool(to4.any()) and not bool(to2.any()):
@@ -471,6 +480,7 @@ class KVStore:
         freed = 0
         if n4:
             cols, pos = torch.nonzero(to4, as_tuple=True)
+            pos = pos + start
             new = self.allocator.alloc_int4(cols)
             old = sm.slots[cols, pos]
             self._demote(cols, old, new, Precision.INT4)
@@ -478,7 +488,7 @@ class KVStore:
             freed += self.allocator.decref_pairs(cols, old)
         if n2p:
             cols = torch.cat(page_cols)
-            pos = torch.cat(page_pos)  # [P, 32]
+            pos = torch.cat(page_pos) + start  # [P, 32]
             rows = self.allocator.alloc_int2_pages(cols)  # [P, 32]
             old = sm.slots[cols[:, None], pos]
             self._demote(cols, old, rows, Precision.INT2)
@@ -488,11 +498,8 @@ class KVStore:
         return PrecisionResult(n4, n2p * INT2_PAGE, freed)
 
     def _demote(self, cols: torch.Tensor, old: torch.Tensor, new: torch.Tensor, p: Precision):
-        layers = cols // self.num_kv_heads
-        heads = cols % self.num_kv_heads
-        for layer in torch.unique(layers).tolist():
-            sel = layers == layer
-            self.pool.demote(layer, heads[sel], old[sel], new[sel], p)
+        h = self.num_kv_heads
+        self.pool.demote(cols // h, cols % h, old, new, p)
 
     def compact_int4(self, req: RequestKV, min_density: float | None = None) -> CompactionResult:
         """Move ``req``'s INT4 cells into fuller runs where per-token eviction left them sparse.
@@ -541,10 +548,8 @@ class KVStore:
         if not bool(moved.any()):
             return CompactionResult(0, 0)
         cols, pos, old, new = cols[moved], pos[moved], old[moved], new[moved]
-        layers, heads = cols // self.num_kv_heads, cols % self.num_kv_heads
-        for layer in torch.unique(layers).tolist():
-            sel = layers == layer
-            self.pool.move_int4(layer, heads[sel], old[sel], new[sel])
+        h = self.num_kv_heads
+        self.pool.move_int4(cols // h, cols % h, old, new)
         sm.replace(cols, pos, new)
         self.allocator.decref_pairs(cols, old)
         for start, node in nodes:

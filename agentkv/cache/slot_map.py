@@ -97,9 +97,10 @@ class SlotMap:
         """Live cells per column: ``live_entries / (L * Hkv)``."""
         return self.live_entries() / self.num_columns
 
-    def full_precision(self) -> torch.Tensor:
-        """bool ``[L * Hkv, T]``: live cells at full precision."""
-        s = self.slots
+    def full_precision(self, start: int = 0, end: int | None = None) -> torch.Tensor:
+        """bool ``[L * Hkv, end - start]``: live cells at full precision among positions
+        ``start .. end - 1`` (default: all)."""
+        s = self._slots[:, start : self._len if end is None else min(end, self._len)]
         live = s != DEAD
         return live if self.full_limit is None else live & (s < self.full_limit)
 

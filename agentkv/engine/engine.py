@@ -725,11 +725,9 @@ class Engine:
         pages = (req.seq_len - rule.residual - start) // 32
         if pages <= 0:
             return False
-        end = start + 32 * pages
-        prec = torch.full((end,), int(Precision.FULL), dtype=torch.int8)
-        prec[start:end] = int(rule.precision)
-        q = self.store.set_precision(req, prec, int2_leftover="full")
-        info["demote_from"] = end
+        prec = torch.full((32 * pages,), int(rule.precision), dtype=torch.int8)
+        q = self.store.set_precision(req, prec, int2_leftover="full", start=start)
+        info["demote_from"] = start + 32 * pages
         info["quantized"] += q.int4 + q.int2
         return True
 

@@ -6,6 +6,7 @@ import torch
 from agentkv.cache import DEAD, KVPool, PoolLayout, Precision
 from agentkv.kernels import (
     INT2_PAGE,
+    KVPools,
     dequantize_int2_keys_ref,
     dequantize_int2_values_ref,
     dequantize_int4_ref,
@@ -81,7 +82,7 @@ def test_demote_int4_matches_the_reference_quantizer_and_leaves_the_source():
     heads = torch.tensor([1, 1, 0])
     s = torch.tensor([3, 1, 4])
     dst = LAYOUT.int4_base + torch.tensor([0, 5, 0])  # the same INT4 row id in two heads
-    p.demote(0, heads, s, dst, Precision.INT4)
+    p.demote(torch.zeros_like(heads), heads, s, dst, Precision.INT4)
     cells = torch.tensor([[DEAD, int(dst[2]), DEAD], [int(dst[0]), DEAD, int(dst[1])]])
     gk, gv = p.gather(0, cells)
     for i, (h, t) in enumerate([(1, 0), (1, 2), (0, 1)]):
@@ -104,7 +105,7 @@ def test_demote_int2_pages_per_head():
     k, v = torch.randn(n, H, D), torch.randn(n, H, D)
     p.write(1, src, k, v)
     rows = LAYOUT.int2_base + INT2_PAGE + torch.arange(INT2_PAGE)  # page 1 of head 1
-    p.demote(1, torch.tensor([1]), src[1:], rows[None, :], Precision.INT2)
+    p.demote(torch.tensor([1]), torch.tensor([1]), src[1:], rows[None, :], Precision.INT2)
     cells = torch.stack([torch.full((n,), DEAD), rows])
     gk, gv = p.gather(1, cells)
     kp = k[:, 1][None, :, None, :]  # [1 page, 32, 1 head, D]
@@ -115,7 +116,63 @@ def test_demote_int2_pages_per_head():
     assert bool((gk[:, 0] == 0).all())
     assert torch.count_nonzero(p.layers[1].int2.k[:, 0]) == 0  # head 0's pages untouched
     with pytest.raises(ValueError):
-        p.demote(1, torch.tensor([0]), src[:1], rows[None, :], Precision.FULL)
+        p.demote(torch.tensor([1]), torch.tensor([0]), src[:1], rows[None, :], Precision.FULL)
+
+
+def test_layers_are_views_of_one_stack_laid_out_as_the_kernels_allocate():
+    """Each layer's pools are views ``[l]`` of the stacked buffers, with the layout of
+    ``KVPools.allocate(int4_head_major=True)``: head-major INT4 rows, scales interleaved."""
+    p = pool(torch.bfloat16)
+    ref = KVPools.allocate(40, 8, 2, H, D, torch.bfloat16, int4_head_major=True)
+    for layer, lay in enumerate(p.layers):
+        assert lay.int4.row_map() == ref.int4.row_map()
+        assert lay.int4.head_major and lay.int4.scales_interleaved
+        assert lay.layout_key() == ref.layout_key()
+        assert lay.full.k.data_ptr() == p.stack.full_k[layer].data_ptr()
+        assert lay.int2.v_zero.data_ptr() == p.stack.int2_v_zero[layer].data_ptr()
+
+
+def test_demote_and_move_across_layers_in_one_call_equal_per_layer_calls():
+    """One call over cells of every layer writes what a call per layer writes (INT4 with
+    key channel scales on one layer only, INT2 pages, INT4 moves)."""
+    g = torch.Generator().manual_seed(3)
+    pools = [pool(), pool()]
+    src = torch.arange(1, 33).expand(H, 32)
+    absmax = torch.rand(H, D, generator=g) * 8
+    for layer in range(L):
+        k, v = torch.randn(2, 32, H, D, generator=g)
+        for p in pools:
+            p.write(layer, src, k, v)
+    for p in pools:
+        p.set_key_channel_scales(1, absmax)
+    layers = torch.tensor([0, 1, 1, 0, 1])
+    heads = torch.tensor([1, 0, 1, 0, 0])
+    s4 = torch.tensor([3, 3, 7, 9, 30])
+    d4 = LAYOUT.int4_base + torch.tensor([0, 0, 2, 5, 1])
+    pages = torch.tensor([[0, 1], [1, 0]])  # (layer, head) of each page
+    s2 = torch.arange(1, 33).expand(2, 32)
+    d2 = LAYOUT.int2_base + torch.tensor([0, INT2_PAGE])[:, None] + torch.arange(INT2_PAGE)
+    one, per = pools
+    one.demote(layers, heads, s4, d4, Precision.INT4)
+    one.demote(pages[:, 0], pages[:, 1], s2, d2, Precision.INT2)
+    one.move_int4(layers, heads, d4, d4 + 2)
+    for layer in range(L):
+        sel, psel = layers == layer, pages[:, 0] == layer
+        per.demote(layers[sel], heads[sel], s4[sel], d4[sel], Precision.INT4)
+        per.demote(pages[psel, 0], pages[psel, 1], s2[psel], d2[psel], Precision.INT2)
+        per.move_int4(layers[sel], heads[sel], d4[sel], d4[sel] + 2)
+    for name, t in vars(one.stack).items():
+        assert torch.equal(t, getattr(per.stack, name)), name
+    # the channel scales reached layer 1's INT4 keys only: layer 0's codes as without them
+    plain = pool()
+    plain.write(0, src, *torch.stack([one.stack.full_k[0, 1:33], one.stack.full_v[0, 1:33]]))
+    sel = layers == 0
+    plain.demote(layers[sel], heads[sel], s4[sel], d4[sel], Precision.INT4)
+    rows = d4[sel] - LAYOUT.int4_base  # (a move copies: the demoted rows stay)
+    assert torch.equal(
+        plain.stack.int4_k[0, heads[sel], rows], one.stack.int4_k[0, heads[sel], rows]
+    )
+    assert one.layers[1].int4.k_channel is not None and one.layers[0].int4.k_channel is None
 
 
 def test_head_dim_that_cannot_quantize_works_without_quantized_pools():
@@ -152,9 +209,15 @@ def test_triton_gather_matches_torch_on_mixed_per_head_cells():
     k, v = torch.randn(n, H, D, generator=g), torch.randn(n, H, D, generator=g)
     p.write(0, src, k, v)
     rows = LAYOUT.int2_base + torch.arange(INT2_PAGE)  # page 0 of head 0
-    p.demote(0, torch.tensor([0]), src[:1], rows[None, :], Precision.INT2)
+    p.demote(torch.tensor([0]), torch.tensor([0]), src[:1], rows[None, :], Precision.INT2)
     dst = LAYOUT.int4_base + torch.arange(4)  # INT4 rows 0-3 of head 1
-    p.demote(0, torch.ones(4, dtype=torch.int64), src[1, :4], dst, Precision.INT4)
+    p.demote(
+        torch.zeros(4, dtype=torch.int64),
+        torch.ones(4, dtype=torch.int64),
+        src[1, :4],
+        dst,
+        Precision.INT4,
+    )
     p.write(0, torch.tensor([[35], [36]]), torch.randn(1, H, D, generator=g), -k[:1])
     cells = torch.tensor(
         [

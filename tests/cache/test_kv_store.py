@@ -335,8 +335,12 @@ def test_set_precision_int4_moves_cells_and_frees_full_ones():
     assert st.set_precision(r, prec).int4 == 0
     assert st.set_precision(r, torch.full((2,), P2, dtype=torch.int8)).int2 == 0
     assert st.set_precision(r, torch.full((8,), 16, dtype=torch.int8)).int4 == 0
-    with pytest.raises(ValueError, match="covers 9 positions"):
+    with pytest.raises(ValueError, match="covers positions 0..8 but the request has 8"):
         st.set_precision(r, torch.full((9,), P4, dtype=torch.int8))
+    with pytest.raises(ValueError, match="covers positions 5..8"):
+        st.set_precision(r, torch.full((4,), P4, dtype=torch.int8), start=5)
+    with pytest.raises(ValueError, match="covers positions -1..0"):
+        st.set_precision(r, torch.full((2,), P4, dtype=torch.int8), start=-1)
     st.check_invariants()
     st.finish_request(r, cache=False)
     drained(st)
@@ -360,6 +364,38 @@ def test_set_precision_per_layer_and_per_head():
     st.check_invariants()
     st.finish_request(r, cache=False)
     drained(st)
+
+
+@pytest.mark.parametrize("leftover", ["int4", "full"])
+def test_set_precision_on_a_window_equals_the_call_with_full_before_it(leftover):
+    """``start``: precision for positions ``start ..`` only (a decode-time page) does what
+    the call over every position with FULL before the window does: same cells, same
+    values, same free lists, per-head holes and INT2 leftovers included."""
+    g = torch.Generator().manual_seed(1)
+    n, start = 3 * INT2_PAGE + 7, INT2_PAGE + 3
+    u = torch.rand(L, H, n - start, generator=g)
+    window = torch.where(u < 0.15, 16, torch.where(u < 0.3, P4, P2)).to(torch.int8)
+    keep = torch.rand(L, H, n, generator=g) > 0.1  # per-head holes in the window too
+    stores = []
+    for windowed in (True, False):
+        st = store(num_slots=256)
+        r = run(st, None, [i % 50 + 1 for i in range(n + 2)])
+        st.evict_per_head(r, keep)
+        if windowed:
+            res = st.set_precision(r, window, int2_leftover=leftover, start=start)
+        else:
+            pre = torch.full((L, H, start), 16, dtype=torch.int8)
+            res = st.set_precision(r, torch.cat([pre, window], dim=2), int2_leftover=leftover)
+        check_content(st, r)
+        st.check_invariants()
+        stores.append((st, r, res))
+    (a, ra, resa), (b, rb, resb) = stores
+    assert resa == resb and resa.int4 > 0 and resa.int2 > 0
+    assert torch.equal(ra.slot_map.slots, rb.slot_map.slots)
+    for p in (Precision.FULL, Precision.INT4, Precision.INT2):
+        assert torch.equal(a.allocator.free_cells(p), b.allocator.free_cells(p))
+    for name, t in vars(a.pool.stack).items():
+        assert t is None or torch.equal(t, getattr(b.pool.stack, name)), name
 
 
 def test_set_precision_int2_fills_pages_of_32_per_column_leftovers_to_int4():
