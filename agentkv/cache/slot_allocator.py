@@ -43,6 +43,16 @@ class SlotRefcountError(RuntimeError):
     or a cell id out of range."""
 
 
+def stable_order(keys: torch.Tensor) -> torch.Tensor | None:
+    """``torch.argsort(keys, stable=True)``, or None when ``keys`` (int64 ``[m]``) are
+    already non-decreasing: cells listed column by column (a demotion's, from ``nonzero``
+    over the map) need no sort, and the check is one O(m) pass instead of an O(m log m)
+    sort (host time: a 32k-token request of an 8B model demotes ~9M cells at once)."""
+    if keys.numel() < 2 or bool((keys[1:] >= keys[:-1]).all()):
+        return None
+    return torch.argsort(keys, stable=True)
+
+
 @dataclass(frozen=True)
 class PoolLayout:
     """Unified slot ids of one layer's pools (the same for every layer).
@@ -199,8 +209,9 @@ class _FreeStacks:
         self.top[cols] = t2
 
     def push(self, cols: torch.Tensor, ids: torch.Tensor) -> None:
-        order = torch.argsort(cols, stable=True)
-        cols, ids = cols[order], ids[order]
+        order = stable_order(cols)
+        if order is not None:
+            cols, ids = cols[order], ids[order]
         counts = torch.bincount(cols, minlength=self.top.numel())
         first = torch.cumsum(counts, 0) - counts
         offs = torch.arange(int(cols.numel())) - torch.repeat_interleave(first, counts)
@@ -305,18 +316,22 @@ class SlotAllocator:
             [asking[fits].repeat_interleave(k[fits]), asking[~fits].repeat_interleave(k[~fits])]
         )
         taken = torch.cat(parts) if parts else bulk_cols  # (empty without bulk columns)
-        order = torch.argsort(bulk_cols, stable=True)  # (grouped by column, as asking is)
-        bulk_cols, taken = bulk_cols[order], taken[order]
+        order = stable_order(bulk_cols)  # (grouped by column, as asking is)
+        if order is not None:
+            bulk_cols, taken = bulk_cols[order], taken[order]
         self._count_pairs(bulk_cols, taken, 1)  # (remove_held tells them by their counts)
         stacks.remove_held(asking, bulk_cols, taken)
         got_cols, ids = stacks.pop(torch.where(bulk, 0, counts))
         self._count_pairs(got_cols, ids, 1)
         if taken.numel():  # every column's ids, grouped by column (as pop groups them)
-            both = torch.cat([bulk_cols, got_cols])
-            order = torch.argsort(both, stable=True)
-            got_cols, ids = both[order], torch.cat([taken, ids])[order]
+            both, ids = torch.cat([bulk_cols, got_cols]), torch.cat([taken, ids])
+            order = stable_order(both)
+            got_cols, ids = (both, ids) if order is None else (both[order], ids[order])
+        order = stable_order(cols)
+        if order is None:  # (cols grouped already: each column's ids in its entries' order)
+            return ids
         out = torch.empty_like(cols)
-        out[torch.argsort(cols, stable=True)] = ids
+        out[order] = ids
         return out
 
     def compact_int4(
@@ -410,8 +425,12 @@ class SlotAllocator:
         row with one reference."""
         counts = torch.bincount(cols, minlength=self.num_columns)
         got_cols, pages = self._free[Precision.INT2].pop(counts)
-        out_pages = torch.empty_like(cols)
-        out_pages[torch.argsort(cols, stable=True)] = pages
+        order = stable_order(cols)
+        if order is None:
+            out_pages = pages
+        else:
+            out_pages = torch.empty_like(cols)
+            out_pages[order] = pages
         rows = self.layout.int2_base + out_pages[:, None] * INT2_PAGE + torch.arange(INT2_PAGE)
         self._count_pairs(cols[:, None].expand_as(rows).reshape(-1), rows.reshape(-1), 1)
         return rows
@@ -445,7 +464,10 @@ class SlotAllocator:
         if ids.numel() == 0:
             return 0
         flat = cols * self.layout.num_ids + ids
-        uniq, counts = torch.unique(flat, return_counts=True)
+        if bool((flat[1:] > flat[:-1]).all()):  # distinct and sorted (cells freed in id order)
+            uniq, counts = flat, torch.ones_like(flat)
+        else:
+            uniq, counts = torch.unique(flat, return_counts=True)
         rc = self._refcount.view(-1)
         new = rc[uniq] - counts.to(torch.int32)
         if bool((new < 0).any()):

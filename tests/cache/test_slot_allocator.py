@@ -371,3 +371,38 @@ def test_one_run_per_column_in_one_pass_matches_the_per_column_path():
         assert torch.equal(sa.where[c, free], torch.arange(free.numel()))  # places kept
         assert bool((a.refcount()[c, base + free] == 0).all())
     assert torch.equal(a.refcount(), b.refcount())
+
+
+def test_entry_order_does_not_change_what_each_column_gets_or_frees():
+    """Cells listed column by column (a demotion's) skip the sorts; any other order gives
+    each column the same ids in the order of its entries, and freeing in any order leaves
+    the same free lists (INT4 bulk and single cells, INT2 pages, full cells)."""
+    g = torch.Generator().manual_seed(5)
+    lay = PoolLayout(64, 256, 4)
+    a, b = SlotAllocator(3, lay), SlotAllocator(3, lay)
+    counts = torch.tensor([70, 5, 40])
+    cols = torch.repeat_interleave(torch.arange(3), counts)  # sorted
+    perm = torch.randperm(cols.numel(), generator=g)
+    ia, ib = a.alloc_int4(cols), b.alloc_int4(cols[perm])
+    for c in range(3):
+        assert torch.equal(ia[cols == c], ib[cols[perm] == c])
+    pages = torch.tensor([0, 2, 2])
+    ra, rb = a.alloc_int2_pages(pages), b.alloc_int2_pages(pages.flip(0))
+    assert torch.equal(ra[0], rb[2]) and torch.equal(ra[1:], rb[:2])
+    fa, fb = a.alloc(9), b.alloc(9)
+    assert torch.equal(fa, fb)
+    # free half of everything, sorted in one, shuffled in the other
+    drop = torch.rand(ia.numel(), generator=g) < 0.5
+    fc = torch.arange(3)[:, None].expand(3, 9).reshape(-1)
+    pairs = [
+        (cols[drop], ia[drop]),
+        (pages[:, None].expand(3, INT2_PAGE).reshape(-1), ra.reshape(-1)),
+        (fc[::2], fa.reshape(-1)[::2]),
+    ]
+    for pc, pi in pairs:
+        shuffle = torch.randperm(pc.numel(), generator=g)
+        assert a.decref_pairs(pc, pi) == b.decref_pairs(pc[shuffle], pi[shuffle]) > 0
+    for p in (Precision.FULL, Precision.INT4, Precision.INT2):
+        for c in range(3):
+            assert torch.equal(a.free_ids(c, p), b.free_ids(c, p))
+    assert torch.equal(a.refcount(), b.refcount())
