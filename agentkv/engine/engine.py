@@ -32,7 +32,7 @@ from agentkv.engine.calibration import CALIBRATION_MESSAGES
 from agentkv.engine.chat_template import ChatRenderer
 from agentkv.engine.decode_pruning import DecodePruning
 from agentkv.engine.kernel_decode import KernelDecode
-from agentkv.engine.model_loader import load_model
+from agentkv.engine.model_loader import load_model, prepare_model
 from agentkv.engine.store_cache import CACHE_KWARG, LiveView, StoreCache
 from agentkv.engine.telemetry import KVUsage, SessionMetrics
 from agentkv.engine.tool_calls import FOREIGN_TURN_MARKERS, parse_tool_calls
@@ -218,7 +218,11 @@ class Engine:
     """Embedded engine over one model.
 
     Args:
-        model: local HF model directory, or None for the default SmolLM2-135M-Instruct.
+        model: local HF model directory, None for the default SmolLM2-135M-Instruct, or a
+            causal LM already loaded (a transformers ``PreTrainedModel``, e.g. built from a
+            config for a benchmark at a model's shape; it is switched to the agentkv
+            attention and eval mode, and its device and dtype are used as they are).
+        tokenizer: the tokenizer of a loaded ``model`` (required then; unused otherwise).
         device: ``"cpu"``, ``"cuda"``, ... (default: CUDA when available).
         dtype: model and KV dtype (default float32 on CPU, bfloat16 on CUDA).
         kv_slots: full-precision KV cells per (layer, KV head), the dead slot included (the
@@ -238,7 +242,7 @@ class Engine:
 
     def __init__(
         self,
-        model: str | None = None,
+        model: str | torch.nn.Module | None = None,
         device: str | None = None,
         dtype: torch.dtype | None = None,
         kv_slots: int = 32768,
@@ -248,15 +252,22 @@ class Engine:
         decode_attention: str | None = None,
         key_channel_scales: str = "none",
         int4_compaction: float = 0.0,
+        tokenizer: Any = None,
     ):
-        self.model, self.tokenizer = load_model(model, device, dtype)
+        if isinstance(model, torch.nn.Module):
+            if tokenizer is None:
+                raise ValueError("a loaded model needs its tokenizer (Engine(model, tokenizer=))")
+            self.model, self.tokenizer = prepare_model(model), tokenizer
+            self.model_name = str(getattr(model.config, "name_or_path", "") or type(model).__name__)
+        else:
+            self.model, self.tokenizer = load_model(model, device, dtype)
+            self.model_name = str(model) if model else "SmolLM2-135M-Instruct"
         self.device = next(self.model.parameters()).device
         self.dtype = next(self.model.parameters()).dtype
         # transformers 5.24 renamed the models' past_key_values argument to cache (the old
         # name warns, and goes in 5.40); 5.17-5.23 know only past_key_values
         forward_args = inspect.signature(self.model.forward).parameters
         self._cache_arg = "cache" if "cache" in forward_args else "past_key_values"
-        self.model_name = str(model) if model else "SmolLM2-135M-Instruct"
         cfg = self.model.config
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.shape = ModelShape(

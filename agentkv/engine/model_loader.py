@@ -113,7 +113,6 @@ def load_model(
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from agentkv.engine.hidden_states import install_hidden_state_hooks
     from agentkv.engine.store_cache import register_attention
 
     register_attention()
@@ -125,6 +124,18 @@ def load_model(
     lm = AutoModelForCausalLM.from_pretrained(
         path, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION
     )
-    lm.to(device).eval()
+    return prepare_model(lm.to(device)), tokenizer
+
+
+def prepare_model(lm: Any) -> Any:
+    """Make a loaded HF causal LM the engine's: the agentkv attention function
+    (``set_attn_implementation``), eval mode, the hidden-state hooks. Returns ``lm``."""
+    from agentkv.engine.hidden_states import install_hidden_state_hooks
+    from agentkv.engine.store_cache import register_attention
+
+    register_attention()
+    if getattr(lm.config, "_attn_implementation", None) != ATTN_IMPLEMENTATION:
+        lm.set_attn_implementation(ATTN_IMPLEMENTATION)
+    lm.eval()
     install_hidden_state_hooks(lm)  # layer inputs -> observers that ask for them (KVzap)
-    return lm, tokenizer
+    return lm

@@ -164,3 +164,44 @@ def test_greedy_reference_check_agrees_with_greedy_decoding(engine, sid):
             assert checked == ref
         else:  # 8 live tokens cannot hold the code: the continuation differs
             assert checked != ref and len(checked) <= len(ref) + 1
+
+
+@pytest.mark.slow
+def test_a_loaded_model_of_another_shape_is_served_with_its_tokenizer(engine, hf_model, sid):
+    """``Engine(model, tokenizer=)`` takes a causal LM already built (here: random weights
+    at a shape of its own, from a config; how the engine benchmark runs a model's shape with
+    nothing downloaded): switched to the agentkv attention, its shape read from its config,
+    it decodes greedily what plain transformers (SDPA, no cache) would, and quantizes."""
+    import copy
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from agentkv.engine.engine import Engine
+    from agentkv.methods.base import ModelShape
+    from agentkv.policies import UniformQuant
+
+    cfg = copy.deepcopy(hf_model.config)
+    cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size = 2, 128, 256
+    cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim = 4, 2, 32
+    torch.manual_seed(0)
+    lm = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
+    plain = copy.deepcopy(lm)
+    with pytest.raises(ValueError, match="tokenizer"):
+        Engine(lm)
+    eng = Engine(lm, tokenizer=engine.tokenizer, kv_slots=1024, chunk_size=64)
+    assert eng.model.config._attn_implementation == "agentkv"
+    assert eng.shape == ModelShape(2, 4, 2, 32)
+    msgs = [{"role": "user", "content": "Count the colors of the sea at dusk."}]
+    gen = GenerationConfig(max_tokens=12, ignore_eos=True)
+    res = eng.chat(msgs, payload=build_payload(msgs, FullCache(), sid), gen=gen)
+    ids = eng.renderer.encode(msgs).token_ids  # the prompt the engine decoded from
+    with torch.no_grad():
+        for tok in res.token_ids:  # greedy, one step at a time, the whole sequence each time
+            logits = plain(torch.tensor([ids])).logits[0, -1]
+            assert int(torch.argmax(logits)) == tok
+            ids = [*ids, tok]
+    q = eng.chat(
+        msgs, payload=build_payload(msgs, UniformQuant(bits=4, residual=8), sid + "q"), gen=gen
+    )
+    assert len(q.token_ids) == 12 and q.usage.resident_kv_bytes_by_precision["int4"] > 0

@@ -1,0 +1,172 @@
+"""The embedded engine's decode step at a model's shape, with random weights (nothing to
+download): where a step's time goes once the KV is quantized, and what a cold start costs.
+
+A causal LM is built from the default model's config (SmolLM2-135M, its tokenizer too) at
+``--shape`` (``smollm2``; ``8b``: Llama-3-8B's layers, heads and widths; or
+``layers,q_heads,kv_heads,head_dim,hidden,intermediate``), random weights, and handed to
+``Engine(model, tokenizer=)``. For each decode path (``kernels``: the fused kernels over the
+pools, ``dense``: gathered view + SDPA, ``reference``: the kernels' torch reference) and KV
+mode (``bf16`` FullCache, ``int4`` / ``int2`` UniformQuant, whose decode-time pages quantize
+every 32 steps), a prompt of ``--prompt`` tokens is decoded for ``--steps`` greedy steps
+(end of turn ignored) twice in one process: the first long decode pays any kernel compile
+its lengths need (``compiled``: new entries in Triton's cache directory), the second is the
+steady state. ``ms_per_step`` = (time of the long decode - time of a 1-token one) / steps.
+``--profile MODE`` writes a cProfile of a third decode of that mode beside the JSON.
+
+    python3 benchmarks/engine_step.py --shape 8b --prompt 8192 --steps 64 --out engine_step.json
+
+Weights are random, so tokens are meaningless and timings are not: a step's work is the
+same for any weights of that shape.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import os
+import pstats
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+SHAPES = {
+    "smollm2": None,  # the config as it is
+    "8b": (32, 32, 8, 128, 4096, 14336),
+}
+
+
+def build_model(model_dir: Path, shape: str, device: str, dtype: torch.dtype, max_len: int):
+    """``(model, tokenizer)``: random weights at ``shape`` on ``device``."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    dims = SHAPES[shape] if shape in SHAPES else tuple(int(x) for x in shape.split(","))
+    if dims is not None and len(dims) != 6:
+        raise SystemExit(f"--shape: smollm2, 8b or L,Hq,Hkv,D,hidden,intermediate; got {shape}")
+    cfg = AutoConfig.from_pretrained(model_dir)
+    if dims is not None:
+        (
+            cfg.num_hidden_layers,
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            cfg.hidden_size,
+            cfg.intermediate_size,
+        ) = dims
+        cfg.tie_word_embeddings = False
+    cfg.max_position_embeddings = max(cfg.max_position_embeddings, max_len)
+    torch.manual_seed(0)
+    with torch.device(device):
+        lm = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    return lm, AutoTokenizer.from_pretrained(model_dir)
+
+
+def prompt_messages(tokenizer, n_tokens: int) -> list[dict]:
+    """One user message of about ``n_tokens`` tokens (the chat template adds a few)."""
+    words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa"]
+    ids = tokenizer(" ".join(words[i % 10] for i in range(n_tokens)))["input_ids"]
+    text = tokenizer.decode(ids[: max(n_tokens - 40, 1)])
+    return [{"role": "user", "content": text}]
+
+
+def _cache_entries() -> int:
+    d = Path(os.environ.get("TRITON_CACHE_DIR", Path.home() / ".triton" / "cache"))
+    return len(os.listdir(d)) if d.is_dir() else 0
+
+
+def run(args) -> list[dict]:
+    from agentkv import FullCache, UniformQuant, build_payload
+    from agentkv.engine.engine import Engine, GenerationConfig
+    from agentkv.engine.model_loader import resolve_model_dir
+
+    device = args.device
+    cuda = device.startswith("cuda")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    model_dir = Path(args.model_dir) if args.model_dir else resolve_model_dir(None)
+    lm, tok = build_model(model_dir, args.shape, device, dtype, args.prompt + args.steps + 64)
+    msgs = prompt_messages(tok, args.prompt)
+    policies = {"bf16": FullCache(), "int4": UniformQuant(bits=4), "int2": UniformQuant(bits=2)}
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    rows = []
+    for path in args.paths.split(","):
+        engine = Engine(
+            lm, tokenizer=tok, kv_slots=args.prompt + args.steps + 4096, decode_attention=path
+        )
+        for mode in args.modes.split(","):
+            calls = iter(range(10**6))
+
+            def decode(n: int, engine=engine, path=path, mode=mode, calls=calls):
+                payload = build_payload(msgs, policies[mode], f"{path}-{mode}-{next(calls)}")
+                gen = GenerationConfig(max_tokens=n, ignore_eos=True)
+                sync()
+                t = time.perf_counter()
+                res = engine.chat(msgs, payload=payload, gen=gen)
+                sync()
+                return time.perf_counter() - t, res
+
+            decode(8)  # (the short lengths' kernels)
+            c0 = _cache_entries()
+            t1, _ = decode(1)
+            cold, _ = decode(args.steps + 1)
+            c1 = _cache_entries()
+            warm, res = decode(args.steps + 1)
+            row = {
+                "shape": args.shape,
+                "device": device,
+                "path": path,
+                "mode": mode,
+                "prompt_tokens": res.usage.prompt_tokens,
+                "steps": args.steps,
+                "ms_per_step": (warm - t1) / args.steps * 1e3,
+                "first_ms_per_step": (cold - t1) / args.steps * 1e3,
+                "compiled": c1 - c0,
+                "compiled_again": _cache_entries() - c1,
+                "prefill_s": t1,
+                "resident_kv_mib": res.usage.resident_kv_bytes / 2**20,
+            }
+            if mode == args.profile:
+                prof = cProfile.Profile()
+                prof.enable()
+                decode(args.steps + 1)
+                prof.disable()
+                s = io.StringIO()
+                pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(40)
+                out = args.out.with_name(f"{args.out.stem}_{path}_{mode}_profile.txt")
+                out.write_text(s.getvalue())
+                row["profile"] = out.name
+            print(
+                json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()})
+            )
+            rows.append(row)
+        del engine
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", default="smollm2", help="smollm2, 8b or L,Hq,Hkv,D,hidden,inter")
+    ap.add_argument(
+        "--model-dir", default=None, help="HF dir of config + tokenizer (default model)"
+    )
+    ap.add_argument("--prompt", type=int, default=4096, help="prompt tokens (about)")
+    ap.add_argument("--steps", type=int, default=96)
+    ap.add_argument("--paths", default="kernels,dense", help="kernels, dense, reference")
+    ap.add_argument("--modes", default="bf16,int4,int2")
+    ap.add_argument("--profile", default=None, help="a mode to profile (cProfile)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--out", type=Path, default=Path("engine_step.json"))  # (no commas)
+    args = ap.parse_args()
+    rows = run(args)
+    meta = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+    }
+    args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
