@@ -276,45 +276,45 @@ class KVPool:
             dst: int64 ``[m]`` INT4 cell ids, or ``[m, 32]`` INT2 row ids of whole pages.
             precision: ``INT4`` or ``INT2``.
         """
-        if precision not in (Precision.INT4, Precision.INT2):
+        if precision == Precision.INT4:
+            quantize, step = self._quantize_int4, DEMOTE_CHUNK_CELLS
+        elif precision == Precision.INT2:
+            quantize, step = self._quantize_int2_pages, DEMOTE_CHUNK_CELLS // INT2_PAGE
+        else:
             raise ValueError(f"cannot demote to {precision!r}")
+        dev = self.device
         # in chunks: the float temporaries of one chunk stay ~100 MB at D = 128 (a whole
         # 32k-token request of an 8B model's shape is ~9M cells)
-        step = DEMOTE_CHUNK_CELLS // (1 if precision == Precision.INT4 else INT2_PAGE)
         for i in range(0, int(src.shape[0]), step):
             s = slice(i, i + step)
-            self._demote_chunk(layers[s], heads[s], src[s], dst[s], precision)
+            quantize(layers[s].to(dev), heads[s].to(dev), src[s].to(dev), dst[s].to(dev))
 
-    def _demote_chunk(
-        self,
-        layers: torch.Tensor,
-        heads: torch.Tensor,
-        src: torch.Tensor,
-        dst: torch.Tensor,
-        precision: Precision,
-    ) -> None:
-        st, lay, dev = self.stack, self.layout, self.device
-        layers, heads, src, dst = layers.to(dev), heads.to(dev), src.to(dev), dst.to(dev)
-        if precision == Precision.INT4:
-            assert st.int4_k is not None, "no INT4 pool"
-            i = dst - lay.int4_base
-            k = st.full_k[layers, src, heads]  # [m, D]
-            if st.k_channel is not None:
-                k = k.float() / st.k_channel[layers, heads]
-            v = st.full_v[layers, src, heads]
-            st.int4_k[layers, heads, i], ks, kz = quantize_int4_ref(k)
-            st.int4_v[layers, heads, i], vs, vz = quantize_int4_ref(v)
-            st.int4_scales[layers, heads, i] = torch.stack((ks, kz, vs, vz), dim=1)
-        elif precision == Precision.INT2:
-            assert st.int2_k is not None, "no INT2 pool"
-            page = (dst[:, 0] - lay.int2_base) // INT2_PAGE
-            at = (layers, page, heads)
-            k = st.full_k[layers[:, None], src, heads[:, None]][:, :, None, :]  # [P, 32, 1, D]
-            v = st.full_v[layers[:, None], src, heads[:, None]][:, :, None, :]
-            kc, ks, kz = quantize_int2_keys_ref(k)
-            vc, vs, vz = quantize_int2_values_ref(v)
-            st.int2_k[at], st.int2_k_scale[at], st.int2_k_zero[at] = kc[:, 0], ks[:, 0], kz[:, 0]
-            st.int2_v[at], st.int2_v_scale[at], st.int2_v_zero[at] = vc[:, 0], vs[:, 0], vz[:, 0]
+    def _quantize_int4(self, layers, heads, src, dst) -> None:
+        """INT4 cells ``dst`` [m] <- full cells ``src`` [m] of (``layers``, ``heads``)."""
+        st = self.stack
+        assert st.int4_k is not None, "no INT4 pool"
+        i = dst - self.layout.int4_base
+        k = st.full_k[layers, src, heads]  # [m, D]
+        if st.k_channel is not None:
+            k = k.float() / st.k_channel[layers, heads]
+        v = st.full_v[layers, src, heads]
+        st.int4_k[layers, heads, i], ks, kz = quantize_int4_ref(k)
+        st.int4_v[layers, heads, i], vs, vz = quantize_int4_ref(v)
+        st.int4_scales[layers, heads, i] = torch.stack((ks, kz, vs, vz), dim=1)
+
+    def _quantize_int2_pages(self, layers, heads, src, dst) -> None:
+        """INT2 pages of rows ``dst`` [P, 32] <- full cells ``src`` [P, 32] (position order)
+        of (``layers``, ``heads``) [P]."""
+        st = self.stack
+        assert st.int2_k is not None, "no INT2 pool"
+        page = (dst[:, 0] - self.layout.int2_base) // INT2_PAGE
+        at = (layers, page, heads)
+        k = st.full_k[layers[:, None], src, heads[:, None]][:, :, None, :]  # [P, 32, 1, D]
+        v = st.full_v[layers[:, None], src, heads[:, None]][:, :, None, :]
+        kc, ks, kz = quantize_int2_keys_ref(k)
+        vc, vs, vz = quantize_int2_values_ref(v)
+        st.int2_k[at], st.int2_k_scale[at], st.int2_k_zero[at] = kc[:, 0], ks[:, 0], kz[:, 0]
+        st.int2_v[at], st.int2_v_scale[at], st.int2_v_zero[at] = vc[:, 0], vs[:, 0], vz[:, 0]
 
     def move_int4(
         self, layers: torch.Tensor, heads: torch.Tensor, src: torch.Tensor, dst: torch.Tensor
