@@ -40,8 +40,10 @@ from agentkv.kernels import (
 )
 from agentkv.kernels.backend import Backend
 
-#: cells quantized per batch of :meth:`KVPool.demote` (bounds its temporaries)
-DEMOTE_CHUNK_CELLS = 1 << 18
+#: cells quantized per batch of :meth:`KVPool.demote`, by device type: few launches on a GPU
+#: (a chunk's float temporaries ~100 MB at D = 128), cache-sized batches on the CPU (SmolLM2's
+#: shape: 2^14 ~600-700 ns a cell, 2^18 ~1.6-2.8 µs)
+DEMOTE_CHUNK_CELLS = {"cuda": 1 << 18, "cpu": 1 << 14}
 
 
 @dataclass
@@ -276,15 +278,15 @@ class KVPool:
             dst: int64 ``[m]`` INT4 cell ids, or ``[m, 32]`` INT2 row ids of whole pages.
             precision: ``INT4`` or ``INT2``.
         """
+        dev = self.device
+        chunk = DEMOTE_CHUNK_CELLS.get(dev.type, DEMOTE_CHUNK_CELLS["cpu"])
         if precision == Precision.INT4:
-            quantize, step = self._quantize_int4, DEMOTE_CHUNK_CELLS
+            quantize, step = self._quantize_int4, chunk
         elif precision == Precision.INT2:
-            quantize, step = self._quantize_int2_pages, DEMOTE_CHUNK_CELLS // INT2_PAGE
+            quantize, step = self._quantize_int2_pages, chunk // INT2_PAGE
         else:
             raise ValueError(f"cannot demote to {precision!r}")
-        dev = self.device
-        # in chunks: the float temporaries of one chunk stay ~100 MB at D = 128 (a whole
-        # 32k-token request of an 8B model's shape is ~9M cells)
+        # in chunks (a whole 32k-token request of an 8B model's shape is ~9M cells)
         for i in range(0, int(src.shape[0]), step):
             s = slice(i, i + step)
             quantize(layers[s].to(dev), heads[s].to(dev), src[s].to(dev), dst[s].to(dev))
@@ -293,28 +295,37 @@ class KVPool:
         """INT4 cells ``dst`` [m] <- full cells ``src`` [m] of (``layers``, ``heads``)."""
         st = self.stack
         assert st.int4_k is not None, "no INT4 pool"
-        i = dst - self.layout.int4_base
-        k = st.full_k[layers, src, heads]  # [m, D]
+        h, d = self.num_kv_heads, self.head_dim
+        # one flat row index per cell (a 3-index gather is several times slower on the CPU)
+        full_row = (layers * self.layout.full_slots + src) * h + heads
+        row4 = (layers * h + heads) * self.layout.int4_slots + (dst - self.layout.int4_base)
+        k = st.full_k.view(-1, d)[full_row]  # [m, D]
         if st.k_channel is not None:
-            k = k.float() / st.k_channel[layers, heads]
-        v = st.full_v[layers, src, heads]
-        st.int4_k[layers, heads, i], ks, kz = quantize_int4_ref(k)
-        st.int4_v[layers, heads, i], vs, vz = quantize_int4_ref(v)
-        st.int4_scales[layers, heads, i] = torch.stack((ks, kz, vs, vz), dim=1)
+            k = k.float() / st.k_channel.view(-1, d)[layers * h + heads]
+        v = st.full_v.view(-1, d)[full_row]
+        kc, ks, kz = quantize_int4_ref(k)
+        vc, vs, vz = quantize_int4_ref(v)
+        st.int4_k.view(-1, d // 2)[row4] = kc
+        st.int4_v.view(-1, d // 2)[row4] = vc
+        st.int4_scales.view(-1, 4 * (d // GROUP_SIZE))[row4] = torch.cat((ks, kz, vs, vz), dim=1)
 
     def _quantize_int2_pages(self, layers, heads, src, dst) -> None:
         """INT2 pages of rows ``dst`` [P, 32] <- full cells ``src`` [P, 32] (position order)
         of (``layers``, ``heads``) [P]."""
         st = self.stack
         assert st.int2_k is not None, "no INT2 pool"
-        page = (dst[:, 0] - self.layout.int2_base) // INT2_PAGE
-        at = (layers, page, heads)
-        k = st.full_k[layers[:, None], src, heads[:, None]][:, :, None, :]  # [P, 32, 1, D]
-        v = st.full_v[layers[:, None], src, heads[:, None]][:, :, None, :]
+        h, d, lay = self.num_kv_heads, self.head_dim, self.layout
+        page = (dst[:, 0] - lay.int2_base) // INT2_PAGE
+        at = (layers * lay.int2_pages + page) * h + heads  # flat (layer, page, head) rows
+        full_row = (layers[:, None] * lay.full_slots + src) * h + heads[:, None]  # [P, 32]
+        k = st.full_k.view(-1, d)[full_row][:, :, None, :]  # [P, 32, 1, D]
+        v = st.full_v.view(-1, d)[full_row][:, :, None, :]
         kc, ks, kz = quantize_int2_keys_ref(k)
         vc, vs, vz = quantize_int2_values_ref(v)
-        st.int2_k[at], st.int2_k_scale[at], st.int2_k_zero[at] = kc[:, 0], ks[:, 0], kz[:, 0]
-        st.int2_v[at], st.int2_v_scale[at], st.int2_v_zero[at] = vc[:, 0], vs[:, 0], vz[:, 0]
+        for t, x in ((st.int2_k, kc), (st.int2_k_scale, ks), (st.int2_k_zero, kz)):
+            t.view(-1, *t.shape[3:])[at] = x[:, 0]
+        for t, x in ((st.int2_v, vc), (st.int2_v_scale, vs), (st.int2_v_zero, vz)):
+            t.view(-1, *t.shape[3:])[at] = x[:, 0]
 
     def move_int4(
         self, layers: torch.Tensor, heads: torch.Tensor, src: torch.Tensor, dst: torch.Tensor
@@ -329,9 +340,10 @@ class KVPool:
         """
         if src.numel() == 0:
             return
-        st, dev = self.stack, self.device
+        st, dev, lay = self.stack, self.device, self.layout
         assert st.int4_k is not None, "no INT4 pool"
-        layers, heads = layers.to(dev), heads.to(dev)
-        i, j = src.to(dev) - self.layout.int4_base, dst.to(dev) - self.layout.int4_base
-        for t in (st.int4_k, st.int4_v, st.int4_scales):
-            t[layers, heads, j] = t[layers, heads, i]
+        run = (layers.to(dev) * self.num_kv_heads + heads.to(dev)) * lay.int4_slots
+        i, j = run + (src.to(dev) - lay.int4_base), run + (dst.to(dev) - lay.int4_base)
+        for t in (st.int4_k, st.int4_v, st.int4_scales):  # flat (layer, head, cell) rows
+            rows = t.view(-1, *t.shape[3:])
+            rows[j] = rows[i]

@@ -463,21 +463,23 @@ class SlotAllocator:
         """:meth:`decref` of explicit ``(cols [m], ids [m])`` pairs (no DEAD)."""
         if ids.numel() == 0:
             return 0
-        flat = cols * self.layout.num_ids + ids
+        num = self.layout.num_ids
+        flat = cols * num + ids
         if bool((flat[1:] > flat[:-1]).all()):  # distinct and sorted (cells freed in id order)
-            uniq, counts = flat, torch.ones_like(flat)
+            uniq, ucols, uids, drop = flat, cols, ids, 1
         else:
             uniq, counts = torch.unique(flat, return_counts=True)
+            ucols, uids, drop = uniq // num, uniq % num, counts.to(torch.int32)
         rc = self._refcount.view(-1)
-        new = rc[uniq] - counts.to(torch.int32)
+        new = rc[uniq] - drop
         if bool((new < 0).any()):
-            bad = (uniq[new < 0] % self.layout.num_ids)[:8].tolist()
+            bad = uids[new < 0][:8].tolist()
             raise SlotRefcountError(f"double free of cell(s) {bad}")
         rc[uniq] = new
-        zero = uniq[new == 0]
-        if zero.numel() == 0:
+        freed_now = new == 0
+        zc, zi = ucols[freed_now], uids[freed_now]
+        if zi.numel() == 0:
             return 0
-        zc, zi = zero // self.layout.num_ids, zero % self.layout.num_ids
         freed = 0
         for prec, sel in (
             (Precision.FULL, zi < self.layout.int4_base),
