@@ -257,6 +257,11 @@ class Engine:
         if isinstance(model, torch.nn.Module):
             if tokenizer is None:
                 raise ValueError("a loaded model needs its tokenizer (Engine(model, tokenizer=))")
+            p = next(model.parameters())
+            if device is not None and torch.device(device).type != p.device.type:
+                raise ValueError(f"the model is on {p.device}, not {device}: move it first")
+            if dtype is not None and dtype != p.dtype:
+                raise ValueError(f"the model is {p.dtype}, not {dtype}: convert it first")
             self.model, self.tokenizer = prepare_model(model), tokenizer
             self.model_name = str(getattr(model.config, "name_or_path", "") or type(model).__name__)
         else:

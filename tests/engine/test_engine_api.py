@@ -189,6 +189,8 @@ def test_a_loaded_model_of_another_shape_is_served_with_its_tokenizer(engine, hf
     plain = copy.deepcopy(lm)
     with pytest.raises(ValueError, match="tokenizer"):
         Engine(lm)
+    with pytest.raises(ValueError, match="convert it first"):
+        Engine(lm, tokenizer=engine.tokenizer, dtype=torch.bfloat16)
     eng = Engine(lm, tokenizer=engine.tokenizer, kv_slots=1024, chunk_size=64)
     assert eng.model.config._attn_implementation == "agentkv"
     assert eng.shape == ModelShape(2, 4, 2, 32)
