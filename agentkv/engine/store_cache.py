@@ -110,6 +110,7 @@ class StoreCache(Cache):
         device = self.store.pool.device
         self.write_slots = None if write_slots is None else write_slots.to(device)
         self.first_position = int(positions[0])  # CPU ints: no device sync per layer
+        self._seq_length = int(positions[-1]) + 1  # (get_seq_length: no sync per forward)
         self.positions = positions.to(device)
         self.observer = observer
         self.key_positions: dict[int, torch.Tensor] = {}
@@ -159,7 +160,7 @@ class StoreCache(Cache):
         return float(ints) + (float(torch.stack(tensors).sum()) if tensors else 0.0)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        return int(self.positions[-1]) + 1
+        return self._seq_length
 
     def get_max_cache_shape(self, layer_idx: int = 0) -> int:
         return -1
