@@ -8,8 +8,10 @@ shape (``--shape L,Hkv,D``, ``--kv-slots`` cells per column; K/V written at rand
 1. demoted to INT4 but for its last ``32 * --pages`` positions (``set_precision``, one call:
    a prefill plan's quantization);
 2. demoted one 32-position page at a time over those (the engine's decode-time pages,
-   ``Engine._demote_tail``), each timed, then its kernels' ``DecodeIndex`` built on the
-   device (as ``KernelDecode.rebuild`` does after every page; checked against the CPU's);
+   ``Engine._demote_tail``), each timed, with the kernels' ``DecodeIndex`` following each
+   page in place (``DecodeIndex.advance``, as ``KernelDecode.rebuild`` does; timed), then
+   built anew on the device (the rebuild it saves; checked against the CPU's and against
+   the followed one);
 3. thinned by per-(layer, KV head) eviction keeping half of the cells (``evict_per_head``);
 4. compacted (``compact_int4``, min density 0.75), where the store has it.
 
@@ -48,6 +50,23 @@ def _timed(device: torch.device, fn, *args):
     return time.perf_counter() - t, out
 
 
+def _same_cells(a: DecodeIndex, b: DecodeIndex) -> bool:
+    """Equal lengths, and per column the same cells in each segment (an index followed in
+    place lists a page's INT4 cells in position order, a rebuild in row order)."""
+    if not all(torch.equal(getattr(a, f), getattr(b, f)) for f in ("seq_lens", "int4_lens")):
+        return False
+
+    def cells(ix: DecodeIndex) -> torch.Tensor:  # per column, (segment, cell) keys sorted
+        n = int(ix.seq_lens.max())
+        m = ix.slot_map[:, :, :n].long()
+        at = torch.arange(n, device=m.device)
+        n2, n4 = ix.int2_lens[..., None], (ix.int2_lens + ix.int4_lens)[..., None]
+        seg = (at >= n2).long() + (at >= n4).long() + (at >= ix.seq_lens[..., None]).long()
+        return torch.sort(seg * (1 << 40) + m, dim=-1).values
+
+    return torch.equal(cells(a), cells(b))
+
+
 def run(args) -> dict:
     device = torch.device(args.device)
     layers, heads, dim = (int(x) for x in args.shape.split(","))
@@ -63,8 +82,12 @@ def run(args) -> dict:
     prec = torch.full((bulk,), int(Precision.INT4), dtype=torch.int8)
     s, _ = _timed(device, st.set_precision, req, prec)
     row = {"demote_ms": s * 1e3, "demote_ns_per_cell": s * 1e9 / (bulk * columns)}
-    pages = []
+    pages, advances = [], []
     windowed = "start" in inspect.signature(st.set_precision).parameters
+    # the kernels' index before the pages, followed in place after each where the package
+    # can (KernelDecode.rebuild with the page: DecodeIndex.advance)
+    followed = DecodeIndex.build(req.slot_map, st.layout, 256, device)
+    follows = hasattr(followed, "advance")
     for p in range(args.pages):
         end = bulk + 32 * (p + 1)
         if windowed:  # as Engine._demote_tail calls it: the page's 32 positions only
@@ -75,14 +98,23 @@ def run(args) -> dict:
             prec[end - 32 :] = int(Precision.INT4)
             s, _ = _timed(device, st.set_precision, req, prec)
         pages.append(s * 1e3)
+        if follows:
+            s, ok = _timed(device, followed.advance, req.slot_map, st.layout, end - 32, end)
+            advances.append(s * 1e3 if ok else None)
     row["page_ms"] = pages
     row["page_ms_median"] = statistics.median(pages)
+    if follows:
+        row["index_advance_ms"] = advances
+        done = [a for a in advances if a is not None]
+        row["index_advance_ms_median"] = statistics.median(done) if done else None
     # the kernels' decode index, rebuilt after every page (KernelDecode.rebuild)
     builds = []
     for _ in range(3):
         s, index = _timed(device, DecodeIndex.build, req.slot_map, st.layout, 256, device)
         builds.append(s * 1e3)
     row["index_build_ms"] = statistics.median(builds)
+    if follows:  # the index followed page by page holds what a rebuild holds
+        row["index_advance_matches_build"] = _same_cells(followed, index)
     if device.type != "cpu":  # the same index as built on the CPU
         ref = DecodeIndex.build(req.slot_map, st.layout, 256, "cpu")
         row["index_matches_cpu"] = all(
@@ -125,7 +157,9 @@ def main() -> None:
     print(
         f"{args.label} | {args.shape} | {args.kv_slots} | demote {row['demote_ns_per_cell']:.0f} "
         f"ns/cell | page {row['page_ms_median']:.1f} ms | index "
-        f"{row['index_build_ms']:.1f} ms ({row.get('index_matches_cpu', '-')}) | evict "
+        f"{row['index_build_ms']:.1f} ms ({row.get('index_matches_cpu', '-')}), followed "
+        f"{row.get('index_advance_ms_median') or 0:.2f} ms "
+        f"({row.get('index_advance_matches_build', '-')}) | evict "
         f"{row['evict_ns_per_evicted_cell']:.0f} ns/cell | compact "
         + (
             f"{row['compact_ns_per_moved_cell']:.0f} ns/moved cell"

@@ -93,6 +93,46 @@ class DecodeIndex:
             n_max[0],
         )
 
+    def advance(self, slot_map: SlotMap, layout: PoolLayout, start: int, end: int) -> bool:
+        """Follow a decode-time INT4 page in place instead of a rebuild: positions ``start ..
+        end - 1`` of ``slot_map`` were full precision in this index (built or advanced from
+        it, decode steps appended since) and have just been demoted to INT4, nothing else
+        changed. Each column's window cells then head its full segment (positions before the
+        window hold none: the condition checked), so the page's INT4 ids overwrite those
+        entries and the INT4 segment grows over them: ``O(page)`` host work. Returns False,
+        changing nothing, where that does not hold (a window cell still full precision or in
+        an INT2 page, a quantized cell after the window, full cells before it): rebuild."""
+        s = slot_map.slots
+        if end <= start or end > s.shape[1]:
+            return False
+        win, tail = s[:, start:end], s[:, end:]
+        live = win != DEAD
+        is4 = (win >= layout.int4_base) & (win < layout.int2_base)
+        tail_live = tail != DEAD
+        if bool((live & ~is4).any()) or bool((tail_live & (tail >= layout.int4_base)).any()):
+            return False
+        L, H, cap = self.slot_map.shape
+        dev = self.slot_map.device
+        k = is4.sum(dim=1)  # [C] window cells per column, now INT4
+        n2, n4 = self.int2_lens.reshape(-1), self.int4_lens.reshape(-1)
+        before = self.seq_lens.reshape(-1) - n2 - n4 - (k + tail_live.sum(dim=1)).to(dev)
+        head = (n2 + n4).long()
+        # the entries overwritten: full cells, and no full cells before the window
+        at = torch.arange(end - start, device=dev)[None, :]
+        old = self.slot_map.view(L * H, cap).gather(1, (head[:, None] + at).clamp_max(cap - 1))
+        mine = at < k.to(dev)[:, None]
+        bad = (mine & ((old == DEAD) | (old >= layout.int4_base))).any() | (before != 0).any()
+        if bool(bad):
+            return False
+        cols, pos = torch.nonzero(is4, as_tuple=True)  # per column, in position order
+        rank = torch.arange(cols.numel()) - (torch.cumsum(k, 0) - k)[cols]
+        dst = cols.to(dev) * cap + head[cols.to(dev)] + rank.to(dev)
+        self.slot_map.view(-1)[dst] = win[cols, pos].to(dev, torch.int32)
+        self.int4_lens += k.view(L, H).to(dev, torch.int32)
+        b = self.max_lens  # (upper bounds still: each column's INT4 grew by k, its full fell by k)
+        self.max_lens = SegmentMaxLens(b.int2, b.int4 + int(k.max()), b.full - int(k.min()))
+        return True
+
     def append(self, cells: torch.Tensor) -> None:
         """Add one full-precision cell per column (int64 ``[L * Hkv, 1]``, from
         ``KVStore.extend``) at the end of each column's list."""

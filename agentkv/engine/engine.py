@@ -731,21 +731,22 @@ class Engine:
             "demote_from": max(req.seq_len - plan.decode.residual, 0) if plan.decode else 0,
         }
 
-    def _demote_tail(self, req: RequestKV, info: dict) -> bool:
+    def _demote_tail(self, req: RequestKV, info: dict) -> tuple[int, int] | None:
         """Quantize the oldest full-precision positions outside the residual window, 32 at a
-        time (a page), as the plan's :class:`DecodePrecision` says. True if anything moved."""
+        time (a page), as the plan's :class:`DecodePrecision` says. The positions it covered,
+        ``(start, end)``, or None when no page was due."""
         rule: DecodePrecision | None = info["decode"]
         if rule is None:
-            return False
+            return None
         start = info["demote_from"]
         pages = (req.seq_len - rule.residual - start) // 32
         if pages <= 0:
-            return False
+            return None
         prec = torch.full((32 * pages,), int(rule.precision), dtype=torch.int8)
         q = self.store.set_precision(req, prec, int2_leftover="full", start=start)
         info["demote_from"] = start + 32 * pages
         info["quantized"] += q.int4 + q.int2
-        return True
+        return start, start + 32 * pages
 
     def _decode(
         self, req, logits, gen: GenerationConfig, stream: _ContentStream | None, info: dict
@@ -800,15 +801,13 @@ class Engine:
                 eff += int(round(live))
             else:
                 eff += int(round(cache.attended_keys / self.shape.num_layers))
-            moved = self._demote_tail(req, info)  # a page filled: the views re-read the pools
-            if pruning is not None:
-                pruned = pruning.after_step(view)
-                moved = moved or pruned is not view
-            if moved:
+            page = self._demote_tail(req, info)  # a page filled: the views re-read the pools
+            pruned = pruning is not None and pruning.after_step(view) is not view
+            if page is not None or pruned:
                 live = req.slot_map.effective_live_tokens()
                 view = LiveView(self.store, req)
                 if kernel is not None:
-                    kernel.rebuild()
+                    kernel.rebuild(None if pruned else page)
         if kernel is not None:
             info["compacted"] += kernel.compacted
         return out, finish, (raw, eff)

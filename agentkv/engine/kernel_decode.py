@@ -36,11 +36,18 @@ class KernelDecode:
         self.compacted = 0  # INT4 cells moved by this decode's rebuilds
         self.rebuild()
 
-    def rebuild(self) -> None:
+    def rebuild(self, page: tuple[int, int] | None = None) -> None:
         """Rebuild the index from the slot map (after a precision change or an eviction),
         first moving the request's INT4 cells that eviction left sparse into fuller runs
-        (:meth:`KVStore.compact_int4`: the kernel reads consecutive rows faster)."""
-        self.compacted += self.store.compact_int4(self.req).cells_moved
+        (:meth:`KVStore.compact_int4`: the kernel reads consecutive rows faster). ``page``:
+        only positions ``page[0] .. page[1] - 1`` went to INT4 since the index was built (a
+        decode-time page): the index follows in place where it can
+        (:meth:`DecodeIndex.advance`, ``O(page)``), else it is rebuilt."""
+        moved = self.store.compact_int4(self.req).cells_moved
+        self.compacted += moved
+        if page is not None and not moved:
+            if self.index.advance(self.req.slot_map, self.store.layout, *page):
+                return
         self.index = DecodeIndex.build(
             self.req.slot_map, self.store.layout, self.room, self.store.pool.device
         )

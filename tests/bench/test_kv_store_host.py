@@ -20,3 +20,5 @@ def test_every_move_is_timed_per_cell() -> None:
     assert len(row["page_ms"]) == 3 and row["page_ms_median"] > 0
     assert row["demote_ns_per_cell"] > 0 and row["evict_ns_per_evicted_cell"] > 0
     assert row["cells_moved"] > 0 and row["compact_ns_per_moved_cell"] > 0
+    # the index followed every page in place and holds what a rebuild holds
+    assert None not in row["index_advance_ms"] and row["index_advance_matches_build"] is True

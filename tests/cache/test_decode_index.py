@@ -187,3 +187,101 @@ def test_kernels_over_a_cuda_stores_pools_equal_the_reference():
         err = float((out - ref).norm() / ref.norm())
         assert err < 1e-3, (layer, err)
     st.finish_request(req, cache=False)
+
+
+def _segments(idx, layout):
+    """Per column: (INT2 entries, sorted INT4 cells, full cells in order), lengths."""
+    out = []
+    L_, H_, _ = idx.slot_map.shape
+    for layer in range(L_):
+        for h in range(H_):
+            n = int(idx.seq_lens[layer, h])
+            n2, n4 = int(idx.int2_lens[layer, h]), int(idx.int4_lens[layer, h])
+            row = idx.slot_map[layer, h, :n].long()
+            out.append(
+                (row[:n2].tolist(), sorted(row[n2 : n2 + n4].tolist()), row[n2 + n4 :].tolist())
+            )
+    return out
+
+
+def _advance_setup(n=150, cut=64, keep=None):
+    st = KVStore(L, H, D, num_slots=512)
+    req = st.begin_request(None, [i % 50 + 1 for i in range(n)])
+    fill(st, req, st.extend(req))
+    if keep is not None:
+        st.evict_per_head(req, keep)
+    st.set_precision(req, torch.full((cut,), P4, dtype=torch.int8))
+    return st, req
+
+
+@pytest.mark.parametrize("holes", [False, True])
+def test_advance_follows_decode_time_pages_as_a_rebuild_would(holes):
+    """A decode-time INT4 page, followed in place (``advance``), gives the index a rebuild
+    gives (segments as sets, lengths, and the reference decode over it), page after page
+    with decode steps between, per-head holes in the pages included; the bounds stay upper
+    bounds."""
+    g = torch.Generator().manual_seed(2)
+    keep = torch.rand(L, H, 150, generator=g) > 0.3 if holes else None
+    st, req = _advance_setup(keep=keep)
+    idx = DecodeIndex.build(req.slot_map, st.layout, room=40, device="cpu")
+    start, t = 64, 150
+    for step in range(3):
+        page = torch.full((32,), P4, dtype=torch.int8)
+        st.set_precision(req, page, int2_leftover="full", start=start)
+        assert idx.advance(req.slot_map, st.layout, start, start + 32)
+        ref = DecodeIndex.build(req.slot_map, st.layout, room=40, device="cpu")
+        assert _segments(idx, st.layout) == _segments(ref, st.layout)
+        assert torch.equal(idx.seq_lens, ref.seq_lens)
+        assert idx.max_lens.int4 >= int(idx.int4_lens.max())
+        assert idx.max_lens.full >= int((idx.seq_lens - idx.int4_lens - idx.int2_lens).max())
+        for layer in range(L):
+            q = torch.randn(H * G, D, generator=g)
+            got = decode_attention_ref(
+                q[None], st.pool.layers[layer], idx.slot_map[layer][None], idx.seq_lens[layer][None]
+            )
+            torch.testing.assert_close(
+                got[0], dense_attention(st, req, layer, q), atol=1e-5, rtol=1e-5
+            )
+        start += 32
+        for _ in range(5 + step):  # decode steps between pages
+            cells = st.extend(req, [t % 50 + 1])
+            fill(st, req, cells)
+            idx.append(cells)
+            t += 1
+    st.finish_request(req, cache=False)
+
+
+def test_advance_refuses_what_it_cannot_follow_and_leaves_the_index():
+    """Full cells before the window, a window cell still full precision (a partial page) or
+    in an INT2 page: False, the index unchanged (the caller rebuilds)."""
+    cases = []
+    st, req = _advance_setup()
+    prec = torch.full((L, H, 32), P4, dtype=torch.int8)
+    prec[0, 1, 5] = 16  # one column keeps a window cell at full precision
+    cases.append((st, req, lambda s, r: s.set_precision(r, prec, start=64)))
+    st, req = _advance_setup()
+    cases.append(
+        (
+            st,
+            req,
+            lambda s, r: s.set_precision(r, torch.full((32,), P2, dtype=torch.int8), start=64),
+        )
+    )
+    st, req = _advance_setup(cut=60)  # positions 60-63 stay full, before the window
+    cases.append(
+        (
+            st,
+            req,
+            lambda s, r: s.set_precision(r, torch.full((32,), P4, dtype=torch.int8), start=64),
+        )
+    )
+    for st, req, demote in cases:
+        idx = DecodeIndex.build(req.slot_map, st.layout, room=8, device="cpu")
+        before = [t.clone() for t in (idx.slot_map, idx.seq_lens, idx.int2_lens, idx.int4_lens)]
+        bounds = idx.max_lens
+        demote(st, req)
+        assert not idx.advance(req.slot_map, st.layout, 64, 96)
+        after = (idx.slot_map, idx.seq_lens, idx.int2_lens, idx.int4_lens)
+        assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+        assert idx.max_lens == bounds
+        st.finish_request(req, cache=False)

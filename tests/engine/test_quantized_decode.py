@@ -43,13 +43,29 @@ def _decode(engine, policy, path: str, n: int, messages=MESSAGES):
 
 @pytest.mark.parametrize(
     ("policy", "steps"),
-    [(UniformQuant(bits=2, residual=16), 40), (H2O(budget=48, recent=8), 12)],
-    ids=["uniform_quant2", "h2o48"],
+    [
+        (UniformQuant(bits=2, residual=16), 40),
+        (UniformQuant(bits=4, residual=16), 40),
+        (H2O(budget=48, recent=8), 12),
+    ],
+    ids=["uniform_quant2", "uniform_quant4", "h2o48"],
 )
-def test_reference_decode_matches_dense_path(engine, policy, steps):
+def test_reference_decode_matches_dense_path(engine, policy, steps, monkeypatch):
     """UniformQuant, 40 decode steps: the residual window (16) fills and pages of 32 quantize
-    during decode; H2O (holes from its prefill plan, nothing changes during decode), 12 steps
-    over the holes. Both paths read the same dequantized values and pick the same tokens."""
+    during decode (INT4 pages: the kernels' index follows them in place, ``advance``; INT2
+    pages: rebuilt); H2O (holes from its prefill plan, nothing changes during decode), 12
+    steps over the holes. Both paths read the same dequantized values and pick the same
+    tokens."""
+    from agentkv.cache import DecodeIndex
+
+    advanced = []
+    follow = DecodeIndex.advance
+
+    def spy(self, *args):
+        advanced.append(follow(self, *args))
+        return advanced[-1]
+
+    monkeypatch.setattr(DecodeIndex, "advance", spy)
     dense = _decode(engine, policy, "dense", steps)
     ref = _decode(engine, policy, "reference", steps)
     assert ref.token_ids == dense.token_ids
@@ -59,8 +75,9 @@ def test_reference_decode_matches_dense_path(engine, policy, steps):
         shape = engine.shape
         prompt_q = (u.prompt_tokens - 16) * shape.num_layers * shape.num_kv_heads
         assert u.quantized_entries > prompt_q
-        assert u.resident_kv_bytes_by_precision["int2"] > 0
+        assert u.resident_kv_bytes_by_precision[f"int{policy.bits}"] > 0
         assert u.resident_kv_bytes < 0.5 * u.live_kv_bytes
+        assert advanced == [policy.bits == 4]  # one page in 40 steps, followed in place at INT4
     else:
         assert u.resident_kv_bytes <= 1.1 * u.live_kv_bytes
         assert u.evicted_entries > 0
