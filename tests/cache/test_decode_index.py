@@ -155,9 +155,10 @@ def test_vectorized_build_matches_the_column_by_column_index(seed):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_kernels_over_a_cuda_stores_pools_equal_the_reference():
     """On the GPU, a store's own pools (stacked over layers, fp16) after a bulk INT4
-    demotion, INT2 pages, decode-time INT4 pages on a window, per-head eviction and INT4
-    compaction: the fused decode kernels over its index equal the torch reference on the
-    same quantized values (the issue's bound, 1e-3 relative), every layer."""
+    demotion, INT2 pages, decode-time INT4 pages on a window (the index following them in
+    place reads what a rebuilt one does), per-head eviction and INT4 compaction: the fused
+    decode kernels over its index equal the torch reference on the same quantized values
+    (the issue's bound, 1e-3 relative), every layer."""
     from agentkv.kernels import decode_attention
 
     Lg, Hg, Dg, Gg, n = 3, 8, 128, 4, 2048
@@ -171,9 +172,24 @@ def test_kernels_over_a_cuda_stores_pools_equal_the_reference():
     prec = torch.full((Lg, 1, n - 256), P4, dtype=torch.int8)
     prec[1, :, :1024] = P2  # layer 1: INT2 pages, then INT4
     st.set_precision(req, prec)
-    for p in range(4):  # the engine's decode-time pages
+    followed = DecodeIndex.build(req.slot_map, st.layout, 8, "cuda")
+    for p in range(4):  # the engine's decode-time pages, the index following them in place
         page = torch.full((32,), P4, dtype=torch.int8)
-        st.set_precision(req, page, int2_leftover="full", start=n - 256 + 32 * p)
+        start = n - 256 + 32 * p
+        st.set_precision(req, page, int2_leftover="full", start=start)
+        assert followed.advance(req.slot_map, st.layout, start, start + 32)
+    rebuilt = DecodeIndex.build(req.slot_map, st.layout, 8, "cuda")
+    for layer in range(Lg):  # the same cells: the same attention, within summation order
+        q = torch.randn(1, Hg * Gg, Dg, generator=g).to("cuda", torch.float16)
+        out = [
+            decode_attention(
+                q, st.pool.layers[layer], ix.slot_map[layer][None], ix.seq_lens[layer][None],
+                int2_lens=ix.int2_lens[layer][None], int4_lens=ix.int4_lens[layer][None],
+                max_lens=ix.max_lens,
+            ).float()
+            for ix in (followed, rebuilt)
+        ]  # fmt: skip
+        assert float((out[0] - out[1]).norm() / out[1].norm()) < 1e-3
     st.evict_per_head(req, torch.rand(Lg, Hg, n, generator=g) < 0.6)
     assert st.compact_int4(req).cells_moved > 0
     st.check_invariants()
