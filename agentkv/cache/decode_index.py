@@ -94,43 +94,76 @@ class DecodeIndex:
         )
 
     def advance(self, slot_map: SlotMap, layout: PoolLayout, start: int, end: int) -> bool:
-        """Follow a decode-time INT4 page in place instead of a rebuild: positions ``start ..
+        """Follow a decode-time page in place instead of a rebuild: positions ``start ..
         end - 1`` of ``slot_map`` were full precision in this index (built or advanced from
-        it, decode steps appended since) and have just been demoted to INT4, nothing else
-        changed. Each column's window cells then head its full segment (positions before the
-        window hold none: the condition checked), so the page's INT4 ids overwrite those
-        entries and the INT4 segment grows over them: ``O(page)`` host work. Returns False,
-        changing nothing, where that does not hold (a window cell still full precision or in
-        an INT2 page, a quantized cell after the window, full cells before it): rebuild."""
+        it, decode steps appended since) and have just been demoted, all to INT4 or all to
+        whole INT2 pages, nothing else changed. Each column's window cells then head its
+        full segment (positions before the window hold none: checked), so they leave it: INT4
+        ids overwrite those entries and the INT4 segment grows over them (``O(page)``); INT2
+        pages join the INT2 segment's end in aligned blocks and the INT4 segment shifts past
+        them on the index's device (``O(columns x length)`` there, ``O(page)`` on the host).
+        Returns False, changing nothing, where that does not hold (a window cell still full
+        precision, INT4 and INT2 mixed, a page not whole, a quantized cell after the window,
+        full cells before it): rebuild."""
         s = slot_map.slots
         if end <= start or end > s.shape[1]:
             return False
         win, tail = s[:, start:end], s[:, end:]
         live = win != DEAD
-        is4 = (win >= layout.int4_base) & (win < layout.int2_base)
+        is2 = win >= layout.int2_base
+        is4 = (win >= layout.int4_base) & ~is2
         tail_live = tail != DEAD
-        if bool((live & ~is4).any()) or bool((tail_live & (tail >= layout.int4_base)).any()):
+        if bool((live & ~(is4 | is2)).any()) or bool(
+            (tail_live & (tail >= layout.int4_base)).any()
+        ):
             return False
+        to2 = bool(is2.any())
+        if to2 and bool(is4.any()):
+            return False
+        moved = is2 if to2 else is4
+        k = moved.sum(dim=1)  # [C] window cells per column, now quantized
+        cols, pos = torch.nonzero(moved, as_tuple=True)  # per column, in position order
+        rank = torch.arange(cols.numel()) - (torch.cumsum(k, 0) - k)[cols]
+        cells = win[cols, pos]
+        if to2:  # whole pages: each block of 32 is one page's rows, in order
+            row, off = cells - layout.int2_base, rank % INT2_PAGE
+            page = torch.div(row, INT2_PAGE, rounding_mode="floor")
+            first = torch.arange(cells.numel()) - off  # the block's first cell
+            whole = (row % INT2_PAGE == off) & (page == page[first])
+            if not bool((k % INT2_PAGE == 0).all()) or not bool(whole.all()):
+                return False
         L, H, cap = self.slot_map.shape
         dev = self.slot_map.device
-        k = is4.sum(dim=1)  # [C] window cells per column, now INT4
         n2, n4 = self.int2_lens.reshape(-1), self.int4_lens.reshape(-1)
         before = self.seq_lens.reshape(-1) - n2 - n4 - (k + tail_live.sum(dim=1)).to(dev)
         head = (n2 + n4).long()
-        # the entries overwritten: full cells, and no full cells before the window
+        rows = self.slot_map.view(L * H, cap)
+        # the entries that leave the full segment are full cells, none before the window
         at = torch.arange(end - start, device=dev)[None, :]
-        old = self.slot_map.view(L * H, cap).gather(1, (head[:, None] + at).clamp_max(cap - 1))
+        old = rows.gather(1, (head[:, None] + at).clamp_max(cap - 1))
         mine = at < k.to(dev)[:, None]
         bad = (mine & ((old == DEAD) | (old >= layout.int4_base))).any() | (before != 0).any()
         if bool(bad):
             return False
-        cols, pos = torch.nonzero(is4, as_tuple=True)  # per column, in position order
-        rank = torch.arange(cols.numel()) - (torch.cumsum(k, 0) - k)[cols]
-        dst = cols.to(dev) * cap + head[cols.to(dev)] + rank.to(dev)
-        self.slot_map.view(-1)[dst] = win[cols, pos].to(dev, torch.int32)
-        self.int4_lens += k.view(L, H).to(dev, torch.int32)
-        b = self.max_lens  # (upper bounds still: each column's INT4 grew by k, its full fell by k)
-        self.max_lens = SegmentMaxLens(b.int2, b.int4 + int(k.max()), b.full - int(k.min()))
+        kd = k.to(dev)
+        if to2:  # the INT4 segment moves k entries on, over the full entries that left
+            j = torch.arange(cap, device=dev)[None, :]
+            n2c = n2.long()[:, None]
+            shift = (j >= n2c + kd[:, None]) & (j < head[:, None] + kd[:, None])
+            rows.copy_(rows.gather(1, torch.where(shift, j - kd[:, None], j)))
+            at_seg, lens = n2.long(), self.int2_lens
+        else:
+            at_seg, lens = head, self.int4_lens
+        dst = cols.to(dev) * cap + at_seg[cols.to(dev)] + rank.to(dev)
+        rows.view(-1)[dst] = cells.to(dev, torch.int32)
+        lens += k.view(L, H).to(dev, torch.int32)
+        b = self.max_lens  # (upper bounds still: a segment grew by k, the full one fell by k)
+        grow, fall = int(k.max()), int(k.min())
+        self.max_lens = (
+            SegmentMaxLens(b.int2 + grow, b.int4, b.full - fall)
+            if to2
+            else SegmentMaxLens(b.int2, b.int4 + grow, b.full - fall)
+        )
         return True
 
     def append(self, cells: torch.Tensor) -> None:

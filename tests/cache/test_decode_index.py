@@ -230,24 +230,32 @@ def _advance_setup(n=150, cut=64, keep=None):
     return st, req
 
 
-@pytest.mark.parametrize("holes", [False, True])
-def test_advance_follows_decode_time_pages_as_a_rebuild_would(holes):
-    """A decode-time INT4 page, followed in place (``advance``), gives the index a rebuild
-    gives (segments as sets, lengths, and the reference decode over it), page after page
-    with decode steps between, per-head holes in the pages included; the bounds stay upper
+@pytest.mark.parametrize(
+    ("precision", "holes"),
+    [(P4, False), (P4, True), (P2, False)],
+    ids=["int4", "int4-holes", "int2"],
+)
+def test_advance_follows_decode_time_pages_as_a_rebuild_would(precision, holes):
+    """A decode-time page (INT4; INT2: whole pages joining the INT2 segment, the INT4 one
+    shifting past them), followed in place (``advance``), gives the index a rebuild gives
+    (segments as sets, lengths, and the reference decode over it), page after page with
+    decode steps between, per-head holes in INT4 pages included; the bounds stay upper
     bounds."""
     g = torch.Generator().manual_seed(2)
-    keep = torch.rand(L, H, 150, generator=g) > 0.3 if holes else None
-    st, req = _advance_setup(keep=keep)
+    keep = torch.rand(L, H, 220, generator=g) > 0.3 if holes else None
+    st, req = _advance_setup(n=220, keep=keep)
+    if precision == P2:  # INT2 pages from the plan too (the INT2 segment is not empty)
+        st.set_precision(req, torch.full((32,), P2, dtype=torch.int8), start=64)
     idx = DecodeIndex.build(req.slot_map, st.layout, room=40, device="cpu")
-    start, t = 64, 150
+    start, t = 96 if precision == P2 else 64, 220
     for step in range(3):
-        page = torch.full((32,), P4, dtype=torch.int8)
+        page = torch.full((32,), precision, dtype=torch.int8)
         st.set_precision(req, page, int2_leftover="full", start=start)
         assert idx.advance(req.slot_map, st.layout, start, start + 32)
         ref = DecodeIndex.build(req.slot_map, st.layout, room=40, device="cpu")
         assert _segments(idx, st.layout) == _segments(ref, st.layout)
         assert torch.equal(idx.seq_lens, ref.seq_lens)
+        assert idx.max_lens.int2 >= int(idx.int2_lens.max())
         assert idx.max_lens.int4 >= int(idx.int4_lens.max())
         assert idx.max_lens.full >= int((idx.seq_lens - idx.int4_lens - idx.int2_lens).max())
         for layer in range(L):
@@ -255,9 +263,8 @@ def test_advance_follows_decode_time_pages_as_a_rebuild_would(holes):
             got = decode_attention_ref(
                 q[None], st.pool.layers[layer], idx.slot_map[layer][None], idx.seq_lens[layer][None]
             )
-            torch.testing.assert_close(
-                got[0], dense_attention(st, req, layer, q), atol=1e-5, rtol=1e-5
-            )
+            want = dense_attention(st, req, layer, q)
+            torch.testing.assert_close(got[0], want, atol=1e-5, rtol=1e-5)
         start += 32
         for _ in range(5 + step):  # decode steps between pages
             cells = st.extend(req, [t % 50 + 1])
@@ -268,34 +275,27 @@ def test_advance_follows_decode_time_pages_as_a_rebuild_would(holes):
 
 
 def test_advance_refuses_what_it_cannot_follow_and_leaves_the_index():
-    """Full cells before the window, a window cell still full precision (a partial page) or
-    in an INT2 page: False, the index unchanged (the caller rebuilds)."""
-    cases = []
-    st, req = _advance_setup()
-    prec = torch.full((L, H, 32), P4, dtype=torch.int8)
-    prec[0, 1, 5] = 16  # one column keeps a window cell at full precision
-    cases.append((st, req, lambda s, r: s.set_precision(r, prec, start=64)))
-    st, req = _advance_setup()
-    cases.append(
-        (
-            st,
-            req,
-            lambda s, r: s.set_precision(r, torch.full((32,), P2, dtype=torch.int8), start=64),
-        )
-    )
-    st, req = _advance_setup(cut=60)  # positions 60-63 stay full, before the window
-    cases.append(
-        (
-            st,
-            req,
-            lambda s, r: s.set_precision(r, torch.full((32,), P4, dtype=torch.int8), start=64),
-        )
-    )
-    for st, req, demote in cases:
+    """A window cell still full precision (a partial page; an INT2 page's leftovers), INT4
+    and INT2 in one window, full cells before the window: False, the index unchanged (the
+    caller rebuilds)."""
+    p4 = torch.full((32,), P4, dtype=torch.int8)
+    partial = torch.full((L, H, 32), P4, dtype=torch.int8)
+    partial[0, 1, 5] = 16  # one column keeps a window cell at full precision
+    mixed = torch.full((L, H, 32), P2, dtype=torch.int8)
+    mixed[1] = P4  # layer 1 to INT4, layer 0 to INT2 pages
+    hole = torch.ones(L, H, 150, dtype=torch.bool)
+    hole[1, 0, 70] = False  # that column's 31 cells do not fill an INT2 page: they stay full
+    cases = [
+        (_advance_setup(), partial, "int4"),
+        (_advance_setup(keep=hole), torch.full((32,), P2, dtype=torch.int8), "full"),
+        (_advance_setup(), mixed, "int4"),
+        (_advance_setup(cut=60), p4, "int4"),  # positions 60-63 stay full, before the window
+    ]
+    for (st, req), prec, leftover in cases:
         idx = DecodeIndex.build(req.slot_map, st.layout, room=8, device="cpu")
         before = [t.clone() for t in (idx.slot_map, idx.seq_lens, idx.int2_lens, idx.int4_lens)]
         bounds = idx.max_lens
-        demote(st, req)
+        st.set_precision(req, prec, int2_leftover=leftover, start=64)
         assert not idx.advance(req.slot_map, st.layout, 64, 96)
         after = (idx.slot_map, idx.seq_lens, idx.int2_lens, idx.int4_lens)
         assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
