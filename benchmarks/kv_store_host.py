@@ -53,7 +53,9 @@ def _timed(device: torch.device, fn, *args):
 def _same_cells(a: DecodeIndex, b: DecodeIndex) -> bool:
     """Equal lengths, and per column the same cells in each segment (an index followed in
     place lists a page's INT4 cells in position order, a rebuild in row order)."""
-    if not all(torch.equal(getattr(a, f), getattr(b, f)) for f in ("seq_lens", "int4_lens")):
+    if not all(
+        torch.equal(getattr(a, f), getattr(b, f)) for f in ("seq_lens", "int2_lens", "int4_lens")
+    ):
         return False
 
     def cells(ix: DecodeIndex) -> torch.Tensor:  # per column, (segment, cell) keys sorted
