@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import itertools
 import json
 import os
 import pstats
@@ -90,16 +91,17 @@ def run(args) -> list[dict]:
     msgs = prompt_messages(tok, args.prompt)
     policies = {"bf16": FullCache(), "int4": UniformQuant(bits=4), "int2": UniformQuant(bits=2)}
     sync = torch.cuda.synchronize if cuda else (lambda: None)
+    sessions = itertools.count()
     rows = []
     for path in args.paths.split(","):
         engine = Engine(
             lm, tokenizer=tok, kv_slots=args.prompt + args.steps + 4096, decode_attention=path
         )
         for mode in args.modes.split(","):
-            calls = iter(range(10**6))
 
-            def decode(n: int, engine=engine, path=path, mode=mode, calls=calls):
-                payload = build_payload(msgs, policies[mode], f"{path}-{mode}-{next(calls)}")
+            def decode(n: int, engine=engine, policy=policies[mode]):
+                # (a session of its own each time: nothing reused from the previous decode)
+                payload = build_payload(msgs, policy, f"s{next(sessions)}")
                 gen = GenerationConfig(max_tokens=n, ignore_eos=True)
                 sync()
                 t = time.perf_counter()

@@ -145,20 +145,30 @@ class Int4Pool:
         else the rows of a slot's heads are adjacent (``[num_slots, Hkv, ...]`` storage).
         The kernels read both (:meth:`row_map`)."""
         check_head_dim(head_dim)
-        ng = head_dim // GROUP_SIZE
+        rows = (num_kv_heads, num_slots) if head_major else (num_slots, num_kv_heads)
 
-        def buffer(*inner: int, dtype: torch.dtype) -> torch.Tensor:
-            if head_major:
-                t = torch.zeros(num_kv_heads, num_slots, *inner, dtype=dtype, device=device)
-                return t.transpose(0, 1)
-            return torch.zeros(num_slots, num_kv_heads, *inner, dtype=dtype, device=device)
+        def zeros(*inner: int, dtype: torch.dtype) -> torch.Tensor:
+            return torch.zeros(*rows, *inner, dtype=dtype, device=device)
 
-        scales = buffer(4, ng, dtype=SCALE_DTYPE)
-        return cls(
-            buffer(head_dim // 2, dtype=torch.uint8),
-            buffer(head_dim // 2, dtype=torch.uint8),
-            *scales.unbind(2),
+        codes = (head_dim // 2,)
+        return cls.from_buffers(
+            zeros(*codes, dtype=torch.uint8),
+            zeros(*codes, dtype=torch.uint8),
+            zeros(4, head_dim // GROUP_SIZE, dtype=SCALE_DTYPE),
+            head_major,
         )
+
+    @classmethod
+    def from_buffers(
+        cls, k: torch.Tensor, v: torch.Tensor, scales: torch.Tensor, head_major: bool
+    ) -> Int4Pool:
+        """The pool over storage it does not own: codes ``k``, ``v`` ``[.., .., D / 2]`` and
+        ``scales`` ``[.., .., 4, D / 32]`` (each row's ``[ks | kz | vs | vz]`` side by side),
+        laid ``[Hkv, num_slots, ...]`` when ``head_major`` (the fields are their
+        ``[num_slots, Hkv, ...]`` views), else ``[num_slots, Hkv, ...]``."""
+        if head_major:
+            k, v, scales = k.transpose(0, 1), v.transpose(0, 1), scales.transpose(0, 1)
+        return cls(k, v, *scales.unbind(2))
 
     def row_map(self) -> Int4RowMap:
         """Where each (slot, head) row lies in the pool's buffers (see :class:`Int4RowMap`):

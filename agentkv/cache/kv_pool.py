@@ -111,15 +111,13 @@ class PoolStack:
 
     def layer(self, layer: int) -> KVPools:
         """Layer ``layer``'s pools, views of the stacked buffers (the INT4 pool head-major,
-        its four scale vectors interleaved, as :meth:`Int4Pool.allocate` lays them)."""
+        its four scale vectors interleaved: :meth:`Int4Pool.from_buffers`, as
+        ``Int4Pool.allocate(head_major=True)`` lays it)."""
         full = FullPool(self.full_k[layer], self.full_v[layer])
         int4 = int2 = None
         if self.int4_k is not None:
-            scales = self.int4_scales[layer].transpose(0, 1)  # [S4, Hkv, 4, ng]
-            int4 = Int4Pool(
-                self.int4_k[layer].transpose(0, 1),
-                self.int4_v[layer].transpose(0, 1),
-                *scales.unbind(2),
+            int4 = Int4Pool.from_buffers(
+                self.int4_k[layer], self.int4_v[layer], self.int4_scales[layer], head_major=True
             )
         if self.int2_k is not None:
             int2 = Int2Pool(

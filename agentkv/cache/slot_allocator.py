@@ -43,7 +43,7 @@ class SlotRefcountError(RuntimeError):
     or a cell id out of range."""
 
 
-def stable_order(keys: torch.Tensor) -> torch.Tensor | None:
+def _stable_order(keys: torch.Tensor) -> torch.Tensor | None:
     """``torch.argsort(keys, stable=True)``, or None when ``keys`` (int64 ``[m]``) are
     already non-decreasing: cells listed column by column (a demotion's, from ``nonzero``
     over the map) need no sort, and the check is one O(m) pass instead of an O(m log m)
@@ -51,6 +51,23 @@ def stable_order(keys: torch.Tensor) -> torch.Tensor | None:
     if keys.numel() < 2 or bool((keys[1:] >= keys[:-1]).all()):
         return None
     return torch.argsort(keys, stable=True)
+
+
+def grouped(cols: torch.Tensor, *values: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``(cols, *values)`` stably sorted by column (as given when already grouped)."""
+    order = _stable_order(cols)
+    return (cols, *values) if order is None else (cols[order], *(v[order] for v in values))
+
+
+def in_entry_order(cols: torch.Tensor, by_column: torch.Tensor) -> torch.Tensor:
+    """``by_column`` (one value per entry of ``cols``, grouped by column, each column's in
+    the order of its entries) put back in the order of ``cols``' entries."""
+    order = _stable_order(cols)
+    if order is None:
+        return by_column
+    out = torch.empty_like(by_column)
+    out[order] = by_column
+    return out
 
 
 @dataclass(frozen=True)
@@ -209,9 +226,7 @@ class _FreeStacks:
         self.top[cols] = t2
 
     def push(self, cols: torch.Tensor, ids: torch.Tensor) -> None:
-        order = stable_order(cols)
-        if order is not None:
-            cols, ids = cols[order], ids[order]
+        cols, ids = grouped(cols, ids)
         counts = torch.bincount(cols, minlength=self.top.numel())
         first = torch.cumsum(counts, 0) - counts
         offs = torch.arange(int(cols.numel())) - torch.repeat_interleave(first, counts)
@@ -316,23 +331,14 @@ class SlotAllocator:
             [asking[fits].repeat_interleave(k[fits]), asking[~fits].repeat_interleave(k[~fits])]
         )
         taken = torch.cat(parts) if parts else bulk_cols  # (empty without bulk columns)
-        order = stable_order(bulk_cols)  # (grouped by column, as asking is)
-        if order is not None:
-            bulk_cols, taken = bulk_cols[order], taken[order]
+        bulk_cols, taken = grouped(bulk_cols, taken)  # (by column, as asking is)
         self._count_pairs(bulk_cols, taken, 1)  # (remove_held tells them by their counts)
         stacks.remove_held(asking, bulk_cols, taken)
         got_cols, ids = stacks.pop(torch.where(bulk, 0, counts))
         self._count_pairs(got_cols, ids, 1)
         if taken.numel():  # every column's ids, grouped by column (as pop groups them)
-            both, ids = torch.cat([bulk_cols, got_cols]), torch.cat([taken, ids])
-            order = stable_order(both)
-            got_cols, ids = (both, ids) if order is None else (both[order], ids[order])
-        order = stable_order(cols)
-        if order is None:  # (cols grouped already: each column's ids in its entries' order)
-            return ids
-        out = torch.empty_like(cols)
-        out[order] = ids
-        return out
+            got_cols, ids = grouped(torch.cat([bulk_cols, got_cols]), torch.cat([taken, ids]))
+        return in_entry_order(cols, ids)
 
     def compact_int4(
         self, cols: torch.Tensor, ids: torch.Tensor, min_density: float
@@ -425,13 +431,11 @@ class SlotAllocator:
         row with one reference."""
         counts = torch.bincount(cols, minlength=self.num_columns)
         got_cols, pages = self._free[Precision.INT2].pop(counts)
-        order = stable_order(cols)
-        if order is None:
-            out_pages = pages
-        else:
-            out_pages = torch.empty_like(cols)
-            out_pages[order] = pages
-        rows = self.layout.int2_base + out_pages[:, None] * INT2_PAGE + torch.arange(INT2_PAGE)
+        rows = (
+            self.layout.int2_base
+            + in_entry_order(cols, pages)[:, None] * INT2_PAGE
+            + torch.arange(INT2_PAGE)
+        )
         self._count_pairs(cols[:, None].expand_as(rows).reshape(-1), rows.reshape(-1), 1)
         return rows
 

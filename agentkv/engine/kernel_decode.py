@@ -45,9 +45,9 @@ class KernelDecode:
         (:meth:`DecodeIndex.advance`, ``O(page)``), else it is rebuilt."""
         moved = self.store.compact_int4(self.req).cells_moved
         self.compacted += moved
-        if page is not None and not moved:
-            if self.index.advance(self.req.slot_map, self.store.layout, *page):
-                return
+        follow = page is not None and not moved
+        if follow and self.index.advance(self.req.slot_map, self.store.layout, *page):
+            return
         self.index = DecodeIndex.build(
             self.req.slot_map, self.store.layout, self.room, self.store.pool.device
         )
