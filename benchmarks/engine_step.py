@@ -4,8 +4,9 @@ download): where a step's time goes once the KV is quantized, and what a cold st
 A causal LM is built from the default model's config (SmolLM2-135M, its tokenizer too) at
 ``--shape`` (``smollm2``; ``8b``: Llama-3-8B's layers, heads and widths; or
 ``layers,q_heads,kv_heads,head_dim,hidden,intermediate``), random weights, and handed to
-``Engine(model, tokenizer=)``. For each decode path (``kernels``: the fused kernels over the
-pools, ``dense``: gathered view + SDPA, ``reference``: the kernels' torch reference) and KV
+``Engine(model, tokenizer=)``. For each decode path (``graphs``: the fused kernels over the
+pools, each step replayed from a CUDA graph; ``kernels``: the same kernels launched eagerly;
+``dense``: gathered view + SDPA; ``reference``: the kernels' torch reference) and KV
 mode (``bf16`` FullCache, ``int4`` / ``int2`` UniformQuant, whose decode-time pages quantize
 every 32 steps), a prompt of ``--prompt`` tokens is decoded for ``--steps`` greedy steps
 (end of turn ignored) twice in one process: the first long decode pays any kernel compile
@@ -95,7 +96,11 @@ def run(args) -> list[dict]:
     rows = []
     for path in args.paths.split(","):
         engine = Engine(
-            lm, tokenizer=tok, kv_slots=args.prompt + args.steps + 4096, decode_attention=path
+            lm,
+            tokenizer=tok,
+            kv_slots=args.prompt + args.steps + 4096,
+            decode_attention="kernels" if path == "graphs" else path,
+            cuda_graphs=path == "graphs",
         )
         for mode in args.modes.split(","):
 
@@ -129,6 +134,9 @@ def run(args) -> list[dict]:
                 "prefill_s": t1,
                 "resident_kv_mib": res.usage.resident_kv_bytes / 2**20,
             }
+            if engine.decode_graph is not None:
+                g = engine.decode_graph
+                row.update(captures=g.captures, replays=g.replays, graph_failed=g.failed)
             if mode == args.profile:
                 prof = cProfile.Profile()
                 prof.enable()
@@ -155,7 +163,11 @@ def main() -> None:
     )
     ap.add_argument("--prompt", type=int, default=4096, help="prompt tokens (about)")
     ap.add_argument("--steps", type=int, default=96)
-    ap.add_argument("--paths", default="kernels,dense", help="kernels, dense, reference")
+    ap.add_argument(
+        "--paths",
+        default="graphs,kernels,dense" if torch.cuda.is_available() else "kernels,dense",
+        help="graphs (CUDA), kernels, dense, reference",
+    )
     ap.add_argument("--modes", default="bf16,int4,int2")
     ap.add_argument("--profile", default=None, help="a mode to profile (cProfile)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

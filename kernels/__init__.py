@@ -25,6 +25,7 @@ from .decode_attention import (
     SegmentMaxLens,
     clear_decode_plans,
     decode_attention,
+    held_decode_plans,
     plan_split_len,
     validate_decode_inputs,
 )
@@ -69,6 +70,7 @@ __all__ = [
     "SegmentMaxLens",
     "check_head_dim",
     "clear_decode_plans",
+    "held_decode_plans",
     "decode_attention",
     "decode_attention_ref",
     "dequant_gather",

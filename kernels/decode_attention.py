@@ -2789,6 +2789,12 @@ _PLANS: dict[tuple, DecodePlan] = {}
 _MAX_PLANS = 512
 
 
+def held_decode_plans() -> list[DecodePlan]:
+    """Every remembered :class:`DecodePlan`: a CUDA graph that captured their launches holds
+    these (their scratch buffers must outlive it, even once the oldest leave the cache)."""
+    return list(_PLANS.values())
+
+
 def clear_decode_plans() -> None:
     """Forget every remembered :class:`DecodePlan` (e.g. after changing what planning reads
     from outside its inputs, as tests that stand in for a GPU do)."""

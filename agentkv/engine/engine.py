@@ -30,6 +30,7 @@ from agentkv.annotation import MessageAnnotation, annotate_messages
 from agentkv.cache import KVStore, OutOfSlots, Precision, RequestKV
 from agentkv.engine.calibration import CALIBRATION_MESSAGES
 from agentkv.engine.chat_template import ChatRenderer
+from agentkv.engine.decode_graph import DecodeGraph
 from agentkv.engine.decode_pruning import DecodePruning
 from agentkv.engine.kernel_decode import KernelDecode
 from agentkv.engine.model_loader import load_model, prepare_model
@@ -238,6 +239,9 @@ class Engine:
         int4_compaction: before the kernels' decode, move INT4 cells that eviction left in
             32-cell runs filled below this fraction into whole runs
             (:meth:`KVStore.compact_int4`; 0, the default: never; e.g. 0.75).
+        cuda_graphs: replay the kernels' decode steps from a CUDA graph (captured once per
+            decode-index epoch, :class:`DecodeGraph`); default: on where decode runs on the
+            kernels on CUDA. Steps of a method that prunes during decode run eagerly.
     """
 
     def __init__(
@@ -253,6 +257,7 @@ class Engine:
         key_channel_scales: str = "none",
         int4_compaction: float = 0.0,
         tokenizer: Any = None,
+        cuda_graphs: bool | None = None,
     ):
         if isinstance(model, torch.nn.Module):
             if tokenizer is None:
@@ -300,6 +305,20 @@ class Engine:
                 f"decode_attention must be kernels|dense|reference, got {decode_attention!r}"
             )
         self.decode_attention = decode_attention
+        graphs_possible = decode_attention == "kernels" and self.device.type == "cuda"
+        if cuda_graphs and not graphs_possible:
+            raise ValueError(
+                "cuda_graphs needs decode_attention='kernels' on a CUDA device "
+                f"(got {decode_attention!r} on {self.device.type})"
+            )
+        #: the decode step's CUDA graph (None: steps run eagerly)
+        self.decode_graph = (
+            DecodeGraph(
+                self._graph_forward, self.shape.num_layers * self.shape.num_kv_heads, self.device
+            )
+            if graphs_possible and cuda_graphs is not False
+            else None
+        )
         self.methods = MethodSet(self.shape)
         self.renderer = ChatRenderer(self.tokenizer)
         self.chunk_size = chunk_size
@@ -626,10 +645,18 @@ class Engine:
             )
 
     def _forward(
-        self, ids: Sequence[int], positions: torch.Tensor, cache: StoreCache, keep: int
+        self,
+        ids: Sequence[int] | torch.Tensor,
+        positions: torch.Tensor,
+        cache: StoreCache,
+        keep: int,
     ) -> torch.Tensor:
-        """Run the model over ``ids`` at ``positions``; float32 logits ``[keep, V]``."""
-        input_ids = torch.tensor([list(ids)], device=self.device)
+        """Run the model over ``ids`` (a list, or int64 ``[1, n]`` on the device) at
+        ``positions``; float32 logits ``[keep, V]``."""
+        if isinstance(ids, torch.Tensor):
+            input_ids = ids
+        else:
+            input_ids = torch.tensor([list(ids)], device=self.device)
         with torch.inference_mode():
             out = self.model(
                 input_ids=input_ids,
@@ -639,6 +666,19 @@ class Engine:
                 **{self._cache_arg: cache, CACHE_KWARG: cache},
             )
         return out.logits[0].float()
+
+    def _graph_forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        write_slots: torch.Tensor,
+        kernel: KernelDecode,
+    ) -> torch.Tensor:
+        """One decode step on the kernels from device tensors only (what
+        :class:`DecodeGraph` captures): logits ``[V]``."""
+        view = LiveView(self.store, kernel.req)  # (unread on the kernels' path)
+        cache = StoreCache(view, positions, write_slots, kernel=kernel, seq_length=0)
+        return self._forward(input_ids, positions, cache, keep=1)[-1]
 
     def _prefill_and_plan(
         self, tags: TokenTags, payload: KVPayload, namespace: str | None = None
@@ -765,6 +805,9 @@ class Engine:
         if self.decode_attention != "dense":
             backend = "torch" if self.decode_attention == "reference" else "triton"
             kernel = KernelDecode(self.store, req, gen.max_tokens, backend)
+        graph = self.decode_graph if kernel is not None and pruning is None else None
+        if graph is not None:
+            graph.begin(kernel)
         # live cells per column: +1 per decode step; recounted only when a plan changes them
         live = req.slot_map.effective_live_tokens()
         for _ in range(gen.max_tokens):
@@ -792,9 +835,12 @@ class Engine:
                 break
             if kernel is not None:
                 kernel.append(slots)
-            observer = pruning.observer if pruning is not None else None
-            cache = StoreCache(view, torch.tensor([pos]), slots, observer, kernel=kernel)
-            logits = self._forward([tok], torch.tensor([pos]), cache, keep=1)[-1]
+            if graph is not None:
+                logits = graph.step(tok, pos, slots)
+            else:
+                observer = pruning.observer if pruning is not None else None
+                cache = StoreCache(view, torch.tensor([pos]), slots, observer, kernel=kernel)
+                logits = self._forward([tok], torch.tensor([pos]), cache, keep=1)[-1]
             raw += pos + 1
             live += 1
             if kernel is not None:
@@ -806,8 +852,10 @@ class Engine:
             if page is not None or pruned:
                 live = req.slot_map.effective_live_tokens()
                 view = LiveView(self.store, req)
-                if kernel is not None:
+                if kernel is not None:  # (a captured step follows its epoch)
                     kernel.rebuild(None if pruned else page)
+        if graph is not None:
+            graph.end()
         if kernel is not None:
             info["compacted"] += kernel.compacted
         return out, finish, (raw, eff)

@@ -13,8 +13,17 @@ from __future__ import annotations
 import torch
 
 from agentkv.cache import DecodeIndex, KVStore, RequestKV
-from agentkv.kernels import decode_attention
+from agentkv.kernels import SegmentMaxLens, decode_attention
 from agentkv.kernels.backend import Backend
+
+#: positions of slack in the plan's bounds of the quantized segments (a multiple of the INT2
+#: page): a bound past a segment's length costs programs that end at once (at most 512
+#: positions' worth: an eighth at 4k, 1.6% at 32k)
+BOUND_SLACK = 512
+
+
+def _round_up(n: int) -> int:
+    return -(-n // BOUND_SLACK) * BOUND_SLACK
 
 
 class KernelDecode:
@@ -34,6 +43,12 @@ class KernelDecode:
         self.room = room
         self.backend = backend
         self.compacted = 0  # INT4 cells moved by this decode's rebuilds
+        #: the host bounds the kernels are planned with: the index's, rounded up
+        self.bounds = SegmentMaxLens(0, 0, 0)
+        #: bumps whenever a step's launches change (a new index, or bounds that grew past
+        #: their slack): what a captured step (:class:`DecodeGraph`) replays is valid within
+        #: one epoch
+        self.epoch = 0
         self.rebuild()
 
     def rebuild(self, page: tuple[int, int] | None = None) -> None:
@@ -47,10 +62,23 @@ class KernelDecode:
         self.compacted += moved
         follow = page is not None and not moved
         if follow and self.index.advance(self.req.slot_map, self.store.layout, *page):
+            b, cur = self.index.max_lens, self.bounds
+            if b.int2 > cur.int2 or b.int4 > cur.int4 or b.full > cur.full:
+                self._plan_bounds()
             return
         self.index = DecodeIndex.build(
             self.req.slot_map, self.store.layout, self.room, self.store.pool.device
         )
+        self._plan_bounds()
+
+    def _plan_bounds(self) -> None:
+        """Bounds for the kernels' plan from the index's: the quantized segments' rounded
+        up to :data:`BOUND_SLACK` positions (a decode-time page grows one by 32; the plan,
+        and a captured step, then hold for 16 pages), the full segment's as they are (it
+        already has room for every decode step, and only shrinks)."""
+        b = self.index.max_lens
+        self.bounds = SegmentMaxLens(_round_up(b.int2), _round_up(b.int4), b.full)
+        self.epoch += 1
 
     def append(self, cells: torch.Tensor) -> None:
         """A decode step's new cells (int64 ``[L * Hkv, 1]``) join every column."""
@@ -67,7 +95,7 @@ class KernelDecode:
             int2_lens=ix.int2_lens[layer][None],
             int4_lens=ix.int4_lens[layer][None],
             sm_scale=scaling,
-            max_lens=ix.max_lens,
+            max_lens=self.bounds,
             backend=self.backend,
         )
         return out[:, None]

@@ -91,6 +91,9 @@ class StoreCache(Cache):
             written to the store).
         observer: the method's prefill observer, or None.
         kernel: decode through the fused kernel (one new position; the view is not used).
+        seq_length: what :meth:`get_seq_length` answers when ``positions`` lie on the device
+            (a step captured in a CUDA graph, which must not read them on the host; kernel
+            decode only). Default: ``positions[-1] + 1``, read from CPU ``positions``.
     """
 
     is_compileable = False
@@ -102,6 +105,7 @@ class StoreCache(Cache):
         write_slots: torch.Tensor | None = None,
         observer: PrefillObserver | None = None,
         kernel: KernelDecode | None = None,
+        seq_length: int | None = None,
     ):
         super().__init__(layers=[])
         self.kernel = kernel
@@ -109,8 +113,13 @@ class StoreCache(Cache):
         self.store = view.store
         device = self.store.pool.device
         self.write_slots = None if write_slots is None else write_slots.to(device)
-        self.first_position = int(positions[0])  # CPU ints: no device sync per layer
-        self._seq_length = int(positions[-1]) + 1  # (get_seq_length: no sync per forward)
+        if seq_length is not None:  # device positions: never read on the host
+            if kernel is None:
+                raise ValueError("seq_length= is for kernel decode (device positions)")
+            self.first_position, self._seq_length = -1, seq_length
+        else:  # CPU ints: no device sync per layer (nor per forward, in get_seq_length)
+            self.first_position = int(positions[0])
+            self._seq_length = int(positions[-1]) + 1
         self.positions = positions.to(device)
         self.observer = observer
         self.key_positions: dict[int, torch.Tensor] = {}

@@ -1,0 +1,152 @@
+"""A decode step of the model as one CUDA graph replay.
+
+On the kernels' decode path (:class:`KernelDecode`) a step launches the same kernels on the
+same buffers as the step before it: the new token's id and position, its cells (one per
+layer and KV head) and the decode index's contents change, but no buffer address and none of
+the plan's host bounds (:attr:`KernelDecode.bounds`) do within one
+:attr:`KernelDecode.epoch` (a new index, or a quantized segment grown past its bound's
+slack: every 16 decode-time pages). Eager, batch-1 decode of a transformers model is bound by
+the host (30-47 ms a step at SmolLM2's and an 8B shape on an H200, for a few ms of GPU work;
+docs/benchmarks.md §3 session 32), so :class:`DecodeGraph` captures the step once per epoch
+and replays it:
+
+- the step's inputs live in static device buffers, filled from one pinned host buffer by a
+  single copy (token id, position, ``[L * Hkv]`` cells);
+- the first step of an epoch runs eagerly (its logits are the step's result; it also
+  compiles any new kernel variant and builds the decode plans, neither of which may happen
+  during a capture), then the same forward is captured (about one eager step's host time);
+  later steps of the epoch replay;
+- a capture that fails (something in the forward that cannot be captured) leaves the engine
+  decoding eagerly, with a warning and :attr:`DecodeGraph.failed`.
+
+Captures share one memory pool (a ``torch.cuda.MemPool`` the engine holds), so an epoch's
+graph reuses the previous one's memory. The decode plans a graph's kernels were built from are
+held with it (their scratch buffers must outlive the graph).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from agentkv.engine.kernel_decode import KernelDecode
+from agentkv.kernels import held_decode_plans
+
+log = logging.getLogger(__name__)
+
+#: ``(input_ids [1, 1], positions [1], write_slots [L * Hkv, 1], kernel) -> logits [V]``,
+#: every tensor on the device
+StepForward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, KernelDecode], torch.Tensor]
+
+
+class DecodeGraph:
+    """An engine's decode steps, replayed from a CUDA graph per decode-index epoch.
+
+    One per engine (requests are served one at a time): :meth:`begin` starts a request's
+    decode, :meth:`step` runs each of its steps, :meth:`end` drops its graph.
+
+    Args:
+        forward: runs the model for one token over a request's kernel decode state; must not
+            synchronize with the device (it is captured).
+        num_cells: cells a step writes (layers x KV heads).
+        device: the CUDA device.
+    """
+
+    def __init__(self, forward: StepForward, num_cells: int, device: torch.device):
+        if device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device, got {device}")
+        self.forward = forward
+        self._host = torch.empty(2 + num_cells, dtype=torch.int64, pin_memory=True)
+        self._dev = torch.empty(2 + num_cells, dtype=torch.int64, device=device)
+        self.input_ids = self._dev[0:1].view(1, 1)
+        self.positions = self._dev[1:2]
+        self.write_slots = self._dev[2:].view(num_cells, 1)
+        # one private pool shared by every capture, held here: a graph's output can outlive
+        # the graph (the caller's logits when a page invalidates it), and a pool whose last
+        # graph died while blocks were out fails an allocator assert when captured into again
+        self._mempool = torch.cuda.MemPool()
+        self.stream = torch.cuda.Stream(device)
+        self.kernel: KernelDecode | None = None
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self._logits: torch.Tensor | None = None
+        self._plans: list[Any] = []
+        self._epoch = -1  # the kernel's epoch the graph was captured in
+        #: set when a capture failed: later steps run eagerly (the error, for telemetry)
+        self.failed: str | None = None
+        #: graphs captured (one per index epoch) and steps replayed, over the engine's life
+        self.captures = 0
+        self.replays = 0
+
+    def _end_pool_capture(self) -> None:
+        """After a capture that failed: ``CUDAGraph.capture_end`` raised before it told the
+        caching allocator the capture into our pool had ended, and the allocator, still
+        counting it, would abort the process when the pool is freed. Tell it. (The pool
+        keeps the reference the capture took: its few blocks stay until the process ends.)"""
+        with contextlib.suppress(RuntimeError):  # (it was told: nothing underway)
+            torch._C._cuda_endAllocateToPool(self._dev.device.index, self._mempool.id)
+
+    def __del__(self) -> None:
+        # the graph and its output go before the pool they were allocated from (the
+        # instance's attributes would otherwise be released in their insertion order)
+        self.graph = None
+        self._logits = None
+
+    def begin(self, kernel: KernelDecode) -> None:
+        """A request's decode starts, over ``kernel``'s index."""
+        self.invalidate()
+        self.kernel = kernel
+
+    def end(self) -> None:
+        """The request's decode ended: its graph (and the memory it pins) goes."""
+        self.invalidate()
+        self.kernel = None
+
+    def invalidate(self) -> None:
+        """Drop the graph: the next step captures."""
+        self.graph = None
+        self._logits = None
+        self._plans = []
+
+    def step(self, token: int, position: int, slots: torch.Tensor) -> torch.Tensor:
+        """Logits (float32 ``[V]``) after ``token`` at ``position``, whose cells are
+        ``slots`` (int64 ``[L * Hkv, 1]``, already appended to the kernel's index)."""
+        kernel = self.kernel
+        if kernel is None:
+            raise RuntimeError("DecodeGraph.step outside begin() / end()")
+        # one host-to-device copy; the pinned buffer is rewritten only after the caller has
+        # read the previous step's logits (a sync), so that copy has completed by then
+        self._host[0] = token
+        self._host[1] = position
+        self._host[2:] = slots.reshape(-1)
+        self._dev.copy_(self._host, non_blocking=True)
+        if self.graph is not None and self._epoch == kernel.epoch:
+            self.graph.replay()
+            self.replays += 1
+            assert self._logits is not None
+            return self._logits
+        if self.failed is not None:
+            return self.forward(self.input_ids, self.positions, self.write_slots, kernel)
+        cur = torch.cuda.current_stream(self._dev.device)
+        self.stream.wait_stream(cur)
+        with torch.cuda.stream(self.stream):
+            # eager first: the step's result, and any kernel compile or plan it needs
+            logits = self.forward(self.input_ids, self.positions, self.write_slots, kernel)
+            graph = torch.cuda.CUDAGraph()
+            try:
+                with torch.cuda.graph(graph, pool=self._mempool.id, stream=self.stream):
+                    out = self.forward(self.input_ids, self.positions, self.write_slots, kernel)
+            except RuntimeError as e:  # (not capturable here: decode eagerly from now on)
+                self.failed = f"{type(e).__name__}: {e}"
+                log.warning("CUDA graph capture failed, decoding eagerly: %s", self.failed)
+                graph = out = None
+                self._end_pool_capture()
+        cur.wait_stream(self.stream)
+        if graph is not None:
+            self.graph, self._logits, self._epoch = graph, out, kernel.epoch
+            self._plans = held_decode_plans()
+            self.captures += 1
+        return logits

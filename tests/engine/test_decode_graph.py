@@ -1,0 +1,146 @@
+"""The kernels' decode step replayed from a CUDA graph (:class:`DecodeGraph`).
+
+On CUDA (skipped elsewhere): a random-weight model at a small shape, served by two engines on
+the same weights, one replaying its decode steps from a graph, one eager, decodes the same
+greedy tokens (random weights make greedy argmax sensitive to the smallest numerical change,
+so equal tokens over 100+ steps mean the same computation) in every KV mode, with a capture
+per decode-index epoch (the first step, then once per decode-time page) and every other step
+replayed. A capture that fails falls back to eager steps, nothing lost. On the CPU: asking
+for graphs where they cannot run is a clear error.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import os
+
+import pytest
+
+from agentkv import FullCache, UniformQuant, build_payload
+from agentkv.engine.engine import GenerationConfig
+
+torch = pytest.importorskip("torch")
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+
+MSGS = [{"role": "user", "content": "Name the colours of the sea at dusk, then count them. " * 12}]
+
+
+def _small_lm(config, device: str, dtype):
+    """Random weights at a small shape the Triton kernels take (head_dim 64, GQA 4)."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = copy.deepcopy(config)
+    cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size = 4, 512, 1024
+    cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim = 8, 2, 64
+    cfg.tie_word_embeddings = False
+    torch.manual_seed(0)
+    with torch.device(device):
+        return AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
+
+
+@pytest.fixture(scope="module")
+def gpu_lm():
+    """``(model, tokenizer)`` on CUDA: the default model's config and tokenizer
+    (``AGENTKV_TEST_MODEL_DIR`` where the default model is not installed), random weights."""
+    if not torch.cuda.is_available():
+        pytest.skip("CUDA graphs need a GPU")
+    from transformers import AutoConfig, AutoTokenizer
+
+    from agentkv.engine.model_loader import resolve_model_dir
+
+    model_dir = os.environ.get("AGENTKV_TEST_MODEL_DIR") or resolve_model_dir(None)
+    cfg = AutoConfig.from_pretrained(model_dir)
+    return _small_lm(cfg, "cuda", torch.bfloat16), AutoTokenizer.from_pretrained(model_dir)
+
+
+def _engines(gpu_lm):
+    from agentkv.engine.engine import Engine
+
+    lm, tok = gpu_lm
+    kw = {"tokenizer": tok, "kv_slots": 4096, "decode_attention": "kernels"}
+    return Engine(lm, cuda_graphs=True, **kw), Engine(lm, cuda_graphs=False, **kw)
+
+
+@cuda
+@pytest.mark.parametrize("slack", [32, 512])
+@pytest.mark.parametrize(
+    "policy",
+    [FullCache(), UniformQuant(bits=4, residual=16), UniformQuant(bits=2, residual=16)],
+    ids=["bf16", "int4", "int2"],
+)
+def test_graph_replay_decodes_what_eager_steps_decode(gpu_lm, policy, slack, monkeypatch):
+    """``slack``: the plan's bound slack; at 32 every decode-time page starts an epoch (a
+    capture), at 512 (the default) the request's pages fit the first epoch's bounds."""
+    from agentkv.engine import kernel_decode
+
+    monkeypatch.setattr(kernel_decode, "BOUND_SLACK", slack)
+    graphed, eager = _engines(gpu_lm)
+    assert graphed.decode_graph is not None and eager.decode_graph is None
+    steps = 130
+    gen = GenerationConfig(max_tokens=steps, ignore_eos=True)
+    got = graphed.chat(MSGS, payload=build_payload(MSGS, policy, "g"), gen=gen)
+    want = eager.chat(MSGS, payload=build_payload(MSGS, policy, "e"), gen=gen)
+    assert got.token_ids == want.token_ids and len(got.token_ids) == steps
+    g = graphed.decode_graph
+    assert g.failed is None
+    # one capture per epoch, and every other step replays: with a page every 32 steps and
+    # a slack of 32, 3-5 epochs; else the one
+    pages = got.usage.quantized_entries > 0 and slack == 32
+    assert 3 <= g.captures <= 5 if pages else g.captures == 1
+    assert g.replays == steps - 1 - g.captures
+    assert got.usage.resident_kv_bytes == want.usage.resident_kv_bytes
+    # a second request (its own index; the prompt maybe from the prefix cache) captures
+    # again and decodes what the eager engine's second request decodes
+    again = graphed.chat(MSGS, payload=build_payload(MSGS, policy, "g2"), gen=gen)
+    want = eager.chat(MSGS, payload=build_payload(MSGS, policy, "e2"), gen=gen)
+    assert again.token_ids == want.token_ids
+    assert again.usage.prefix_hit_tokens == want.usage.prefix_hit_tokens
+
+
+@cuda
+def test_a_capture_that_fails_leaves_the_decode_eager_and_whole(gpu_lm, caplog):
+    graphed, eager = _engines(gpu_lm)
+    g = graphed.decode_graph
+    forward = g.forward
+    capturing = []
+
+    def syncing_forward(*args):  # a host sync: illegal while the stream is captured
+        out = forward(*args)
+        capturing.append(torch.cuda.is_current_stream_capturing())
+        torch.cuda.synchronize()
+        return out
+
+    g.forward = syncing_forward
+    gen = GenerationConfig(max_tokens=40, ignore_eos=True)
+    policy = UniformQuant(bits=4, residual=8)
+    got = graphed.chat(MSGS, payload=build_payload(MSGS, policy, "f"), gen=gen)
+    want = eager.chat(MSGS, payload=build_payload(MSGS, policy, "e"), gen=gen)
+    assert True in capturing  # (the capture was tried)
+    assert g.failed is not None and g.captures == 0 and g.replays == 0
+    assert "CUDA graph capture failed" in caplog.text
+    assert got.token_ids == want.token_ids
+    # the failed engine's graph state goes (its memory pool freed: the allocator no longer
+    # counts the failed capture, or it would abort the process here), and a new engine
+    # captures and replays
+    del graphed, g
+    gc.collect()
+    torch.cuda.synchronize()
+    fresh, _ = _engines(gpu_lm)
+    again = fresh.chat(MSGS, payload=build_payload(MSGS, policy, "f2"), gen=gen)
+    assert fresh.decode_graph.captures >= 1 and fresh.decode_graph.replays > 0
+    assert len(again.token_ids) == 40
+
+
+def test_graphs_where_they_cannot_run_are_refused(engine, hf_model):
+    """On the CPU (or on the dense path) ``cuda_graphs=True`` is a ValueError; the default
+    engine there has none."""
+    from agentkv.engine.engine import Engine
+
+    assert engine.decode_graph is None
+    lm = _small_lm(hf_model.config, "cpu", torch.float32)
+    with pytest.raises(ValueError, match="cuda_graphs needs decode_attention='kernels'"):
+        Engine(lm, tokenizer=engine.tokenizer, cuda_graphs=True)
+    with pytest.raises(ValueError, match="cuda_graphs"):
+        Engine(lm, tokenizer=engine.tokenizer, decode_attention="dense", cuda_graphs=True)
