@@ -83,6 +83,7 @@ def _startup_line(engine, host: str, port: int, kv_slots: int) -> str:
     return (
         f"agentkv serve: model {engine.model_name} on {engine.device} ({str(engine.dtype)[6:]}), "
         f"KV pool {kv_slots} tokens ({kv_slots * bytes_per_token / 2**20:.0f} MiB), "
+        f"decode on {engine.decode_attention}{' + CUDA graphs' if engine.decode_graph else ''}, "
         f"policies {', '.join(sorted(registered_methods()))}; "
         f"serving http://{host}:{port}/v1"
     )
@@ -138,6 +139,13 @@ def serve(
         bool,
         typer.Option("--dry-run", help="with --engine sglang: print the command, do not run it"),
     ] = False,
+    cuda_graphs: Annotated[
+        bool,
+        typer.Option(
+            help="on CUDA, replay each decode step from a CUDA graph (captured once per "
+            "decode-index epoch); --no-cuda-graphs launches every step eagerly",
+        ),
+    ] = True,
 ) -> None:
     if engine_name == "sglang":
         _serve_sglang(model, host, port, api_key, ctx.args, dry_run)
@@ -154,7 +162,9 @@ def serve(
     options = ServerOptions.from_env(api_key, admin_api_key, max_request_bytes, image_parts.value)
 
     try:
-        engine = Engine(model, device=device, kv_slots=kv_slots)
+        engine = Engine(
+            model, device=device, kv_slots=kv_slots, cuda_graphs=None if cuda_graphs else False
+        )
     except ModelNotFound as e:  # a user error: say so, no traceback
         typer.echo(f"agentkv serve: {e}", err=True)
         raise typer.Exit(2) from None

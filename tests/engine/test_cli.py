@@ -33,6 +33,7 @@ def test_serve_subprocess():
     assert AGENTKV.is_file(), f"console script missing: {AGENTKV}"
     port = free_port()
     cmd = [str(AGENTKV), "serve", "--port", str(port), "--kv-slots", "2048", "--device", "cpu"]
+    cmd.append("--no-cuda-graphs")  # (what a user opts out with; the CPU has none anyway)
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=cli_env(), text=True
     )
@@ -67,6 +68,7 @@ def test_serve_subprocess():
     # agentkv's own start-up line and one log line per request
     assert "agentkv serve: model SmolLM2-135M-Instruct on cpu" in out
     assert "KV pool 2048 tokens" in out and f"serving http://127.0.0.1:{port}/v1" in out
+    assert "decode on dense, policies" in out  # (the CPU's decode path, no graphs)
     assert "node=- policy=full()" in out
 
 
@@ -81,6 +83,7 @@ def test_serve_help_explains_policies():
     assert res.returncode == 0
     assert "spec string" in res.stdout and "h2o:budget=32" in res.stdout
     assert "/v1/agentkv/capabilities" in res.stdout
+    assert "--no-cuda-graphs" in res.stdout
 
 
 def test_serve_rejects_a_missing_model_dir(tmp_path):
