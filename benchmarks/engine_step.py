@@ -11,8 +11,11 @@ mode (``bf16`` FullCache, ``int4`` / ``int2`` UniformQuant, whose decode-time pa
 every 32 steps), a prompt of ``--prompt`` tokens is decoded for ``--steps`` greedy steps
 (end of turn ignored) twice in one process: the first long decode pays any kernel compile
 its lengths need (``compiled``: new entries in Triton's cache directory), the second is the
-steady state. ``ms_per_step`` = (time of the long decode - time of a 1-token one) / steps.
-``--profile MODE`` writes a cProfile of a third decode of that mode beside the JSON.
+steady state. A step's time is the interval between two of the engine's polls of
+``GenerationConfig.should_stop`` (one a decode step): ``ms_per_step`` is their mean
+(decode-time pages and graph captures included), ``median_step_ms`` a plain step's.
+``--profile MODE`` writes a cProfile of a third decode of that mode beside the JSON,
+``--kernel-profile MODE`` a table of its GPU kernels' times (torch.profiler).
 
     python3 benchmarks/engine_step.py --shape 8b --prompt 8192 --steps 64 --out engine_step.json
 
@@ -29,6 +32,7 @@ import itertools
 import json
 import os
 import pstats
+import statistics
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -105,30 +109,41 @@ def run(args) -> list[dict]:
         for mode in args.modes.split(","):
 
             def decode(n: int, engine=engine, policy=policies[mode]):
+                """``(seconds, result, step_ms)``: ``step_ms`` from the times the engine
+                polls ``should_stop`` (before prefill, then once a decode step, before the
+                step's sampler waits for the GPU): one step apart, prefill excluded."""
                 # (a session of its own each time: nothing reused from the previous decode)
                 payload = build_payload(msgs, policy, f"s{next(sessions)}")
-                gen = GenerationConfig(max_tokens=n, ignore_eos=True)
+                polls: list[float] = []
+                gen = GenerationConfig(
+                    max_tokens=n,
+                    ignore_eos=True,
+                    should_stop=lambda: polls.append(time.perf_counter()) or False,
+                )
                 sync()
                 t = time.perf_counter()
                 res = engine.chat(msgs, payload=payload, gen=gen)
                 sync()
-                return time.perf_counter() - t, res
+                steps_ms = [(b - a) * 1e3 for a, b in itertools.pairwise(polls[1:])]
+                return time.perf_counter() - t, res, steps_ms
 
             decode(8)  # (the short lengths' kernels)
             c0 = _cache_entries()
-            t1, _ = decode(1)
-            cold, _ = decode(args.steps + 1)
+            t1, _, _ = decode(1)
+            _, _, cold = decode(args.steps + 1)
             c1 = _cache_entries()
-            warm, res = decode(args.steps + 1)
+            _, res, warm = decode(args.steps + 1)
             row = {
                 "shape": args.shape,
                 "device": device,
                 "path": path,
                 "mode": mode,
                 "prompt_tokens": res.usage.prompt_tokens,
-                "steps": args.steps,
-                "ms_per_step": (warm - t1) / args.steps * 1e3,
-                "first_ms_per_step": (cold - t1) / args.steps * 1e3,
+                "steps": len(warm),
+                "ms_per_step": statistics.fmean(warm),
+                "median_step_ms": statistics.median(warm),
+                "max_step_ms": max(warm),
+                "first_ms_per_step": statistics.fmean(cold),
                 "compiled": c1 - c0,
                 "compiled_again": _cache_entries() - c1,
                 "prefill_s": t1,
@@ -137,6 +152,15 @@ def run(args) -> list[dict]:
             if engine.decode_graph is not None:
                 g = engine.decode_graph
                 row.update(captures=g.captures, replays=g.replays, graph_failed=g.failed)
+            if mode == args.kernel_profile:
+                from torch.profiler import ProfilerActivity, profile
+
+                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as kp:
+                    decode(args.steps + 1)
+                table = kp.key_averages().table(sort_by="self_cuda_time_total", row_limit=30)
+                out = args.out.with_name(f"{args.out.stem}_{path}_{mode}_kernels.txt")
+                out.write_text(table)
+                row["kernel_profile"] = out.name
             if mode == args.profile:
                 prof = cProfile.Profile()
                 prof.enable()
@@ -170,6 +194,11 @@ def main() -> None:
     )
     ap.add_argument("--modes", default="bf16,int4,int2")
     ap.add_argument("--profile", default=None, help="a mode to profile (cProfile)")
+    ap.add_argument(
+        "--kernel-profile",
+        default=None,
+        help="a mode whose decode's GPU kernels to time (torch.profiler, CUDA)",
+    )
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", type=Path, default=Path("engine_step.json"))  # (no commas)
     args = ap.parse_args()

@@ -152,9 +152,15 @@ class _FreeStacks:
     def pop(self, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Take ``counts[c]`` ids from each column: ``(cols [m], ids [m])`` grouped by column."""
         self.check(counts)
-        cols = torch.repeat_interleave(torch.arange(counts.numel()), counts)
-        first = torch.cumsum(counts, 0) - counts
-        offs = torch.arange(int(counts.sum())) - torch.repeat_interleave(first, counts)
+        c = counts.numel()
+        n = int(counts[0]) if c else 0
+        if bool((counts == n).all()):  # as many from every column (a decode step, a chunk)
+            cols = torch.arange(c)[:, None].expand(c, n).reshape(-1)
+            offs = torch.arange(n).repeat(c)
+        else:
+            cols = torch.repeat_interleave(torch.arange(c), counts)
+            first = torch.cumsum(counts, 0) - counts
+            offs = torch.arange(int(counts.sum())) - torch.repeat_interleave(first, counts)
         ids = self.stack[cols, self.top[cols] - 1 - offs]
         self.top -= counts
         self._track(cols, ids, False)
@@ -303,10 +309,9 @@ class SlotAllocator:
         if n < 0:
             raise ValueError(f"cannot allocate a negative number of cells ({n})")
         counts = torch.full((self.num_columns,), n, dtype=torch.int64)
-        _, ids = self._free[Precision.FULL].pop(counts)
-        out = ids.view(self.num_columns, n)
-        self._count(out, 1)
-        return out
+        cols, ids = self._free[Precision.FULL].pop(counts)
+        self._count_pairs(cols, ids, 1)  # (ids off a free list: live, in range)
+        return ids.view(self.num_columns, n)
 
     def alloc_int4(self, cols: torch.Tensor) -> torch.Tensor:
         """One INT4 cell for each entry of ``cols`` (int64 ``[m]``, any order): ids ``[m]``,
