@@ -139,7 +139,7 @@ class DecodeGraph:
             try:
                 with torch.cuda.graph(graph, pool=self._mempool.id, stream=self.stream):
                     out = self.forward(self.input_ids, self.positions, self.write_slots, kernel)
-            except RuntimeError as e:  # (not capturable here: decode eagerly from now on)
+            except Exception as e:  # (not capturable here: decode eagerly from now on)
                 self.failed = f"{type(e).__name__}: {e}"
                 log.warning("CUDA graph capture failed, decoding eagerly: %s", self.failed)
                 graph = out = None

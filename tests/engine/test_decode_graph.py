@@ -6,7 +6,8 @@ greedy tokens (random weights make greedy argmax sensitive to the smallest numer
 so equal tokens over 100+ steps mean the same computation) in every KV mode, with a capture
 per decode-index epoch (the first step, then once per decode-time page) and every other step
 replayed. A capture that fails falls back to eager steps, nothing lost. On the CPU: asking
-for graphs where they cannot run is a clear error.
+for graphs where they cannot run is a clear error, and the epochs a capture is valid in span
+decode-time pages as planned.
 """
 
 from __future__ import annotations
@@ -144,3 +145,48 @@ def test_graphs_where_they_cannot_run_are_refused(engine, hf_model):
         Engine(lm, tokenizer=engine.tokenizer, cuda_graphs=True)
     with pytest.raises(ValueError, match="cuda_graphs"):
         Engine(lm, tokenizer=engine.tokenizer, decode_attention="dense", cuda_graphs=True)
+
+
+def test_a_captured_steps_epoch_spans_pages_until_a_bound_outgrows_its_slack():
+    """What a captured step replays is valid within one ``KernelDecode.epoch``: the plan's
+    bounds (``bounds``, the quantized segments' rounded up to ``BOUND_SLACK``) stay upper
+    bounds of the index's through every followed decode-time page, the epoch changes only
+    when the INT4 segment outgrows its slack, and a rebuild always starts a new one."""
+    from agentkv.cache import KVStore, Precision
+    from agentkv.engine.kernel_decode import BOUND_SLACK, KernelDecode
+
+    L, H, D = 2, 2, 32
+    g = torch.Generator().manual_seed(0)
+    st = KVStore(L, H, D, num_slots=2048)
+
+    def write(cells):
+        for layer in range(L):
+            k, v = (torch.randn(cells.shape[1], H, D, generator=g) for _ in range(2))
+            st.write_kv(layer, st.layer_cells(cells, layer), k, v)
+
+    req = st.begin_request(None, [i % 50 + 1 for i in range(600)])
+    write(st.extend(req))
+    p4 = int(Precision.INT4)
+    st.set_precision(req, torch.full((448,), p4, dtype=torch.int8))
+    kd = KernelDecode(st, req, room=200, backend="torch")
+    assert BOUND_SLACK == 512 and kd.bounds.int4 == 512 and kd.bounds.int2 == 0
+    epochs, start = [kd.epoch], 448
+    for _ in range(4):  # 32 decode steps, then their page to INT4, followed in place
+        for _step in range(32):
+            cells = st.extend(req, [7])
+            write(cells)
+            kd.append(cells)
+        st.set_precision(req, torch.full((32,), p4, dtype=torch.int8), start=start)
+        kd.rebuild((start, start + 32))
+        start += 32
+        ix, b = kd.index, kd.bounds
+        assert int(ix.int4_lens.max()) == start  # (followed: every column's INT4 grew)
+        assert b.int2 >= ix.max_lens.int2 and b.int4 >= ix.max_lens.int4 >= start
+        assert b.full >= ix.max_lens.full and b.int4 % BOUND_SLACK == 0
+        epochs.append(kd.epoch)
+    # INT4 at 480, 512: the first epoch's bound holds; at 544, 576: one new epoch
+    assert epochs == [epochs[0]] * 3 + [epochs[0] + 1] * 2
+    assert kd.bounds.int4 == 1024
+    kd.rebuild()  # (a rebuild: a new index, a new epoch)
+    assert kd.epoch == epochs[-1] + 1
+    st.finish_request(req, cache=False)
