@@ -805,7 +805,9 @@ class Engine:
         if self.decode_attention != "dense":
             backend = "torch" if self.decode_attention == "reference" else "triton"
             kernel = KernelDecode(self.store, req, gen.max_tokens, backend)
-        graph = self.decode_graph if kernel is not None and pruning is None else None
+        # (the kernels' steps only: decode_attention may have been switched since __init__)
+        on_kernels = self.decode_attention == "kernels" and pruning is None
+        graph = self.decode_graph if kernel is not None and on_kernels else None
         if graph is not None:
             graph.begin(kernel)
         # live cells per column: +1 per decode step; recounted only when a plan changes them

@@ -134,6 +134,20 @@ def test_a_capture_that_fails_leaves_the_decode_eager_and_whole(gpu_lm, caplog):
     assert len(again.token_ids) == 40
 
 
+@cuda
+def test_only_the_kernels_steps_are_captured(gpu_lm):
+    """An engine switched to another decode path after it was built (as benchmarks do)
+    decodes that path eagerly: nothing captured, nothing marked failed."""
+    graphed, _ = _engines(gpu_lm)
+    gen = GenerationConfig(max_tokens=8, ignore_eos=True)
+    for path in ("reference", "dense"):
+        graphed.decode_attention = path
+        res = graphed.chat(MSGS, payload=build_payload(MSGS, FullCache(), path), gen=gen)
+        assert len(res.token_ids) == 8
+    g = graphed.decode_graph
+    assert g.captures == 0 and g.replays == 0 and g.failed is None
+
+
 def test_graphs_where_they_cannot_run_are_refused(engine, hf_model):
     """On the CPU (or on the dense path) ``cuda_graphs=True`` is a ValueError; the default
     engine there has none."""
