@@ -14,6 +14,7 @@ One forward pass of the embedded engine computes ``n`` new positions of one requ
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -36,9 +37,68 @@ CACHE_KWARG = "agentkv_cache"
 SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
+#: rows a layer's view grows by, at least, when it is full (and a quarter of its length): a
+#: decode step writes its row in place instead of copying the whole view
+VIEW_GROWTH_MIN = 256
+
+
+@dataclass
+class LayerView:
+    """One layer's attended K/V, in buffers with room to grow: rows ``[:n]`` are the view.
+
+    Attributes:
+        k, v: ``[cap, Hkv, D]`` keys / values (the pool dtype).
+        positions: int64 ``[cap]`` logical positions, ascending over ``[:n]``.
+        head_mask: bool ``[Hkv, cap]`` (True = the KV head attends to that key), or None when
+            every head sees every key.
+        n: rows in use.
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+    positions: torch.Tensor
+    head_mask: torch.Tensor | None
+    n: int
+
+    def append(self, k_new: torch.Tensor, v_new: torch.Tensor, positions: torch.Tensor) -> None:
+        """Rows ``k_new``/``v_new`` ``[m, Hkv, D]`` at ``positions`` ``[m]`` after row ``n``
+        (written in place; the buffers grow by a quarter, at least ``VIEW_GROWTH_MIN`` rows,
+        when full: amortized O(m) a call instead of a copy of the whole view)."""
+        n, m = self.n, k_new.shape[0]
+        if n + m > self.k.shape[0]:
+            self._grow(n + m + max(VIEW_GROWTH_MIN, n // 4))
+        self.k[n : n + m] = k_new
+        self.v[n : n + m] = v_new
+        self.positions[n : n + m] = positions
+        if self.head_mask is not None:
+            self.head_mask[:, n : n + m] = True
+        self.n = n + m
+
+    def _grow(self, cap: int) -> None:
+        n = self.n
+
+        def grown(x: torch.Tensor, dim: int) -> torch.Tensor:
+            shape = list(x.shape)
+            shape[dim] = cap
+            out = x.new_empty(shape)
+            out.narrow(dim, 0, n).copy_(x.narrow(dim, 0, n))
+            return out
+
+        self.k, self.v = grown(self.k, 0), grown(self.v, 0)
+        self.positions = grown(self.positions, 0)
+        if self.head_mask is not None:
+            self.head_mask = grown(self.head_mask, 1)
+
+    def rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The view: ``(k [n, Hkv, D], v, positions [n], head_mask [Hkv, n] | None)``."""
+        n = self.n
+        hm = None if self.head_mask is None else self.head_mask[:, :n]
+        return self.k[:n], self.v[:n], self.positions[:n], hm
+
+
 class LiveView:
     """The K/V one request attends to, per layer: gathered from the store once (DEAD dropped),
-    then appended to as the request computes new positions.
+    then appended to as the request computes new positions (:class:`LayerView`).
 
     Valid while the request's slot map only grows (prefill chunks, decode steps, teacher
     forcing, forks); build a new view after applying a plan. Saves re-gathering every live
@@ -48,15 +108,15 @@ class LiveView:
     def __init__(self, store: KVStore, req: RequestKV):
         self.store = store
         self.req = req
-        self._layers: dict[int, list[Any]] = {}
+        self._layers: dict[int, LayerView] = {}
 
-    def _base(self, layer: int, before: int) -> list[Any]:
+    def _base(self, layer: int, before: int) -> LayerView:
         view = self._layers.get(layer)
         if view is None:
             k, v, pos, head_mask = self.store.read_kv(self.req, layer)
             end = int(torch.searchsorted(pos, torch.tensor(before, device=pos.device)))
             hm = None if head_mask is None else head_mask[:, :end]
-            view = self._layers[layer] = [k[:end], v[:end], pos[:end], hm]
+            view = self._layers[layer] = LayerView(k[:end], v[:end], pos[:end], hm, end)
         return view
 
     def extend(
@@ -71,13 +131,8 @@ class LiveView:
         ``positions[0]`` as an int, so no device sync is needed); returns the
         whole view ``(k [m, Hkv, D], v, positions [m], head_mask [Hkv, m] | None)``."""
         view = self._base(layer, first)
-        k, v, pos, hm = view
-        view[0] = torch.cat([k, k_new.to(k.dtype)])
-        view[1] = torch.cat([v, v_new.to(v.dtype)])
-        view[2] = torch.cat([pos, positions.to(pos.device)])
-        if hm is not None:
-            view[3] = torch.cat([hm, hm.new_ones(hm.shape[0], positions.numel())], dim=1)
-        return view[0], view[1], view[2], view[3]
+        view.append(k_new, v_new, positions)
+        return view.rows()
 
 
 class StoreCache(Cache):

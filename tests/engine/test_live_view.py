@@ -1,0 +1,47 @@
+"""LayerView: a layer's attended K/V grows in place (a decode step writes its row; the
+buffers grow by a quarter when full) and always equals the concatenation it replaces."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from agentkv.engine.store_cache import VIEW_GROWTH_MIN, LayerView  # noqa: E402
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_appends_equal_concatenation_and_grow_rarely(masked):
+    g = torch.Generator().manual_seed(0)
+    H, D, n0 = 3, 8, 700
+    k0, v0 = torch.randn(n0, H, D, generator=g), torch.randn(n0, H, D, generator=g)
+    pos0 = torch.arange(0, 2 * n0, 2)  # (holes: positions need not be consecutive)
+    hm0 = torch.rand(H, n0, generator=g) > 0.3 if masked else None
+    view = LayerView(k0, v0, pos0, hm0, n0)
+    ks, vs, ps, hms = [k0], [v0], [pos0], [hm0]
+    buffers, grows = view.k.data_ptr(), 0
+    at = 2 * n0
+    for m in [1] * 300 + [17, 5, 64] + [1] * 200:  # decode steps, a teacher-forced span
+        k, v = torch.randn(m, H, D, generator=g), torch.randn(m, H, D, generator=g)
+        p = torch.arange(at, at + m)
+        at += m
+        view.append(k.double(), v, p)  # (cast to the view's dtype, as the pool's)
+        ks.append(k.double().float())
+        vs.append(v)
+        ps.append(p)
+        if masked:
+            hms.append(torch.ones(H, m, dtype=torch.bool))
+        if view.k.data_ptr() != buffers:
+            buffers, grows = view.k.data_ptr(), grows + 1
+        k_all, v_all, p_all, hm_all = view.rows()
+        assert k_all.dtype == torch.float32 and k_all.shape[0] == view.n
+    assert torch.equal(k_all, torch.cat(ks)) and torch.equal(v_all, torch.cat(vs))
+    assert torch.equal(p_all, torch.cat(ps))
+    if masked:
+        assert torch.equal(hm_all, torch.cat(hms, dim=1))
+    else:
+        assert hm_all is None
+    # 587 rows added to 700: the first append grows by max(256, 700 // 4) = 256 rows past
+    # its need, then by a quarter: a handful of copies, not one per step
+    assert 1 <= grows <= 3
+    assert view.k.shape[0] - view.n < max(VIEW_GROWTH_MIN, view.n // 4) + 64
