@@ -853,7 +853,8 @@ class Engine:
             pruned = pruning is not None and pruning.after_step(view) is not view
             if page is not None or pruned:
                 live = req.slot_map.effective_live_tokens()
-                view = LiveView(self.store, req)
+                # (a page changes its rows' values only; a pruning plan, which rows there are)
+                view = LiveView(self.store, req) if pruned else view.follow_page(*page)
                 if kernel is not None:  # (a captured step follows its epoch)
                     kernel.rebuild(None if pruned else page)
         if graph is not None:

@@ -119,6 +119,28 @@ class LiveView:
             view = self._layers[layer] = LayerView(k[:end], v[:end], pos[:end], hm, end)
         return view
 
+    def follow_page(self, start: int, end: int) -> LiveView:
+        """Positions ``start .. end - 1`` were just re-quantized in place (a decode-time page:
+        new cells, nothing evicted): re-read those rows of every layer gathered so far from
+        the store, ``O(page)``, instead of a new view re-gathering every live key. Returns
+        this view, then equal to a new one."""
+        with torch.inference_mode():  # (the views were made in forward passes)
+            self._follow_page(start, end)
+        return self
+
+    def _follow_page(self, start: int, end: int) -> None:
+        for layer, view in self._layers.items():
+            pos = view.positions[: view.n]
+            want = torch.arange(start, end, device=pos.device)
+            rows = torch.searchsorted(pos, want).clamp_max(max(view.n - 1, 0))
+            present = (pos[rows] == want) if view.n else torch.zeros_like(want, dtype=torch.bool)
+            if not bool(present.any()):
+                continue
+            cells = self.req.slot_map.layer_slots(layer)[:, start:end][:, present.cpu()]
+            k, v = self.store.pool.gather(layer, cells)  # [w, Hkv, D], DEAD: zero rows
+            view.k[rows[present]] = k
+            view.v[rows[present]] = v
+
     def extend(
         self,
         layer: int,

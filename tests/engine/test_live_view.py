@@ -45,3 +45,50 @@ def test_appends_equal_concatenation_and_grow_rarely(masked):
     # its need, then by a quarter: a handful of copies, not one per step
     assert 1 <= grows <= 3
     assert view.k.shape[0] - view.n < max(VIEW_GROWTH_MIN, view.n // 4) + 64
+
+
+@pytest.mark.parametrize("precision", ["int4", "int2"])
+def test_a_view_that_follows_a_page_equals_a_new_view(precision):
+    """After a decode-time page (positions re-quantized in place, some evicted per head or
+    whole before it), ``follow_page`` re-reads just the page's rows: every layer's view then
+    equals, bit for bit, the view a new gather gives."""
+    from agentkv.cache import KVStore, Precision
+    from agentkv.engine.store_cache import LiveView
+
+    L, H, D = 2, 2, 32
+    g = torch.Generator().manual_seed(1)
+    st = KVStore(L, H, D, num_slots=1024)
+
+    def write(cells):
+        for layer in range(L):
+            k, v = (torch.randn(cells.shape[1], H, D, generator=g) for _ in range(2))
+            st.write_kv(layer, st.layer_cells(cells, layer), k, v)
+
+    req = st.begin_request(None, [i % 50 + 1 for i in range(200)])
+    write(st.extend(req))
+    keep = torch.rand(L, H, 200, generator=g) > 0.2
+    keep[:, :, 7] = False  # a position no head keeps: not in the view
+    st.evict_per_head(req, keep)
+    view = LiveView(st, req)
+    with torch.inference_mode():  # (as in the engine's forward passes)
+        for layer in range(L):  # (the views of the layers a forward has touched)
+            view._base(layer, 200)
+    for step in range(40):  # decode steps appended to the view
+        cells = st.extend(req, [5])
+        write(cells)
+        with torch.inference_mode():
+            for layer in range(L):
+                k, v = st.pool.gather(layer, st.layer_cells(cells, layer))
+                view.extend(layer, k, v, torch.tensor([200 + step]), 200 + step)
+    p = int(Precision.INT4 if precision == "int4" else Precision.INT2)
+    start, end = 64, 160  # (INT2: three whole pages where no head lost a cell, else left full)
+    st.set_precision(req, torch.full((end - start,), p, dtype=torch.int8), start=start,
+                     int2_leftover="full")  # fmt: skip
+    assert view.follow_page(start, end) is view
+    fresh = LiveView(st, req)
+    for layer in range(L):
+        fresh._base(layer, 240)
+        got, want = view._layers[layer].rows(), fresh._layers[layer].rows()
+        for a, b in zip(got, want, strict=True):
+            assert (a is None and b is None) or torch.equal(a, b)
+    st.finish_request(req, cache=False)
