@@ -849,7 +849,7 @@ class Engine:
                 eff += int(round(live))
             else:
                 eff += int(round(cache.attended_keys / self.shape.num_layers))
-            page = self._demote_tail(req, info)  # a page filled: the views re-read the pools
+            page = self._demote_tail(req, info)  # a page filled: its rows change in the views
             pruned = pruning is not None and pruning.after_step(view) is not view
             if page is not None or pruned:
                 live = req.slot_map.effective_live_tokens()
