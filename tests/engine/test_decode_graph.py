@@ -166,20 +166,16 @@ def test_a_captured_steps_epoch_spans_pages_until_a_bound_outgrows_its_slack():
     bounds (``bounds``, the quantized segments' rounded up to ``BOUND_SLACK``) stay upper
     bounds of the index's through every followed decode-time page, the epoch changes only
     when the INT4 segment outgrows its slack, and a rebuild always starts a new one."""
+    from cache.kv_fill import fill  # (tests/cache: K/V rows that say which token they hold)
+
     from agentkv.cache import KVStore, Precision
     from agentkv.engine.kernel_decode import BOUND_SLACK, KernelDecode
 
     L, H, D = 2, 2, 32
-    g = torch.Generator().manual_seed(0)
     st = KVStore(L, H, D, num_slots=2048)
 
-    def write(cells):
-        for layer in range(L):
-            k, v = (torch.randn(cells.shape[1], H, D, generator=g) for _ in range(2))
-            st.write_kv(layer, st.layer_cells(cells, layer), k, v)
-
     req = st.begin_request(None, [i % 50 + 1 for i in range(600)])
-    write(st.extend(req))
+    fill(st, req, st.extend(req))
     p4 = int(Precision.INT4)
     st.set_precision(req, torch.full((448,), p4, dtype=torch.int8))
     kd = KernelDecode(st, req, room=200, backend="torch")
@@ -188,7 +184,7 @@ def test_a_captured_steps_epoch_spans_pages_until_a_bound_outgrows_its_slack():
     for _ in range(4):  # 32 decode steps, then their page to INT4, followed in place
         for _step in range(32):
             cells = st.extend(req, [7])
-            write(cells)
+            fill(st, req, cells)
             kd.append(cells)
         st.set_precision(req, torch.full((32,), p4, dtype=torch.int8), start=start)
         kd.rebuild((start, start + 32))

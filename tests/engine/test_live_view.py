@@ -52,6 +52,8 @@ def test_a_view_that_follows_a_page_equals_a_new_view(precision):
     """After a decode-time page (positions re-quantized in place, some evicted per head or
     whole before it), ``follow_page`` re-reads just the page's rows: every layer's view then
     equals, bit for bit, the view a new gather gives."""
+    from cache.kv_fill import fill  # (tests/cache: K/V rows that say which token they hold)
+
     from agentkv.cache import KVStore, Precision
     from agentkv.engine.store_cache import LiveView
 
@@ -59,13 +61,8 @@ def test_a_view_that_follows_a_page_equals_a_new_view(precision):
     g = torch.Generator().manual_seed(1)
     st = KVStore(L, H, D, num_slots=1024)
 
-    def write(cells):
-        for layer in range(L):
-            k, v = (torch.randn(cells.shape[1], H, D, generator=g) for _ in range(2))
-            st.write_kv(layer, st.layer_cells(cells, layer), k, v)
-
     req = st.begin_request(None, [i % 50 + 1 for i in range(200)])
-    write(st.extend(req))
+    fill(st, req, st.extend(req))
     keep = torch.rand(L, H, 200, generator=g) > 0.2
     keep[:, :, 7] = False  # a position no head keeps: not in the view
     st.evict_per_head(req, keep)
@@ -75,7 +72,7 @@ def test_a_view_that_follows_a_page_equals_a_new_view(precision):
             view._base(layer, 200)
     for step in range(40):  # decode steps appended to the view
         cells = st.extend(req, [5])
-        write(cells)
+        fill(st, req, cells)
         with torch.inference_mode():
             for layer in range(L):
                 k, v = st.pool.gather(layer, st.layer_cells(cells, layer))
