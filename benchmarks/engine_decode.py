@@ -4,8 +4,8 @@ For each trajectory (the replay's deterministic sample, truncated like the repla
 prompt is the conversation before its last assistant message; the engine then decodes
 ``--decode-tokens`` tokens (greedy, end-of-turn ignored) under FullCache and UniformQuant
 (bits 4 and 2), through both decode paths: the fused Triton kernel over the pools
-(``kernels``, the CUDA default; its steps replayed from a CUDA graph since session 33, see
-``engine_step.py --paths graphs,kernels`` for graphs against eager launches) and the dense
+(``kernels``, the CUDA default, its steps replayed from a CUDA graph; ``engine_step.py
+--paths graphs,kernels`` compares graphs with eager launches) and the dense
 gathered view + SDPA (``dense``). Reported:
 decode tokens/s, ratio to FullCache on the same path, resident KV bytes. With ``--profile``,
 one decode of each KV mode runs under ``torch.profiler`` and the top operators by device

@@ -66,7 +66,7 @@ class DecodeGraph:
         self.positions = self._dev[1:2]
         self.write_slots = self._dev[2:].view(num_cells, 1)
         # one private pool shared by every capture, held here: a graph's output can outlive
-        # the graph (the caller's logits when a page invalidates it), and a pool whose last
+        # the graph (the caller's logits when a new epoch replaces it), and a pool whose last
         # graph died while blocks were out fails an allocator assert when captured into again
         self._mempool = torch.cuda.MemPool()
         self.stream = torch.cuda.Stream(device)
@@ -97,16 +97,15 @@ class DecodeGraph:
 
     def begin(self, kernel: KernelDecode) -> None:
         """A request's decode starts, over ``kernel``'s index."""
-        self.invalidate()
+        self._drop()
         self.kernel = kernel
 
     def end(self) -> None:
         """The request's decode ended: its graph (and the memory it pins) goes."""
-        self.invalidate()
+        self._drop()
         self.kernel = None
 
-    def invalidate(self) -> None:
-        """Drop the graph: the next step captures."""
+    def _drop(self) -> None:
         self.graph = None
         self._logits = None
         self._plans = []

@@ -130,10 +130,12 @@ class LiveView:
 
     def _follow_page(self, start: int, end: int) -> None:
         for layer, view in self._layers.items():
+            if view.n == 0:
+                continue
             pos = view.positions[: view.n]
             want = torch.arange(start, end, device=pos.device)
-            rows = torch.searchsorted(pos, want).clamp_max(max(view.n - 1, 0))
-            present = (pos[rows] == want) if view.n else torch.zeros_like(want, dtype=torch.bool)
+            rows = torch.searchsorted(pos, want).clamp_max(view.n - 1)
+            present = pos[rows] == want  # (a position no head keeps has no row)
             if not bool(present.any()):
                 continue
             cells = self.req.slot_map.layer_slots(layer)[:, start:end][:, present.cpu()]
