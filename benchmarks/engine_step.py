@@ -8,7 +8,8 @@ A causal LM is built from the default model's config (SmolLM2-135M, its tokenize
 pools, each step replayed from a CUDA graph; ``kernels``: the same kernels launched eagerly;
 ``dense``: gathered view + SDPA; ``reference``: the kernels' torch reference) and KV
 mode (``bf16`` FullCache, ``int4`` / ``int2`` UniformQuant, whose decode-time pages quantize
-every 32 steps), a prompt of ``--prompt`` tokens is decoded for ``--steps`` greedy steps
+every 32 steps, ``kvzap``: KVzap pruning every 16 decode steps, from a random linear surrogate
+at the shape with threshold 0, so about half of what leaves its window goes), a prompt of ``--prompt`` tokens is decoded for ``--steps`` greedy steps
 (end of turn ignored) twice in one process: the first long decode pays any kernel compile
 its lengths need (``compiled``: new entries in Triton's cache directory), the second is the
 steady state. A step's time is the interval between two of the engine's polls of
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import tempfile
 import io
 import itertools
 import json
@@ -70,6 +72,22 @@ def build_model(model_dir: Path, shape: str, device: str, dtype: torch.dtype, ma
     return lm, AutoTokenizer.from_pretrained(model_dir)
 
 
+def random_surrogate_dir(lm) -> str:
+    """A folder holding a random linear KVzap surrogate at ``lm``'s shape (zero bias: about
+    half the scores fall below a threshold of 0)."""
+    from agentkv.methods.kvzap_surrogate import Surrogate, SurrogateMeta
+
+    c = lm.config
+    L, H, D = c.num_hidden_layers, c.num_key_value_heads, c.hidden_size
+    head_dim = getattr(c, "head_dim", None) or D // c.num_attention_heads
+    meta = SurrogateMeta("random", "linear", L, c.num_attention_heads, H, head_dim, D)
+    g = torch.Generator().manual_seed(0)
+    folder = tempfile.mkdtemp(prefix="kvzap_random_")
+    w = torch.randn(L, H, D, generator=g) / D**0.5
+    Surrogate(meta, w, torch.zeros(L, H)).save(Path(folder) / "linear.safetensors")
+    return folder
+
+
 def prompt_messages(tokenizer, n_tokens: int) -> list[dict]:
     """One user message of about ``n_tokens`` tokens (the chat template adds a few)."""
     words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa"]
@@ -84,7 +102,7 @@ def _cache_entries() -> int:
 
 
 def run(args) -> list[dict]:
-    from agentkv import FullCache, UniformQuant, build_payload
+    from agentkv import FullCache, KVzap, UniformQuant, build_payload
     from agentkv.engine.engine import Engine, GenerationConfig
     from agentkv.engine.model_loader import resolve_model_dir
 
@@ -95,6 +113,9 @@ def run(args) -> list[dict]:
     lm, tok = build_model(model_dir, args.shape, device, dtype, args.prompt + args.steps + 64)
     msgs = prompt_messages(tok, args.prompt)
     policies = {"bf16": FullCache(), "int4": UniformQuant(bits=4), "int2": UniformQuant(bits=2)}
+    if "kvzap" in args.modes.split(","):
+        sur = random_surrogate_dir(lm)
+        policies["kvzap"] = KVzap(threshold=0.0, surrogate="linear", surrogate_path=sur)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     sessions = itertools.count()
     rows = []
@@ -148,6 +169,8 @@ def run(args) -> list[dict]:
                 "compiled_again": _cache_entries() - c1,
                 "prefill_s": t1,
                 "resident_kv_mib": res.usage.resident_kv_bytes / 2**20,
+                "evicted_entries": res.usage.evicted_entries,
+                "live_kv_tokens": res.usage.live_kv_tokens,
             }
             if engine.decode_graph is not None:
                 g = engine.decode_graph
@@ -192,7 +215,7 @@ def main() -> None:
         default="graphs,kernels,dense" if torch.cuda.is_available() else "kernels,dense",
         help="graphs (CUDA), kernels, dense, reference",
     )
-    ap.add_argument("--modes", default="bf16,int4,int2")
+    ap.add_argument("--modes", default="bf16,int4,int2", help="bf16, int4, int2, kvzap")
     ap.add_argument("--profile", default=None, help="a mode to profile (cProfile)")
     ap.add_argument(
         "--kernel-profile",

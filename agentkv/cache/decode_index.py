@@ -93,6 +93,23 @@ class DecodeIndex:
             n_max[0],
         )
 
+    def refill(self, new: DecodeIndex) -> bool:
+        """Take ``new``'s contents (an index of the same request, built after an eviction or
+        a precision change) into this index's buffers, whose addresses stay (a captured decode
+        step reads them). False, changing nothing, where ``new``'s rows are longer than these
+        buffers' (or another shape)."""
+        L, H, cap = self.slot_map.shape
+        nl, nh, ncap = new.slot_map.shape
+        if (nl, nh) != (L, H) or ncap > cap or new.slot_map.device != self.slot_map.device:
+            return False
+        self.slot_map[:, :, :ncap].copy_(new.slot_map)
+        self.slot_map[:, :, ncap:].fill_(DEAD)  # (as a build leaves every column's end)
+        self.seq_lens.copy_(new.seq_lens)
+        self.int2_lens.copy_(new.int2_lens)
+        self.int4_lens.copy_(new.int4_lens)
+        self.max_lens, self.longest = new.max_lens, new.longest
+        return True
+
     def advance(self, slot_map: SlotMap, layout: PoolLayout, start: int, end: int) -> bool:
         """Follow a decode-time page in place instead of a rebuild: positions ``start ..
         end - 1`` of ``slot_map`` were full precision in this index (built or advanced from

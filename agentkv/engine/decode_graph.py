@@ -35,12 +35,17 @@ import torch
 
 from agentkv.engine.kernel_decode import KernelDecode
 from agentkv.kernels import held_decode_plans
+from agentkv.methods import PrefillObserver
 
 log = logging.getLogger(__name__)
 
-#: ``(input_ids [1, 1], positions [1], write_slots [L * Hkv, 1], kernel) -> logits [V]``,
-#: every tensor on the device
-StepForward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, KernelDecode], torch.Tensor]
+#: ``(input_ids [1, 1], positions [1], write_slots [L * Hkv, 1], kernel, observer) ->
+#: logits [V]``, every tensor on the device; ``observer``: the method's decode-time observer
+#: or None (it records what it needs from inside the capture)
+StepForward = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, KernelDecode, PrefillObserver | None],
+    torch.Tensor,
+]
 
 
 class DecodeGraph:
@@ -54,12 +59,16 @@ class DecodeGraph:
             synchronize with the device (it is captured).
         num_cells: cells a step writes (layers x KV heads).
         device: the CUDA device.
+        dtype: the model's activations (what an observer's capture buffers hold).
     """
 
-    def __init__(self, forward: StepForward, num_cells: int, device: torch.device):
+    def __init__(
+        self, forward: StepForward, num_cells: int, device: torch.device, dtype: torch.dtype
+    ):
         if device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, got {device}")
         self.forward = forward
+        self.dtype = dtype
         self._host = torch.empty(2 + num_cells, dtype=torch.int64, pin_memory=True)
         self._dev = torch.empty(2 + num_cells, dtype=torch.int64, device=device)
         self.input_ids = self._dev[0:1].view(1, 1)
@@ -71,6 +80,7 @@ class DecodeGraph:
         self._mempool = torch.cuda.MemPool()
         self.stream = torch.cuda.Stream(device)
         self.kernel: KernelDecode | None = None
+        self.observer: PrefillObserver | None = None
         self.graph: torch.cuda.CUDAGraph | None = None
         self._logits: torch.Tensor | None = None
         self._plans: list[Any] = []
@@ -95,15 +105,16 @@ class DecodeGraph:
         self.graph = None
         self._logits = None
 
-    def begin(self, kernel: KernelDecode) -> None:
-        """A request's decode starts, over ``kernel``'s index."""
+    def begin(self, kernel: KernelDecode, observer: PrefillObserver | None = None) -> None:
+        """A request's decode starts, over ``kernel``'s index; ``observer``: its method's
+        decode-time observer (pruning while decoding), or None."""
         self._drop()
-        self.kernel = kernel
+        self.kernel, self.observer = kernel, observer
 
     def end(self) -> None:
         """The request's decode ended: its graph (and the memory it pins) goes."""
         self._drop()
-        self.kernel = None
+        self.kernel = self.observer = None
 
     def _drop(self) -> None:
         self.graph = None
@@ -127,17 +138,20 @@ class DecodeGraph:
             self.replays += 1
             assert self._logits is not None
             return self._logits
+        args = (self.input_ids, self.positions, self.write_slots, kernel, self.observer)
         if self.failed is not None:
-            return self.forward(self.input_ids, self.positions, self.write_slots, kernel)
+            return self.forward(*args)
         cur = torch.cuda.current_stream(self._dev.device)
         self.stream.wait_stream(cur)
         with torch.cuda.stream(self.stream):
             # eager first: the step's result, and any kernel compile or plan it needs
-            logits = self.forward(self.input_ids, self.positions, self.write_slots, kernel)
+            logits = self.forward(*args)
             graph = torch.cuda.CUDAGraph()
+            if self.observer is not None:
+                self.observer.before_capture(self._dev.device, self.dtype)
             try:
                 with torch.cuda.graph(graph, pool=self._mempool.id, stream=self.stream):
-                    out = self.forward(self.input_ids, self.positions, self.write_slots, kernel)
+                    out = self.forward(*args)
             except Exception as e:  # (not capturable here: decode eagerly from now on)
                 self.failed = f"{type(e).__name__}: {e}"
                 log.warning("CUDA graph capture failed, decoding eagerly: %s", self.failed)

@@ -2,10 +2,11 @@
 
 The engine makes one :class:`DecodePruning` per request after the prefill plan. During decode
 its ``observer`` (the method's prefill observer, still collecting: KVzap's score buffer) goes
-into every step's :class:`StoreCache`, and :meth:`after_step` calls
-:meth:`Method.plan_decode` every ``interval`` steps, applies the plan to the store, adds its
-evictions to the request's counters and returns a fresh :class:`LiveView` (a view is valid
-only while the slot map grows).
+into every step's :class:`StoreCache` (or a captured step's, whose replays it collects every
+``observer.collect_every`` steps), and :meth:`after_step` calls :meth:`Method.plan_decode`
+every ``interval`` steps, applies the plan to the store, adds its evictions to the request's
+counters and returns a fresh :class:`LiveView` (a view is valid only while the slot map
+grows). :meth:`finish` ends the observer's decode.
 """
 
 from __future__ import annotations
@@ -54,6 +55,9 @@ class DecodePruning:
     def after_step(self, view: LiveView) -> LiveView:
         """Call after each decode forward pass; returns the view to use next."""
         self.steps += 1
+        every = self.observer.collect_every
+        if every and self.steps % every == 0:
+            self.observer.collect()
         if self.steps % self.interval:
             return view
         plan = self.method.plan_decode(
@@ -77,3 +81,7 @@ class DecodePruning:
                 self.counters["evicted_tokens"] += res.positions_dead
                 self.counters["evicted_entries"] += res.entries_evicted
         return LiveView(self.store, self.req)
+
+    def finish(self) -> None:
+        """The request's decode ended (however it ended)."""
+        self.observer.end_decode()

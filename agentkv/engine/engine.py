@@ -44,6 +44,7 @@ from agentkv.methods import (
     ObserveRequest,
     Plan,
     PlanContext,
+    PrefillObserver,
 )
 from agentkv.policies import FullCache, KVPolicy, parse_policy, parse_policy_spec
 from agentkv.session import is_request_local, resolve_session_id, scope_session_id
@@ -241,7 +242,8 @@ class Engine:
             (:meth:`KVStore.compact_int4`; 0, the default: never; e.g. 0.75).
         cuda_graphs: replay the kernels' decode steps from a CUDA graph (captured once per
             decode-index epoch, :class:`DecodeGraph`); default: on where decode runs on the
-            kernels on CUDA. Steps of a method that prunes during decode run eagerly.
+            kernels on CUDA (a method that prunes while decoding, KVzap, included: its
+            observer records each replayed step's layer inputs on the device).
     """
 
     def __init__(
@@ -314,7 +316,10 @@ class Engine:
         #: the decode step's CUDA graph (None: steps run eagerly)
         self.decode_graph = (
             DecodeGraph(
-                self._graph_forward, self.shape.num_layers * self.shape.num_kv_heads, self.device
+                self._graph_forward,
+                self.shape.num_layers * self.shape.num_kv_heads,
+                self.device,
+                self.dtype,
             )
             if graphs_possible and cuda_graphs is not False
             else None
@@ -673,11 +678,14 @@ class Engine:
         positions: torch.Tensor,
         write_slots: torch.Tensor,
         kernel: KernelDecode,
+        observer: PrefillObserver | None,
     ) -> torch.Tensor:
         """One decode step on the kernels from device tensors only (what
         :class:`DecodeGraph` captures): logits ``[V]``."""
         view = LiveView(self.store, kernel.req)  # (unread on the kernels' path)
-        cache = StoreCache(view, positions, write_slots, kernel=kernel, seq_length=0)
+        if observer is not None:  # (an eager step's observer may keep them: not the input)
+            positions = positions.clone()
+        cache = StoreCache(view, positions, write_slots, observer, kernel=kernel, seq_length=0)
         return self._forward(input_ids, positions, cache, keep=1)[-1]
 
     def _prefill_and_plan(
@@ -801,64 +809,68 @@ class Engine:
         finish = "length"
         view = LiveView(self.store, req)
         pruning: DecodePruning | None = info.get("decode_pruning")
+        observer = pruning.observer if pruning is not None else None
         kernel = None
         if self.decode_attention != "dense":
             backend = "torch" if self.decode_attention == "reference" else "triton"
             kernel = KernelDecode(self.store, req, gen.max_tokens, backend)
         # (the kernels' steps only: decode_attention may have been switched since __init__)
-        on_kernels = self.decode_attention == "kernels" and pruning is None
-        graph = self.decode_graph if kernel is not None and on_kernels else None
+        on_kernels = kernel is not None and self.decode_attention == "kernels"
+        graph = self.decode_graph if on_kernels else None
         if graph is not None:
-            graph.begin(kernel)
+            graph.begin(kernel, observer)
         # live cells per column: +1 per decode step; recounted only when a plan changes them
         live = req.slot_map.effective_live_tokens()
-        for _ in range(gen.max_tokens):
-            if gen.should_stop is not None and gen.should_stop():
-                finish = "abort"
-                break
-            tok = self._sample(logits, gen, generator)
-            if tok in self._stop_ids and not gen.ignore_eos:
-                finish = "stop"
-                break
-            out.append(tok)
-            if stream is not None or gen.stop:
-                text = self.tokenizer.decode(out, skip_special_tokens=True)
-                if stream is not None:
-                    stream.update(text)
-                if gen.stop and any(s and s in text for s in gen.stop):
+        try:
+            for _ in range(gen.max_tokens):
+                if gen.should_stop is not None and gen.should_stop():
+                    finish = "abort"
+                    break
+                tok = self._sample(logits, gen, generator)
+                if tok in self._stop_ids and not gen.ignore_eos:
                     finish = "stop"
                     break
-            if len(out) == gen.max_tokens:
-                break
-            pos = req.seq_len
-            try:
-                slots = self.store.extend(req, [tok])
-            except OutOfSlots:  # the pool ran out: return what was generated
-                break
-            if kernel is not None:
-                kernel.append(slots)
+                out.append(tok)
+                if stream is not None or gen.stop:
+                    text = self.tokenizer.decode(out, skip_special_tokens=True)
+                    if stream is not None:
+                        stream.update(text)
+                    if gen.stop and any(s and s in text for s in gen.stop):
+                        finish = "stop"
+                        break
+                if len(out) == gen.max_tokens:
+                    break
+                pos = req.seq_len
+                try:
+                    slots = self.store.extend(req, [tok])
+                except OutOfSlots:  # the pool ran out: return what was generated
+                    break
+                if kernel is not None:
+                    kernel.append(slots)
+                if graph is not None:
+                    logits = graph.step(tok, pos, slots)
+                else:
+                    cache = StoreCache(view, torch.tensor([pos]), slots, observer, kernel=kernel)
+                    logits = self._forward([tok], torch.tensor([pos]), cache, keep=1)[-1]
+                raw += pos + 1
+                live += 1
+                if kernel is not None:
+                    eff += int(round(live))
+                else:
+                    eff += int(round(cache.attended_keys / self.shape.num_layers))
+                page = self._demote_tail(req, info)  # a page filled: its rows change in views
+                pruned = pruning is not None and pruning.after_step(view) is not view
+                if page is not None or pruned:
+                    live = req.slot_map.effective_live_tokens()
+                    # (a page changes its rows' values only; a pruning plan, which rows exist)
+                    view = LiveView(self.store, req) if pruned else view.follow_page(*page)
+                    if kernel is not None:  # (a captured step follows its epoch)
+                        kernel.rebuild(None if pruned else page)
+        finally:  # (however it ends: the graph's memory and the observer's buffers go)
             if graph is not None:
-                logits = graph.step(tok, pos, slots)
-            else:
-                observer = pruning.observer if pruning is not None else None
-                cache = StoreCache(view, torch.tensor([pos]), slots, observer, kernel=kernel)
-                logits = self._forward([tok], torch.tensor([pos]), cache, keep=1)[-1]
-            raw += pos + 1
-            live += 1
-            if kernel is not None:
-                eff += int(round(live))
-            else:
-                eff += int(round(cache.attended_keys / self.shape.num_layers))
-            page = self._demote_tail(req, info)  # a page filled: its rows change in the views
-            pruned = pruning is not None and pruning.after_step(view) is not view
-            if page is not None or pruned:
-                live = req.slot_map.effective_live_tokens()
-                # (a page changes its rows' values only; a pruning plan, which rows there are)
-                view = LiveView(self.store, req) if pruned else view.follow_page(*page)
-                if kernel is not None:  # (a captured step follows its epoch)
-                    kernel.rebuild(None if pruned else page)
-        if graph is not None:
-            graph.end()
+                graph.end()
+            if pruning is not None:
+                pruning.finish()
         if kernel is not None:
             info["compacted"] += kernel.compacted
         return out, finish, (raw, eff)

@@ -49,6 +49,7 @@ class KernelDecode:
         #: their slack): what a captured step (:class:`DecodeGraph`) replays is valid within
         #: one epoch
         self.epoch = 0
+        self.appended = 0  # decode steps appended (the room a rebuilt index still needs)
         self.rebuild()
 
     def rebuild(self, page: tuple[int, int] | None = None) -> None:
@@ -57,32 +58,49 @@ class KernelDecode:
         (:meth:`KVStore.compact_int4`: the kernel reads consecutive rows faster). ``page``:
         only positions ``page[0] .. page[1] - 1`` went to INT4 since the index was built (a
         decode-time page): the index follows in place where it can
-        (:meth:`DecodeIndex.advance`, ``O(page)``), else it is rebuilt."""
+        (:meth:`DecodeIndex.advance`, ``O(page)``), else it is rebuilt.
+
+        A rebuilt index is written into the current one's buffers where it fits
+        (:meth:`DecodeIndex.refill`), and the bounds stay while they still cover it, loose
+        by at most ``2 * BOUND_SLACK`` positions: an eviction while decoding (KVzap's
+        passes) then keeps the epoch, and a captured step replays on."""
         moved = self.store.compact_int4(self.req).cells_moved
         self.compacted += moved
         follow = page is not None and not moved
         if follow and self.index.advance(self.req.slot_map, self.store.layout, *page):
-            b, cur = self.index.max_lens, self.bounds
-            if b.int2 > cur.int2 or b.int4 > cur.int4 or b.full > cur.full:
-                self._plan_bounds()
+            self._plan_bounds(keep=True)
             return
-        self.index = DecodeIndex.build(
-            self.req.slot_map, self.store.layout, self.room, self.store.pool.device
+        room = self.room - self.appended
+        index = DecodeIndex.build(
+            self.req.slot_map, self.store.layout, room, self.store.pool.device
         )
-        self._plan_bounds()
+        old: DecodeIndex | None = getattr(self, "index", None)
+        keep = old is not None and old.refill(index)
+        if not keep:
+            self.index = index
+        self._plan_bounds(keep)
 
-    def _plan_bounds(self) -> None:
+    def _plan_bounds(self, keep: bool) -> None:
         """Bounds for the kernels' plan from the index's: the quantized segments' rounded
         up to :data:`BOUND_SLACK` positions (a decode-time page grows one by 32; the plan,
         and a captured step, then hold for 16 pages), the full segment's as they are (it
-        already has room for every decode step, and only shrinks)."""
-        b = self.index.max_lens
+        already has room for every decode step, and only shrinks). ``keep``: the index's
+        buffers are the ones the current bounds were planned for; the bounds (and the epoch)
+        stay where each still covers its segment, loose by at most ``2 * BOUND_SLACK``
+        positions (a program past its column's end returns at once)."""
+        b, cur = self.index.max_lens, self.bounds
+        if keep and all(
+            need <= have <= need + 2 * BOUND_SLACK
+            for need, have in ((b.int2, cur.int2), (b.int4, cur.int4), (b.full, cur.full))
+        ):
+            return
         self.bounds = SegmentMaxLens(_round_up(b.int2), _round_up(b.int4), b.full)
         self.epoch += 1
 
     def append(self, cells: torch.Tensor) -> None:
         """A decode step's new cells (int64 ``[L * Hkv, 1]``) join every column."""
         self.index.append(cells)
+        self.appended += 1
 
     def attend(self, layer: int, query: torch.Tensor, scaling: float | None) -> torch.Tensor:
         """``query`` ``[1, Hq, 1, D]`` -> attention output ``[1, 1, Hq, D]``."""

@@ -127,10 +127,17 @@ class PrefillObserver:
     once: it asks :meth:`query_sum_masks` which rows feed which sum, and hands the sums to
     :meth:`add_query_sums` (same result as calling :meth:`observe` per layer, up to the
     float32 summation order).
+
+    Decode steps replayed from a CUDA graph run no Python: an observer that takes decode
+    steps (:meth:`observe_hidden`) records them from inside the capture into buffers it makes
+    in :meth:`before_capture`, and the engine calls :meth:`collect` at least every
+    :attr:`collect_every` decode steps (0: never needed) and :meth:`end_decode` when the
+    request's decode ends.
     """
 
     reads_keys: ClassVar[bool] = True
     sums_queries: ClassVar[bool] = False
+    collect_every: ClassVar[int] = 0
 
     def observe(
         self,
@@ -158,6 +165,18 @@ class PrefillObserver:
         """Optional: ``hidden [n, D_h]``, the input of decoder layer ``layer`` (residual stream,
         before its input norm) at int64 ``positions [n]``; in prefill, and in decode for
         methods that prune while decoding (:meth:`Method.decode_interval`)."""
+
+    def before_capture(self, device: torch.device, dtype: torch.dtype) -> None:
+        """Optional: a decode step of a model computing in ``dtype`` is about to be captured
+        on ``device`` (make what the capture will write into: a capture records work, it
+        runs none)."""
+
+    def collect(self) -> None:
+        """Optional: take in what replayed decode steps recorded (see the class notes)."""
+
+    def end_decode(self) -> None:
+        """Optional: the request's decode ended: take in what is left, free what decode
+        steps needed."""
 
     def result(self) -> Any:
         return None

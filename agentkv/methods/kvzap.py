@@ -14,7 +14,10 @@ compression ratio adapts to the input.
 - Decode: the buffer keeps growing with the decoded positions; every ``decode_interval``
   steps :meth:`KVzapMethod.plan_decode` evicts the positions that left the window since the
   last pass and score below the threshold (kvzap.txt Algorithm 1 with a score buffer so the
-  window slides).
+  window slides). A decode step replayed from a CUDA graph (the embedded engine's kernels
+  path) runs no Python: its capture wrote each layer's input row into a device ring
+  (:data:`RING_ROWS` rows, slot ``position % RING_ROWS``, with the row's position), which
+  :meth:`KVzapScores.collect` scores (also before any score is read).
 """
 
 from __future__ import annotations
@@ -42,6 +45,13 @@ SESSION_CAPACITY = 64
 #: scored when they arrive but kept and scored for every layer at once when scores are read
 #: (one batched surrogate call per pruning pass instead of one per layer and step).
 DEFER_MAX_ROWS = 64
+#: rows of the ring that decode steps captured in a CUDA graph write their layer inputs into
+#: (no Python runs when a graph replays); collected at least every this many steps.
+RING_ROWS = 64
+
+
+def _capturing(t: torch.Tensor) -> bool:
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 class KVzapScores(PrefillObserver):
@@ -55,6 +65,7 @@ class KVzapScores(PrefillObserver):
     """
 
     reads_keys = False  # observe() reads nothing: scores come from hidden states
+    collect_every = RING_ROWS  # (the ring's rows: collected before they are overwritten)
 
     def __init__(self, surrogate: Surrogate, req: ObserveRequest):
         self.surrogate = surrogate
@@ -65,6 +76,10 @@ class KVzapScores(PrefillObserver):
         self.pruned_until = 0
         #: deferred ``(layer, hidden [n, D_h], positions [n])`` of small passes.
         self._pending: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+        #: captured steps' layer inputs ``[L, RING_ROWS, D_h]`` and their positions
+        #: (int64 ``[RING_ROWS]``, -1: nothing to score), made by the first capture
+        self._ring: torch.Tensor | None = None
+        self._ring_pos: torch.Tensor | None = None
 
     def _ensure(self, end: int, device: torch.device) -> None:
         if self.scores is None:
@@ -90,10 +105,40 @@ class KVzapScores(PrefillObserver):
                 f"the model has {hidden.shape[-1]}"
             )
         if hidden.shape[0] <= DEFER_MAX_ROWS:
-            self._pending.append((layer, hidden, positions))
+            if _capturing(hidden):  # replays will rewrite ``hidden``: keep a copy per step
+                self._record(layer, hidden, positions)
+            else:
+                self._pending.append((layer, hidden, positions))
             return
         self._flush()
         self._store(layer, hidden, positions, self.surrogate.score(layer, hidden).T)
+
+    def before_capture(self, device: torch.device, dtype: torch.dtype) -> None:
+        """Make the ring (once a decode: every graph of it writes there)."""
+        if self._ring is None:
+            L, D = self.shape.num_layers, self.surrogate.meta.hidden_size
+            self._ring = torch.zeros(L, RING_ROWS, D, device=device, dtype=dtype)
+            self._ring_pos = torch.full((RING_ROWS,), -1, dtype=torch.int64, device=device)
+
+    def _record(self, layer: int, hidden: torch.Tensor, positions: torch.Tensor) -> None:
+        """Copy ``hidden [n, D_h]`` into the ring at slots ``positions % RING_ROWS`` (device
+        ops only: this runs while a decode step is captured, ``positions`` on the device)."""
+        if self._ring is None or self._ring_pos is None:
+            raise RuntimeError("KVzapScores: a decode step captured without before_capture()")
+        slots = torch.remainder(positions, RING_ROWS)
+        self._ring[layer].index_copy_(0, slots, hidden)
+        if layer == 0:
+            self._ring_pos.index_copy_(0, slots, positions)
+
+    def collect(self) -> None:
+        """Score the rows replayed steps left in the ring (one device sync)."""
+        self._flush()
+
+    def end_decode(self) -> None:
+        """The request's decode ended: score what is left, free the ring (made again by the
+        next capture)."""
+        self._flush()
+        self._ring = self._ring_pos = None
 
     def _store(self, layer: int | slice, hidden, positions, scores: torch.Tensor) -> None:
         """Write ``scores`` (``[Hkv, n]`` for one layer, ``[L, Hkv, n]`` for ``slice(None)``)."""
@@ -112,7 +157,8 @@ class KVzapScores(PrefillObserver):
     def _flush(self) -> None:
         """Score the deferred layer inputs: every layer at once when each layer saw the same
         passes (the same ``positions`` objects, as one forward gives every layer), else one
-        layer at a time."""
+        layer at a time. First the rows replayed steps left in the ring."""
+        self._collect_ring()
         if not self._pending:
             return
         pending, self._pending = self._pending, []
@@ -135,6 +181,19 @@ class KVzapScores(PrefillObserver):
             return
         for layer, hidden, positions in pending:
             self._store(layer, hidden, positions, self.surrogate.score(layer, hidden).T)
+
+    def _collect_ring(self) -> None:
+        if self._ring is None or self._ring_pos is None:
+            return
+        pos = self._ring_pos.cpu()
+        slots = torch.nonzero(pos >= 0).reshape(-1)
+        if not slots.numel():
+            return
+        slots = slots[torch.argsort(pos[slots])]  # (in position order)
+        hidden = self._ring[:, slots.to(self._ring.device)]  # [L, n, D_h]
+        self._store(slice(None), hidden, pos[slots],
+                    self.surrogate.score_all(hidden).transpose(1, 2))  # fmt: skip
+        self._ring_pos.fill_(-1)
 
     def window_scores(self, start: int, end: int) -> torch.Tensor:
         """float32 CPU ``[L, Hkv, end - start]``; unknown positions read ``+inf`` (kept)."""

@@ -101,6 +101,48 @@ def test_graph_replay_decodes_what_eager_steps_decode(gpu_lm, policy, slack, mon
 
 
 @cuda
+@pytest.mark.parametrize("slack", [32, 512])
+def test_kvzap_pruning_while_decoding_replays_what_eager_steps_decode(
+    gpu_lm, tmp_path, slack, monkeypatch
+):
+    """KVzap prunes every 16 decode steps from its surrogate's scores of each step's layer
+    inputs: replayed steps record those in its ring, and the graphed engine decodes and
+    evicts what the eager one does. A pruning pass refills the index in place, so at the
+    default slack one capture serves the whole decode; at 32 the bounds, loose by more than
+    twice the slack after a few passes, are planned again now and then."""
+    from agentkv import KVzap
+    from agentkv.engine import kernel_decode
+    from agentkv.methods.kvzap_surrogate import Surrogate, SurrogateMeta
+
+    monkeypatch.setattr(kernel_decode, "BOUND_SLACK", slack)
+    lm, _ = gpu_lm
+    cfg = lm.config
+    L, H = cfg.num_hidden_layers, cfg.num_key_value_heads
+    meta = SurrogateMeta("random", "linear", L, cfg.num_attention_heads, H, cfg.head_dim,
+                         cfg.hidden_size)  # fmt: skip
+    g = torch.Generator().manual_seed(1)
+    Surrogate(meta, torch.randn(L, H, cfg.hidden_size, generator=g), torch.zeros(L, H)).save(
+        tmp_path / "linear.safetensors"
+    )
+    policy = KVzap(threshold=0.0, window=16, surrogate="linear", surrogate_path=str(tmp_path))
+    graphed, eager = _engines(gpu_lm)
+    steps = 130
+    gen = GenerationConfig(max_tokens=steps, ignore_eos=True)
+    got = graphed.chat(MSGS, payload=build_payload(MSGS, policy, "g"), gen=gen)
+    want = eager.chat(MSGS, payload=build_payload(MSGS, policy, "e"), gen=gen)
+    assert got.token_ids == want.token_ids and len(got.token_ids) == steps
+    assert got.usage.evicted_entries == want.usage.evicted_entries
+    (obs,) = graphed.methods.for_policy(policy)._sessions.values()
+    assert got.usage.evicted_entries > 0
+    assert obs.pruned_until > got.usage.prompt_tokens + 64  # (decode-time passes pruned)
+    g = graphed.decode_graph
+    assert g.failed is None and g.replays == steps - 1 - g.captures
+    assert g.captures == 1 if slack == 512 else 2 <= g.captures <= 6
+    assert got.usage.resident_kv_bytes == want.usage.resident_kv_bytes
+    assert obs._ring is None  # (freed with the decode)
+
+
+@cuda
 def test_a_capture_that_fails_leaves_the_decode_eager_and_whole(gpu_lm, caplog):
     graphed, eager = _engines(gpu_lm)
     g = graphed.decode_graph
@@ -197,6 +239,70 @@ def test_a_captured_steps_epoch_spans_pages_until_a_bound_outgrows_its_slack():
     # INT4 at 480, 512: the first epoch's bound holds; at 544, 576: one new epoch
     assert epochs == [epochs[0]] * 3 + [epochs[0] + 1] * 2
     assert kd.bounds.int4 == 1024
-    kd.rebuild()  # (a rebuild: a new index, a new epoch)
-    assert kd.epoch == epochs[-1] + 1
+    st.finish_request(req, cache=False)
+
+
+def _index_rows(ix) -> list[list[int]]:
+    """Each column's entries up to its length (what the kernels read)."""
+    L, H, _ = ix.slot_map.shape
+    lens = ix.seq_lens.reshape(-1).tolist()
+    rows = ix.slot_map.reshape(L * H, -1)
+    return [rows[c, : lens[c]].tolist() for c in range(L * H)]
+
+
+def test_an_eviction_while_decoding_keeps_the_index_buffers_and_the_epoch(monkeypatch):
+    """KVzap evicts every few decode steps: the rebuilt index goes into the buffers a captured
+    step reads, equal to a new index, and the epoch stays while the bounds still cover the
+    index within twice the slack; past that the bounds are planned again (a new epoch), in
+    the same buffers."""
+    from cache.kv_fill import fill
+
+    from agentkv.cache import DecodeIndex, KVStore, Precision
+    from agentkv.engine import kernel_decode
+    from agentkv.engine.kernel_decode import KernelDecode
+
+    L, H, D = 2, 2, 32
+    st = KVStore(L, H, D, num_slots=2048)
+    req = st.begin_request(None, [i % 50 + 1 for i in range(600)])
+    fill(st, req, st.extend(req))
+    st.set_precision(req, torch.full((256,), int(Precision.INT4), dtype=torch.int8))
+    kd = KernelDecode(st, req, room=200, backend="torch")
+    ptrs = [t.data_ptr() for t in (kd.index.slot_map, kd.index.seq_lens, kd.index.int4_lens)]
+    epoch, bounds = kd.epoch, kd.bounds
+
+    def decode(n: int) -> None:
+        for _ in range(n):
+            cells = st.extend(req, [7])
+            fill(st, req, cells)
+            kd.append(cells)
+
+    def same_as_a_new_index() -> None:
+        new = DecodeIndex.build(req.slot_map, st.layout, kd.room - kd.appended, "cpu")
+        assert _index_rows(kd.index) == _index_rows(new)
+        assert torch.equal(kd.index.int4_lens, new.int4_lens)
+        assert kd.index.max_lens == new.max_lens and kd.index.longest == new.longest
+        b = kd.bounds
+        assert b.int4 >= new.max_lens.int4 and b.full >= new.max_lens.full
+
+    decode(16)
+    keep = torch.ones(L, H, req.seq_len, dtype=torch.bool)
+    keep[0, 1, 100:140] = False  # (full cells of one head)
+    keep[1, 0, 10:30] = False  # (INT4 cells of another)
+    st.evict_per_head(req, keep)
+    st.evict(req, torch.arange(300, 310))
+    kd.rebuild(None)
+    assert [t.data_ptr() for t in (kd.index.slot_map, kd.index.seq_lens, kd.index.int4_lens)] == (
+        ptrs
+    )
+    assert kd.epoch == epoch and kd.bounds == bounds
+    same_as_a_new_index()
+    decode(16)  # (appends go on after the refill)
+    same_as_a_new_index()
+    # with a slack of 8, the full bound is loose by more than 16 after 40 more evictions
+    monkeypatch.setattr(kernel_decode, "BOUND_SLACK", 8)
+    st.evict(req, torch.arange(400, 440))
+    kd.rebuild(None)
+    assert kd.epoch == epoch + 1 and kd.bounds != bounds
+    assert kd.index.slot_map.data_ptr() == ptrs[0]
+    same_as_a_new_index()
     st.finish_request(req, cache=False)

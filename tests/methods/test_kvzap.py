@@ -117,6 +117,41 @@ def test_deferred_decode_scores_equal_immediate_scores(kind):
     torch.testing.assert_close(got[0, :, T0 + 8], want[0, :, T0 + 8], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("kind", ["linear", "mlp"])
+def test_replayed_decode_steps_are_scored_from_the_ring(kind):
+    """A decode step captured in a CUDA graph copies each layer's input into the ring (what
+    every replay of it then does, no Python running); collected every ``collect_every`` steps
+    and when scores are read, beside eager steps' deferred rows, every position reads what
+    scoring it at once gives. The ring goes with the decode."""
+    from agentkv.methods.base import ObserveRequest
+    from agentkv.methods.kvzap import RING_ROWS, KVzapScores
+
+    sur = tiny_surrogate(OTHER, kind)
+    L, T0, n = OTHER.num_layers, 20, 2 * RING_ROWS + 7
+    obs = KVzapScores(sur, ObserveRequest(T0, 0, torch.zeros(T0, dtype=torch.bool), OTHER))
+    hidden = torch.randn(L, T0 + n, 32)
+    for layer in range(L):
+        obs.observe_hidden(layer, hidden[layer, :T0], torch.arange(T0))
+    with pytest.raises(RuntimeError, match="before_capture"):
+        obs._record(0, hidden[0, T0 : T0 + 1], torch.tensor([T0]))
+    obs.before_capture(torch.device("cpu"), torch.float32)
+    assert obs.collect_every == RING_ROWS
+    for i, t in enumerate(range(T0, T0 + n)):
+        step = torch.tensor([t])
+        for layer in range(L):
+            if i % 10 == 3:  # an epoch's first step runs eagerly: deferred as before
+                obs.observe_hidden(layer, hidden[layer, t : t + 1], step)
+            else:  # (what the captured step's replay writes)
+                obs._record(layer, hidden[layer, t : t + 1], step)
+        if (i + 1) % obs.collect_every == 0:
+            obs.collect()
+    got = obs.window_scores(0, T0 + n)
+    want = torch.stack([sur.score(i, hidden[i]).T for i in range(L)])
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    obs.end_decode()
+    assert obs._ring is None and not obs._pending
+
+
 # ----------------------------------------------------------------- on the real engine
 
 
