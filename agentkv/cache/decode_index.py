@@ -110,6 +110,34 @@ class DecodeIndex:
         self.max_lens, self.longest = new.max_lens, new.longest
         return True
 
+    def drop(self, cells: torch.Tensor, num_ids: int) -> None:
+        """Remove ``cells`` (int64 ``[L * Hkv, n]``: per column, cells the request's map no
+        longer holds, DEAD as padding: what an eviction released) in place, without a
+        rebuild: an INT2 entry turns DEAD (its page stays whole and aligned), INT4 and full
+        entries leave their segments and the rest of the column moves up, in order.
+        ``O(columns x cap)`` on the index's device, nothing read back; ``max_lens`` and
+        ``longest`` stay upper bounds. ``num_ids``: the pool layout's id count."""
+        L, H, cap = self.slot_map.shape
+        C = L * H
+        dev = self.slot_map.device
+        rows = self.slot_map.view(C, cap)
+        c = cells.reshape(C, -1).to(dev, torch.int64)
+        col = torch.arange(C, device=dev, dtype=torch.int64)[:, None]
+        want = (col * num_ids + c)[c != DEAD]
+        j = torch.arange(cap, device=dev)[None, :]
+        lens = self.seq_lens.reshape(C, 1)
+        hit = torch.isin(col * num_ids + rows, want) & (j < lens) & (rows != DEAD)
+        n2 = self.int2_lens.reshape(C, 1)
+        rows.masked_fill_(hit & (j < n2), DEAD)  # (INT2 rows: DEAD inside their page)
+        gone = hit & (j >= n2)
+        # kept entries first, in order (a stable sort on "gone"); then DEAD past the end
+        order = torch.sort(gone.to(torch.int8), dim=1, stable=True).indices
+        rows.copy_(rows.gather(1, order))
+        lens -= gone.sum(dim=1, keepdim=True, dtype=torch.int32)
+        rows.masked_fill_(j >= lens, DEAD)
+        in4 = (j < n2 + self.int4_lens.reshape(C, 1)) & gone
+        self.int4_lens -= in4.sum(dim=1, dtype=torch.int32).view_as(self.int4_lens)
+
     def advance(self, slot_map: SlotMap, layout: PoolLayout, start: int, end: int) -> bool:
         """Follow a decode-time page in place instead of a rebuild: positions ``start ..
         end - 1`` of ``slot_map`` were full precision in this index (built or advanced from

@@ -99,11 +99,14 @@ class EvictResult:
         entries_evicted: (layer, KV head, position) cells that went from live to evicted.
         positions_dead: positions newly left with no live cell in any column.
         slots_freed: cells that went back to the free lists (reference count reached 0).
+        released: int64 ``[L * Hkv, n]`` the cells the request's map dropped (DEAD where
+            none): what a decode index follows (:meth:`DecodeIndex.drop`).
     """
 
     entries_evicted: int
     positions_dead: int
     slots_freed: int
+    released: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -408,15 +411,33 @@ class KVStore:
         self._check_live(req)
         before_live, before_res = req.slot_map.live_entries(), req.slot_map.num_resident
         released = req.slot_map.evict(positions)
-        return self._release(req, before_live, before_res, released)
+        return self._release(
+            req,
+            before_live - req.slot_map.live_entries(),
+            before_res - req.slot_map.num_resident,
+            released,
+        )
 
-    def evict_per_head(self, req: RequestKV, keep_mask: torch.Tensor) -> EvictResult:
-        """Evict per (layer, KV head): ``keep_mask`` bool ``[L, Hkv, T']`` (``T' <= seq_len``),
-        ``False`` = evict that cell (its bytes go back to that column's free list)."""
+    def evict_per_head(
+        self, req: RequestKV, keep_mask: torch.Tensor, start: int = 0
+    ) -> EvictResult:
+        """Evict per (layer, KV head): ``keep_mask`` bool ``[L, Hkv, T']`` over positions
+        ``start .. start + T' - 1``, ``False`` = evict that cell (its bytes go back to that
+        column's free list). Costs ``O(columns x T')`` on the host: a decode-time pass over a
+        window does not pay for the whole map."""
         self._check_live(req)
-        before_live, before_res = req.slot_map.live_entries(), req.slot_map.num_resident
-        released = req.slot_map.evict_cells(keep_mask)
-        return self._release(req, before_live, before_res, released)
+        t = int(keep_mask.shape[-1])
+        win = req.slot_map.slots[:, start : start + t]
+        before_live, before_res = self._window_counts(win)
+        released = req.slot_map.evict_cells(keep_mask, start)
+        after_live, after_res = self._window_counts(win)
+        return self._release(req, before_live - after_live, before_res - after_res, released)
+
+    @staticmethod
+    def _window_counts(cells: torch.Tensor) -> tuple[int, int]:
+        """``(live cells, positions with a live cell)`` of ``cells [C, n]``."""
+        live = cells != DEAD
+        return int(live.sum()), int(live.any(dim=0).sum())
 
     # ----------------------------------------------------------- precision
     def set_precision(
@@ -750,14 +771,10 @@ class KVStore:
             )
 
     def _release(
-        self, req: RequestKV, before_live: int, before_res: int, released: torch.Tensor
+        self, req: RequestKV, entries: int, positions: int, released: torch.Tensor
     ) -> EvictResult:
         lay = self.layout
         if bool(((released >= lay.int4_base) & (released < lay.int2_base)).any()):
             req.int4_thinned = True
         freed = self.allocator.decref(released)
-        return EvictResult(
-            entries_evicted=before_live - req.slot_map.live_entries(),
-            positions_dead=before_res - req.slot_map.num_resident,
-            slots_freed=freed,
-        )
+        return EvictResult(entries, positions, freed, released)

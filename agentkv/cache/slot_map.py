@@ -141,10 +141,10 @@ class SlotMap:
         self._slots[:, pos] = DEAD
         return released
 
-    def evict_cells(self, keep: torch.Tensor) -> torch.Tensor:
-        """Evict per column: ``keep`` bool ``[L, Hkv, T']`` (or ``[L * Hkv, T']``), ``T' <= T``;
-        ``False`` evicts that cell, ``True`` keeps it if live (nothing comes back). Positions
-        ``>= T'`` are untouched.
+    def evict_cells(self, keep: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """Evict per column: ``keep`` bool ``[L, Hkv, T']`` (or ``[L * Hkv, T']``) over
+        positions ``start .. start + T' - 1`` (within the map); ``False`` evicts that cell,
+        ``True`` keeps it if live (nothing comes back). Other positions are untouched.
 
         Returns int64 ``[L * Hkv, T']``: cells that lost this map's reference (else DEAD).
         """
@@ -155,10 +155,12 @@ class SlotMap:
                 f"keep must be [{self.num_layers}, {self.num_kv_heads}, T'], got {list(keep.shape)}"
             )
         t = int(k.shape[1])
-        if t > self._len:
-            raise ValueError(f"keep covers {t} positions but the map has {self._len}")
+        if start < 0 or start + t > self._len:
+            raise ValueError(
+                f"keep covers positions {start}..{start + t - 1} but the map has {self._len}"
+            )
         k = k.to("cpu", torch.bool)
-        view = self._slots[:, :t]
+        view = self._slots[:, start : start + t]
         released = torch.where(k, torch.full_like(view, DEAD), view)
         view[~k] = DEAD
         return released

@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from agentkv.cache import KVStore, RequestKV
 from agentkv.engine.store_cache import LiveView
 from agentkv.methods import DecodeContext, Method, PlanContext, PrefillObserver
@@ -36,6 +38,8 @@ class DecodePruning:
     interval: int
     counters: dict[str, Any]
     steps: int = field(default=0)
+    #: cells the passes since :meth:`take_released` dropped (``[L * Hkv, n]`` each)
+    released: list[torch.Tensor] = field(default_factory=list)
 
     @classmethod
     def for_request(
@@ -73,14 +77,22 @@ class DecodePruning:
             return view
         for res in (
             self.store.evict(self.req, plan.evict) if plan.evict is not None else None,
-            self.store.evict_per_head(self.req, plan.keep_mask)
+            self.store.evict_per_head(self.req, plan.keep_mask, plan.keep_start)
             if plan.keep_mask is not None
             else None,
         ):
             if res is not None:
                 self.counters["evicted_tokens"] += res.positions_dead
                 self.counters["evicted_entries"] += res.entries_evicted
+                if res.released is not None:
+                    self.released.append(res.released)
         return LiveView(self.store, self.req)
+
+    def take_released(self) -> torch.Tensor | None:
+        """The cells (int64 ``[L * Hkv, n]``, DEAD padding) the request's map dropped since
+        the last call (a decode index follows them: :meth:`DecodeIndex.drop`), or None."""
+        out, self.released = self.released, []
+        return torch.cat(out, dim=1) if out else None
 
     def finish(self) -> None:
         """The request's decode ended (however it ended)."""

@@ -760,7 +760,7 @@ class Engine:
             evicted_tokens += res.positions_dead
             evicted_entries += res.entries_evicted
         if plan.keep_mask is not None:
-            res = self.store.evict_per_head(req, plan.keep_mask)
+            res = self.store.evict_per_head(req, plan.keep_mask, plan.keep_start)
             evicted_tokens += res.positions_dead
             evicted_entries += res.entries_evicted
         if plan.precision is not None:
@@ -859,13 +859,14 @@ class Engine:
                 else:
                     eff += int(round(cache.attended_keys / self.shape.num_layers))
                 page = self._demote_tail(req, info)  # a page filled: its rows change in views
+                evicted = info["evicted_entries"]
                 pruned = pruning is not None and pruning.after_step(view) is not view
                 if page is not None or pruned:
-                    live = req.slot_map.effective_live_tokens()
-                    # (a page changes its rows' values only; a pruning plan, which rows exist)
+                    # (a page changes its rows' values only; a pruning pass, which rows exist)
+                    live -= (info["evicted_entries"] - evicted) / req.slot_map.num_columns
                     view = LiveView(self.store, req) if pruned else view.follow_page(*page)
-                    if kernel is not None:  # (a captured step follows its epoch)
-                        kernel.rebuild(None if pruned else page)
+                    if kernel is not None:  # (the index follows; a captured step its epoch)
+                        kernel.rebuild(page, pruning.take_released() if pruned else None)
         finally:  # (however it ends: the graph's memory and the observer's buffers go)
             if graph is not None:
                 graph.end()

@@ -52,22 +52,30 @@ class KernelDecode:
         self.appended = 0  # decode steps appended (the room a rebuilt index still needs)
         self.rebuild()
 
-    def rebuild(self, page: tuple[int, int] | None = None) -> None:
-        """Rebuild the index from the slot map (after a precision change or an eviction),
+    def rebuild(
+        self, page: tuple[int, int] | None = None, dropped: torch.Tensor | None = None
+    ) -> None:
+        """Bring the index up to the slot map after a precision change or an eviction,
         first moving the request's INT4 cells that eviction left sparse into fuller runs
-        (:meth:`KVStore.compact_int4`: the kernel reads consecutive rows faster). ``page``:
-        only positions ``page[0] .. page[1] - 1`` went to INT4 since the index was built (a
-        decode-time page): the index follows in place where it can
-        (:meth:`DecodeIndex.advance`, ``O(page)``), else it is rebuilt.
+        (:meth:`KVStore.compact_int4`: the kernel reads consecutive rows faster). The index
+        follows in place where it can: ``page``, positions ``page[0] .. page[1] - 1`` went to
+        INT4 since it was built (a decode-time page: :meth:`DecodeIndex.advance`,
+        ``O(page)``); ``dropped``, the cells an eviction released (int64 ``[L * Hkv, n]``,
+        a decode-time pruning pass: :meth:`DecodeIndex.drop`). Else (or with both) it is
+        rebuilt.
 
         A rebuilt index is written into the current one's buffers where it fits
         (:meth:`DecodeIndex.refill`), and the bounds stay while they still cover it, loose
-        by at most ``2 * BOUND_SLACK`` positions: an eviction while decoding (KVzap's
-        passes) then keeps the epoch, and a captured step replays on."""
+        by at most ``2 * BOUND_SLACK`` positions: a captured step then replays on."""
         moved = self.store.compact_int4(self.req).cells_moved
         self.compacted += moved
-        follow = page is not None and not moved
-        if follow and self.index.advance(self.req.slot_map, self.store.layout, *page):
+        followed = False
+        if not moved and dropped is not None and page is None:
+            self.index.drop(dropped, self.store.layout.num_ids)
+            followed = True
+        elif not moved and page is not None and dropped is None:
+            followed = self.index.advance(self.req.slot_map, self.store.layout, *page)
+        if followed:
             self._plan_bounds(keep=True)
             return
         room = self.room - self.appended

@@ -81,8 +81,10 @@ class Plan:
 
     Attributes:
         evict: int64 ``[k]`` positions evicted in every layer and head, or None.
-        keep_mask: bool ``[L, Hkv, T]`` per-(layer, KV head) keep decision (False = evict), or
-            None. A cell evicted in one (layer, head) frees that cell's bytes.
+        keep_mask: bool ``[L, Hkv, T']`` per-(layer, KV head) keep decision (False = evict)
+            of positions ``keep_start .. keep_start + T' - 1`` (others untouched), or None. A
+            cell evicted in one (layer, head) frees that cell's bytes.
+        keep_start: the first position ``keep_mask`` covers (a decode-time pass: its window).
         precision: int8 :class:`~agentkv.cache.Precision` values broadcastable to
             ``[L, Hkv, T]`` (``[T]`` per position, ``[L, 1, T]`` per layer, ...): ``INT4`` /
             ``INT2`` quantize a kept full-precision cell (INT2 in pages of 32 per column; the
@@ -95,6 +97,7 @@ class Plan:
 
     evict: torch.Tensor | None = None
     keep_mask: torch.Tensor | None = None
+    keep_start: int = 0
     precision: torch.Tensor | None = None
     decode: DecodePrecision | None = None
     scores: torch.Tensor | None = None

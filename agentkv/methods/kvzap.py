@@ -301,11 +301,9 @@ class KVzapMethod(Method):
         start, end = obs.pruned_until, max(T - policy.window, 0)
         if end <= start:
             return None
-        s = self.shape
-        keep = torch.ones(s.num_layers, s.num_kv_heads, T, dtype=torch.bool)
-        keep[:, :, start:end] = obs.window_scores(start, end) >= policy.threshold
+        keep = obs.window_scores(start, end) >= policy.threshold  # [L, Hkv, end - start]
         obs.pruned_until = end
-        return Plan(keep_mask=keep, note="kvzap decode")
+        return Plan(keep_mask=keep, keep_start=start, note="kvzap decode")
 
     def _remember(self, session_id: str, obs: KVzapScores) -> None:
         if is_request_local(session_id):

@@ -279,9 +279,11 @@ def evicted_positions(plan: Plan, seq_len: int) -> torch.Tensor:
     drop = torch.zeros(seq_len, dtype=torch.bool)
     if plan.evict is not None and plan.evict.numel():
         drop[plan.evict.to(torch.int64)] = True
-    if plan.keep_mask is not None:
+    if plan.keep_mask is not None:  # (over positions keep_start ..)
         km = plan.keep_mask.to(torch.bool)
-        drop |= ~km.reshape(-1, km.shape[-1])[:, :seq_len].any(dim=0)
+        a = plan.keep_start
+        span = ~km.reshape(-1, km.shape[-1]).any(dim=0)
+        drop[a : a + span.numel()] |= span[: max(seq_len - a, 0)]
     return torch.nonzero(drop).reshape(-1)
 
 

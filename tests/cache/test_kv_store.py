@@ -110,6 +110,28 @@ def test_sibling_requests_share_prefix_and_eviction_in_one_frees_nothing():
     drained(st, ["A", "B", "S"])
 
 
+def test_per_head_eviction_over_a_window_equals_it_over_the_whole_map():
+    """A decode-time pass hands ``evict_per_head`` only its window (``start``): the same
+    cells go, the same counts and released cells as with a mask over every position."""
+    g = torch.Generator().manual_seed(3)
+    keep = torch.rand(L, H, 5, generator=g) > 0.5
+    got, want = store(), store()
+    r1, r2 = run(got, None, list(range(1, 11))), run(want, None, list(range(1, 11)))
+    full = torch.ones(L, H, 10, dtype=torch.bool)
+    full[:, :, 3:8] = keep
+    a, b = got.evict_per_head(r1, keep, start=3), want.evict_per_head(r2, full)
+    assert (a.entries_evicted, a.positions_dead, a.slots_freed) == (
+        b.entries_evicted,
+        b.positions_dead,
+        b.slots_freed,
+    )
+    assert a.entries_evicted == int((~keep).sum()) > 0
+    assert torch.equal(a.released, b.released[:, 3:8])
+    assert torch.equal(r1.slot_map.slots, r2.slot_map.slots)
+    with pytest.raises(ValueError, match="covers positions 8..12"):
+        got.evict_per_head(r1, keep, start=8)
+
+
 def test_per_head_eviction_frees_exactly_that_columns_cell():
     st = store()
     r = run(st, None, [1, 2, 3, 4])

@@ -461,3 +461,16 @@ def test_an_entry_left_by_an_earlier_holder_of_the_row_is_not_fed(steps):
         OBSERVING.clear()
         HIDDEN_OBSERVING.clear()
     steps.finish(r)
+
+
+def test_a_windowed_keep_mask_evicts_within_its_window():
+    """A decode-time plan's ``keep_mask`` covers positions ``keep_start ..`` only: a slot
+    goes where no (layer, head) keeps its position there, nothing outside the window."""
+    from agentkv.methods.base import Plan
+
+    keep = torch.ones(2, 2, 6, dtype=torch.bool)
+    keep[:, :, 1] = False  # position 11: gone in every column
+    keep[0, 0, 4] = False  # position 14: kept by three columns
+    plan = Plan(keep_mask=keep, keep_start=10, evict=torch.tensor([2]))
+    assert evicted_positions(plan, 20).tolist() == [2, 11]
+    assert evicted_positions(plan, 12).tolist() == [2, 11]  # (a window past the row's end)
