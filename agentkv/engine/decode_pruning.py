@@ -5,8 +5,8 @@ its ``observer`` (the method's prefill observer, still collecting: KVzap's score
 into every step's :class:`StoreCache` (or a captured step's, whose replays it collects every
 ``observer.collect_every`` steps), and :meth:`after_step` calls :meth:`Method.plan_decode`
 every ``interval`` steps, applies the plan to the store, adds its evictions to the request's
-counters and returns a fresh :class:`LiveView` (a view is valid only while the slot map
-grows). :meth:`finish` ends the observer's decode.
+counters and returns what it evicted (:class:`Evicted`), for the engine's views to follow.
+:meth:`finish` ends the observer's decode.
 """
 
 from __future__ import annotations
@@ -16,9 +16,22 @@ from typing import Any
 
 import torch
 
-from agentkv.cache import KVStore, RequestKV
-from agentkv.engine.store_cache import LiveView
+from agentkv.cache import EvictResult, KVStore, RequestKV
 from agentkv.methods import DecodeContext, Method, PlanContext, PrefillObserver
+
+
+@dataclass
+class Evicted:
+    """What a decode-time pass evicted.
+
+    Attributes:
+        cells: int64 ``[L * Hkv, n]`` the cells the request's map dropped (DEAD padding).
+        start, end: they all lie at positions ``start .. end - 1``.
+    """
+
+    cells: torch.Tensor
+    start: int
+    end: int
 
 
 @dataclass
@@ -38,8 +51,6 @@ class DecodePruning:
     interval: int
     counters: dict[str, Any]
     steps: int = field(default=0)
-    #: cells the passes since :meth:`take_released` dropped (``[L * Hkv, n]`` each)
-    released: list[torch.Tensor] = field(default_factory=list)
 
     @classmethod
     def for_request(
@@ -56,14 +67,16 @@ class DecodePruning:
             return None
         return cls(store, req, method, ctx, observer, interval, counters)
 
-    def after_step(self, view: LiveView) -> LiveView:
-        """Call after each decode forward pass; returns the view to use next."""
+    def after_step(self) -> Evicted | None:
+        """Call after each decode forward pass: what this step's pass evicted (the views
+        follow it: :meth:`LiveView.follow_eviction`, :meth:`KernelDecode.rebuild`), or None
+        (no pass due, or nothing to change)."""
         self.steps += 1
         every = self.observer.collect_every
         if every and self.steps % every == 0:
             self.observer.collect()
         if self.steps % self.interval:
-            return view
+            return None
         plan = self.method.plan_decode(
             DecodeContext(
                 policy=self.ctx.policy,
@@ -74,25 +87,21 @@ class DecodePruning:
             )
         )
         if plan is None or plan.is_noop:
-            return view
-        for res in (
-            self.store.evict(self.req, plan.evict) if plan.evict is not None else None,
-            self.store.evict_per_head(self.req, plan.keep_mask, plan.keep_start)
-            if plan.keep_mask is not None
-            else None,
-        ):
-            if res is not None:
-                self.counters["evicted_tokens"] += res.positions_dead
-                self.counters["evicted_entries"] += res.entries_evicted
-                if res.released is not None:
-                    self.released.append(res.released)
-        return LiveView(self.store, self.req)
-
-    def take_released(self) -> torch.Tensor | None:
-        """The cells (int64 ``[L * Hkv, n]``, DEAD padding) the request's map dropped since
-        the last call (a decode index follows them: :meth:`DecodeIndex.drop`), or None."""
-        out, self.released = self.released, []
-        return torch.cat(out, dim=1) if out else None
+            return None
+        done: list[tuple[EvictResult, int, int]] = []
+        if plan.evict is not None and plan.evict.numel():
+            ev = plan.evict.to(torch.int64)
+            done.append((self.store.evict(self.req, ev), int(ev.min()), int(ev.max()) + 1))
+        if plan.keep_mask is not None:
+            a, b = plan.keep_start, plan.keep_start + int(plan.keep_mask.shape[-1])
+            done.append((self.store.evict_per_head(self.req, plan.keep_mask, a), a, b))
+        if not done:
+            return None
+        for res, _, _ in done:
+            self.counters["evicted_tokens"] += res.positions_dead
+            self.counters["evicted_entries"] += res.entries_evicted
+        cells = torch.cat([res.released for res, _, _ in done if res.released is not None], 1)
+        return Evicted(cells, min(a for _, a, _ in done), max(b for _, _, b in done))
 
     def finish(self) -> None:
         """The request's decode ended (however it ended)."""

@@ -859,14 +859,19 @@ class Engine:
                 else:
                     eff += int(round(cache.attended_keys / self.shape.num_layers))
                 page = self._demote_tail(req, info)  # a page filled: its rows change in views
-                evicted = info["evicted_entries"]
-                pruned = pruning is not None and pruning.after_step(view) is not view
-                if page is not None or pruned:
-                    # (a page changes its rows' values only; a pruning pass, which rows exist)
-                    live -= (info["evicted_entries"] - evicted) / req.slot_map.num_columns
-                    view = LiveView(self.store, req) if pruned else view.follow_page(*page)
-                    if kernel is not None:  # (the index follows; a captured step its epoch)
-                        kernel.rebuild(page, pruning.take_released() if pruned else None)
+                entries = info["evicted_entries"]
+                evicted = pruning.after_step() if pruning is not None else None
+                if evicted is not None:  # (a pruning pass: which cells exist changed)
+                    live -= (info["evicted_entries"] - entries) / req.slot_map.num_columns
+                if page is not None and evicted is not None:  # (both at once: a new view)
+                    view = LiveView(self.store, req)
+                elif page is not None:  # (a page: its rows' values changed)
+                    view = view.follow_page(*page)
+                elif evicted is not None:
+                    view = view.follow_eviction(evicted.start, evicted.end)
+                if kernel is not None and (page is not None or evicted is not None):
+                    # (the index follows in place; a captured step, its epoch)
+                    kernel.rebuild(page, evicted.cells if evicted is not None else None)
         finally:  # (however it ends: the graph's memory and the observer's buffers go)
             if graph is not None:
                 graph.end()

@@ -23,7 +23,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache
 
-from agentkv.cache import KVStore, RequestKV
+from agentkv.cache import DEAD, KVStore, RequestKV
 from agentkv.engine.kernel_decode import KernelDecode
 from agentkv.methods import PrefillObserver
 
@@ -142,6 +142,55 @@ class LiveView:
             k, v = self.store.pool.gather(layer, cells)  # [w, Hkv, D], DEAD: zero rows
             view.k[rows[present]] = k
             view.v[rows[present]] = v
+
+    def follow_eviction(self, start: int, end: int) -> LiveView:
+        """Cells of positions ``start .. end - 1`` were just evicted (a decode-time pruning
+        pass: nothing else changed): in every layer gathered so far, a row whose position no
+        head keeps leaves the view (the rows after it move up: ``O(rows after start)``) and
+        the others' head masks follow the map, instead of a new view re-gathering every
+        live key. Returns this view, then attending as a new one does."""
+        with torch.inference_mode():  # (the views were made in forward passes)
+            self._follow_eviction(start, end)
+        return self
+
+    def _follow_eviction(self, start: int, end: int) -> None:
+        for layer, view in self._layers.items():
+            n = view.n
+            if n == 0:
+                continue
+            pos = view.positions[:n]
+            want = torch.arange(start, end, device=pos.device)
+            rows = torch.searchsorted(pos, want).clamp_max(n - 1)
+            present = pos[rows] == want
+            if not bool(present.any()):
+                continue
+            rows = rows[present]
+            cells = self.req.slot_map.layer_slots(layer)[:, start:end][:, present.cpu()]
+            live = (cells != DEAD).to(pos.device)  # [Hkv, m]
+            kept = live.any(dim=0)
+            gone = ~live[:, kept].T  # [m', Hkv]: a kept row's evicted heads
+            if bool(gone.any()):
+                if view.head_mask is None:
+                    view.head_mask = torch.ones(
+                        live.shape[0], view.k.shape[0], dtype=torch.bool, device=pos.device
+                    )
+                rk = rows[kept]
+                view.head_mask[:, rk] = ~gone.T
+                for buf in (view.k, view.v):  # (zeros, as a gather reads a DEAD cell)
+                    buf[rk] = buf[rk].masked_fill(gone[:, :, None], 0)
+            if bool(kept.all()):
+                continue
+            first = int(rows[~kept].min())
+            stay = torch.ones(n - first, dtype=torch.bool, device=pos.device)
+            stay[rows[~kept] - first] = False
+            src = first + torch.nonzero(stay).reshape(-1)
+            m = first + src.numel()
+            view.k[first:m] = view.k[src]
+            view.v[first:m] = view.v[src]
+            view.positions[first:m] = view.positions[src]
+            if view.head_mask is not None:
+                view.head_mask[:, first:m] = view.head_mask[:, src]
+            view.n = m
 
     def extend(
         self,

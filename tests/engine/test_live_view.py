@@ -89,3 +89,68 @@ def test_a_view_that_follows_a_page_equals_a_new_view(precision):
         for a, b in zip(got, want, strict=True):
             assert (a is None and b is None) or torch.equal(a, b)
     st.finish_request(req, cache=False)
+
+
+@pytest.mark.parametrize("first_mask", ["none", "some"])
+def test_a_view_that_follows_an_eviction_attends_as_a_new_view(first_mask):
+    """A decode-time pruning pass evicts cells of a window of positions (KVzap: those that
+    left its recent window): ``follow_eviction`` drops the rows no head keeps any more and
+    sets the others' head masks, without re-gathering the view; every layer's rows then equal
+    a new view's, bit for bit (a mask that keeps every key counting as none), and so do the
+    rows the next decode steps append. ``first_mask``: the view had a head mask before, or
+    not."""
+    from cache.kv_fill import fill
+
+    from agentkv.cache import KVStore
+    from agentkv.engine.store_cache import LiveView
+
+    L, H, D = 2, 2, 32
+    g = torch.Generator().manual_seed(2)
+    st = KVStore(L, H, D, num_slots=1024)
+    req = st.begin_request(None, [i % 50 + 1 for i in range(200)])
+    fill(st, req, st.extend(req))
+    if first_mask == "some":
+        keep = torch.ones(L, H, 200, dtype=torch.bool)
+        keep[1, 0, 3:9] = False
+        st.evict_per_head(req, keep)
+    view = LiveView(st, req)
+
+    def decode(n: int) -> None:
+        for _ in range(n):
+            pos = req.seq_len
+            cells = st.extend(req, [5])
+            fill(st, req, cells)
+            with torch.inference_mode():
+                for layer in range(L):
+                    k, v = st.pool.gather(layer, st.layer_cells(cells, layer))
+                    view.extend(layer, k, v, torch.tensor([pos]), pos)
+
+    def same_as_a_new_view() -> None:
+        fresh = LiveView(st, req)
+        for layer in range(L):
+            with torch.inference_mode():
+                fresh._base(layer, req.seq_len)
+            got, want = view._layers[layer].rows(), fresh._layers[layer].rows()
+            for a, b in zip(got[:3], want[:3], strict=True):
+                assert torch.equal(a, b)
+            ones = torch.ones(H, got[2].numel(), dtype=torch.bool)
+            hg = ones if got[3] is None else got[3]
+            hw = ones if want[3] is None else want[3]
+            assert torch.equal(hg, hw)
+
+    with torch.inference_mode():
+        for layer in range(L):
+            view._base(layer, 200)
+    decode(24)
+    keep = torch.rand(L, H, 16, generator=g) > 0.5  # positions 150 .. 165
+    keep[:, :, 4] = False  # position 154: no head keeps it
+    keep[:, :, 5] = True  # position 155: every head does
+    st.evict_per_head(req, keep, start=150)
+    assert view.follow_eviction(150, 166) is view
+    same_as_a_new_view()
+    decode(8)
+    same_as_a_new_view()
+    st.evict(req, torch.arange(166, 182))  # (every head: the rows leave)
+    view.follow_eviction(166, 182)
+    same_as_a_new_view()
+    st.finish_request(req, cache=False)
