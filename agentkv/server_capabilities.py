@@ -26,6 +26,7 @@ from agentkv.policies import KVPolicy
 
 __all__ = [
     "CAPABILITIES_PATH",
+    "DecodePath",
     "ServerCapabilities",
     "UnimplementedPolicyWarning",
     "capabilities_url",
@@ -44,6 +45,19 @@ class UnimplementedPolicyWarning(UserWarning):
     """A policy names a method the server does not implement (it will answer HTTP 400)."""
 
 
+class DecodePath(BaseModel):
+    """How the server decodes (the embedded engine's ``decode`` answer)."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    #: ``"kernels"`` (the fused kernels over the pools), ``"dense"`` or ``"reference"``
+    attention: str
+    #: decode steps replayed from a CUDA graph now
+    cuda_graphs: bool = False
+    #: why a capture failed (decode fell back to eager steps), or None
+    graph_failure: str | None = None
+
+
 class ServerCapabilities(BaseModel):
     """The answer of ``GET /v1/agentkv/capabilities``."""
 
@@ -53,6 +67,8 @@ class ServerCapabilities(BaseModel):
     #: policy methods the engine implements (wire names: ``"full"``, ``"intentkv"``, ...).
     methods: list[str]
     model: str | None = None
+    #: how it decodes (None: not said, e.g. an older server)
+    decode: DecodePath | None = None
 
 
 _LOCK = threading.Lock()

@@ -20,11 +20,20 @@ CAPABILITIES_ROUTE = "/v1/agentkv/capabilities"
 
 def capabilities(engine: Any) -> dict[str, Any]:
     """The wire protocol version, the policy methods the engine implements (wire names,
-    sorted) and the model name."""
+    sorted), the model name and how it decodes: ``decode.attention`` (``kernels`` /
+    ``dense`` / ``reference``), ``decode.cuda_graphs`` (steps replayed from a CUDA graph now)
+    and ``decode.graph_failure`` (why a capture failed, leaving decode eager; else null)."""
+    graph = getattr(engine, "decode_graph", None)
+    failure = None if graph is None else graph.failed
     return {
         "protocol_version": PROTOCOL_VERSION,
         "methods": sorted(registered_methods()),
         "model": engine.model_name,
+        "decode": {
+            "attention": engine.decode_attention,
+            "cuda_graphs": graph is not None and failure is None,
+            "graph_failure": failure,
+        },
     }
 
 

@@ -8,6 +8,7 @@ import pytest
 
 from agentkv import H2O, FullCache, build_payload, to_extra_body
 from agentkv.methods import registered_methods
+from agentkv.server_capabilities import ServerCapabilities
 
 pytestmark = pytest.mark.slow
 
@@ -20,6 +21,15 @@ def test_capabilities_lists_the_implemented_methods(http, engine):
     assert body["methods"] == sorted(registered_methods())
     assert {"full", "intentkv", "snapkv", "h2o", "streamingllm"} <= set(body["methods"])
     assert body["model"] == engine.model_name
+    # how it decodes (the test engine: the CPU's dense path, no CUDA graphs)
+    assert body["decode"] == {
+        "attention": engine.decode_attention,
+        "cuda_graphs": False,
+        "graph_failure": None,
+    }
+    caps = ServerCapabilities.model_validate(body)  # (as the clients read it)
+    assert caps.decode is not None and caps.decode.attention == engine.decode_attention
+    assert not caps.decode.cuda_graphs
 
 
 def test_session_breakdown_per_node_and_request_log(client, http, sid, caplog):

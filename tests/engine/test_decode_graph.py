@@ -157,6 +157,14 @@ def test_a_capture_that_fails_leaves_the_decode_eager_and_whole(gpu_lm, caplog):
     assert True in capturing  # (the capture was tried)
     assert g.failed is not None and g.captures == 0 and g.replays == 0
     assert "CUDA graph capture failed" in caplog.text
+    from agentkv.engine.capabilities import capabilities  # (what a client sees)
+
+    assert capabilities(graphed)["decode"] == {
+        "attention": "kernels",
+        "cuda_graphs": False,
+        "graph_failure": g.failed,
+    }
+    assert capabilities(eager)["decode"]["graph_failure"] is None
     assert got.token_ids == want.token_ids
     # the failed engine's graph state goes (its memory pool freed: the allocator no longer
     # counts the failed capture, or it would abort the process here), and a new engine
