@@ -15,7 +15,8 @@ its lengths need (``compiled``: new entries in Triton's cache directory), the se
 steady state. A step's time is the interval between two of the engine's polls of
 ``GenerationConfig.should_stop`` (one a decode step): ``ms_per_step`` is their mean
 (decode-time pages and graph captures included), ``median_step_ms`` a plain step's.
-``--profile MODE`` writes a cProfile of a third decode of that mode beside the JSON,
+``--norms fused,eager`` runs each path with the one-kernel RMSNorm (the engine's default on
+CUDA) and with transformers' own. ``--profile MODE`` writes a cProfile of a third decode of that mode beside the JSON,
 ``--kernel-profile MODE`` a table of its GPU kernels' times (torch.profiler).
 
     python3 benchmarks/engine_step.py --shape 8b --prompt 8192 --steps 64 --out engine_step.json
@@ -28,13 +29,13 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import tempfile
 import io
 import itertools
 import json
 import os
 import pstats
 import statistics
+import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -103,6 +104,7 @@ def _cache_entries() -> int:
 
 def run(args) -> list[dict]:
     from agentkv import FullCache, KVzap, UniformQuant, build_payload
+    from agentkv.engine import fused_norms
     from agentkv.engine.engine import Engine, GenerationConfig
     from agentkv.engine.model_loader import resolve_model_dir
 
@@ -119,7 +121,9 @@ def run(args) -> list[dict]:
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     sessions = itertools.count()
     rows = []
-    for path in args.paths.split(","):
+    runs = [(n, p) for n in args.norms.split(",") for p in args.paths.split(",")]
+    for norms, path in runs:
+        fused_norms.ENABLED = norms == "fused"
         engine = Engine(
             lm,
             tokenizer=tok,
@@ -158,6 +162,7 @@ def run(args) -> list[dict]:
                 "shape": args.shape,
                 "device": device,
                 "path": path,
+                "norms": norms,
                 "mode": mode,
                 "prompt_tokens": res.usage.prompt_tokens,
                 "steps": len(warm),
@@ -181,7 +186,7 @@ def run(args) -> list[dict]:
                 with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as kp:
                     decode(args.steps + 1)
                 table = kp.key_averages().table(sort_by="self_cuda_time_total", row_limit=30)
-                out = args.out.with_name(f"{args.out.stem}_{path}_{mode}_kernels.txt")
+                out = args.out.with_name(f"{args.out.stem}_{path}_{norms}_{mode}_kernels.txt")
                 out.write_text(table)
                 row["kernel_profile"] = out.name
             if mode == args.profile:
@@ -191,7 +196,7 @@ def run(args) -> list[dict]:
                 prof.disable()
                 s = io.StringIO()
                 pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(40)
-                out = args.out.with_name(f"{args.out.stem}_{path}_{mode}_profile.txt")
+                out = args.out.with_name(f"{args.out.stem}_{path}_{norms}_{mode}_profile.txt")
                 out.write_text(s.getvalue())
                 row["profile"] = out.name
             print(
@@ -216,6 +221,11 @@ def main() -> None:
         help="graphs (CUDA), kernels, dense, reference",
     )
     ap.add_argument("--modes", default="bf16,int4,int2", help="bf16, int4, int2, kvzap")
+    ap.add_argument(
+        "--norms",
+        default="fused",
+        help="fused (the RMSNorm kernel on CUDA, the engine's default), eager, or both",
+    )
     ap.add_argument("--profile", default=None, help="a mode to profile (cProfile)")
     ap.add_argument(
         "--kernel-profile",

@@ -13,6 +13,7 @@ Engine-facing API (one layer at a time):
   tuning knobs in :class:`GatherConfig` (``GATHER_BASE``: the original kernel).
 * :func:`decode_attention` - fused flash-decoding over INT2 | INT4 | full segments with
   DEAD masking by id, GQA, variable lengths and optional per-KV-head masks.
+* :func:`rms_norm` - the Llama-family RMSNorm in one kernel (the engine's norms on CUDA).
 
 Every function takes ``backend="auto" | "triton" | "torch"``; auto runs Triton on CUDA
 tensors or under ``TRITON_INTERPRET=1`` and the torch reference otherwise. This package
@@ -52,6 +53,7 @@ from .quant_int2 import (
     write_int2_pages_ref,
 )
 from .quant_int4 import dequantize_int4_ref, quantize_int4_ref, write_int4, write_int4_ref
+from .rms_norm import rms_norm, rms_norm_ref
 
 __all__ = [
     "DEAD",
@@ -83,6 +85,8 @@ __all__ = [
     "quantize_int2_values_ref",
     "quantize_int4_ref",
     "resolve_backend",
+    "rms_norm",
+    "rms_norm_ref",
     "validate_decode_inputs",
     "write_int2_pages",
     "write_int2_pages_ref",

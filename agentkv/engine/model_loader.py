@@ -129,7 +129,9 @@ def load_model(
 
 def prepare_model(lm: Any) -> Any:
     """Make a loaded HF causal LM the engine's: the agentkv attention function
-    (``set_attn_implementation``), eval mode, the hidden-state hooks. Returns ``lm``."""
+    (``set_attn_implementation``), eval mode, the hidden-state hooks, its RMSNorm layers in
+    one kernel on CUDA (:mod:`agentkv.engine.fused_norms`). Returns ``lm``."""
+    from agentkv.engine.fused_norms import fuse_rms_norms
     from agentkv.engine.hidden_states import install_hidden_state_hooks
     from agentkv.engine.store_cache import register_attention
 
@@ -138,4 +140,5 @@ def prepare_model(lm: Any) -> Any:
         lm.set_attn_implementation(ATTN_IMPLEMENTATION)
     lm.eval()
     install_hidden_state_hooks(lm)  # layer inputs -> observers that ask for them (KVzap)
+    fuse_rms_norms(lm)
     return lm

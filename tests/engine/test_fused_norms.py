@@ -1,0 +1,49 @@
+"""The engine's RMSNorm layers in one kernel on CUDA (:mod:`agentkv.engine.fused_norms`):
+every norm of the default model is taken, the CPU path is the module's own, and on the GPU
+the kernel computes what the module computes."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from agentkv.engine import fused_norms  # noqa: E402
+from agentkv.engine.fused_norms import fuse_rms_norms  # noqa: E402
+
+
+def _norms(model) -> list:
+    return [m for m in model.modules() if type(m).__name__.endswith("RMSNorm")]
+
+
+def test_every_norm_of_the_model_is_taken_once_and_the_cpu_path_is_unchanged(hf_model):
+    lm = copy.deepcopy(hf_model)
+    norms = _norms(lm)
+    L = lm.config.num_hidden_layers
+    assert len(norms) == 2 * L + 1  # (two a layer and the final one)
+    x = torch.randn(2, 5, lm.config.hidden_size)
+    want = [n(x) for n in norms]
+    assert fuse_rms_norms(lm) == len(norms)
+    assert fuse_rms_norms(lm) == len(norms)  # (again: nothing wrapped twice)
+    for n, w in zip(norms, want, strict=True):
+        assert torch.equal(n(x), w)  # (a CPU input: the module's own forward)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused norm runs on CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_on_the_gpu_the_kernel_computes_what_the_module_does(hf_model, dtype, monkeypatch):
+    lm = copy.deepcopy(hf_model).to("cuda", dtype)
+    norms = _norms(lm)
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(3, 1, lm.config.hidden_size, generator=g) * 4).to("cuda", dtype)
+    want = [n(x) for n in norms]
+    fuse_rms_norms(lm)
+    for n, w in zip(norms, want, strict=True):
+        got = n(x)
+        assert got.dtype == w.dtype and got.shape == w.shape
+        torch.testing.assert_close(got, w, rtol=1e-2, atol=1e-2)
+        assert (got == w).float().mean() > 0.97  # (only the float32 sum's order differs)
+    monkeypatch.setattr(fused_norms, "ENABLED", False)  # (the switch: the module's own)
+    assert all(torch.equal(n(x), w) for n, w in zip(norms, want, strict=True))
