@@ -8,12 +8,13 @@ integrations ask this route when a graph or client is wrapped
 
 from __future__ import annotations
 
-from typing import Any
-
-from fastapi import FastAPI
+from typing import TYPE_CHECKING, Any
 
 from agentkv.methods import registered_methods
 from agentkv.wire import PROTOCOL_VERSION
+
+if TYPE_CHECKING:  # (the route's app; capabilities() itself needs no server packages)
+    from fastapi import FastAPI
 
 CAPABILITIES_ROUTE = "/v1/agentkv/capabilities"
 
