@@ -43,8 +43,8 @@ def _rms_norm_kernel(
     mask = cols < D
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     var = tl.sum(x * x, axis=0) / D
-    h = x * (1.0 / tl.sqrt(var + eps))  # (not tl.rsqrt: its approximation is coarser)
-    # transformers rounds here (to nearest even, said explicitly: the interpreter truncates)
+    h = x * (1.0 / tl.sqrt(var + eps))
+    # transformers rounds here, to nearest even (Triton's interpreter truncates instead)
     h = h.to(x_ptr.dtype.element_ty, fp_downcast_rounding="rtne").to(tl.float32)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     y = (w * h).to(y_ptr.dtype.element_ty, fp_downcast_rounding="rtne")

@@ -32,6 +32,27 @@ def test_every_norm_of_the_model_is_taken_once_and_the_cpu_path_is_unchanged(hf_
         assert torch.equal(n(x), w)  # (a CPU input: the module's own forward)
 
 
+def test_the_fusable_classes_compute_what_the_kernel_reproduces():
+    """Each class taken runs exactly ``LlamaRMSNorm.forward`` (what ``rms_norm_ref``
+    restates) in the installed transformers: an upgrade that changes one fails here."""
+    import importlib
+    import inspect
+
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from agentkv.kernels import rms_norm_ref
+
+    ref = inspect.getsource(LlamaRMSNorm.forward)
+    for name in fused_norms.FUSABLE:
+        family = name.removesuffix("RMSNorm").lower().replace("moe", "_moe")
+        module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+        assert inspect.getsource(getattr(module, name).forward) == ref, name
+    norm = LlamaRMSNorm(16, eps=1e-5)
+    torch.nn.init.normal_(norm.weight)
+    x = torch.randn(3, 16).to(torch.bfloat16)
+    assert torch.equal(norm.to(torch.bfloat16)(x), rms_norm_ref(x, norm.weight, 1e-5))
+
+
 @pytest.fixture(scope="module")
 def gpu_config():
     """The default model's config (``AGENTKV_TEST_MODEL_DIR`` where the model is not
