@@ -77,7 +77,7 @@ class KVzapScores(PrefillObserver):
         #: deferred ``(layer, hidden [n, D_h], positions [n])`` of small passes.
         self._pending: list[tuple[int, torch.Tensor, torch.Tensor]] = []
         #: captured steps' layer inputs ``[L, RING_ROWS, D_h]`` and their positions
-        #: (int64 ``[RING_ROWS]``, -1: nothing to score), made by the first capture
+        #: (int64 ``[RING_ROWS]``, -1: nothing to score), made by :meth:`before_capture`
         self._ring: torch.Tensor | None = None
         self._ring_pos: torch.Tensor | None = None
 
