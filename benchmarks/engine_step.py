@@ -78,10 +78,8 @@ def random_surrogate_dir(lm) -> str:
     half the scores fall below a threshold of 0)."""
     from agentkv.methods.kvzap_surrogate import Surrogate, SurrogateMeta
 
-    c = lm.config
-    L, H, D = c.num_hidden_layers, c.num_key_value_heads, c.hidden_size
-    head_dim = getattr(c, "head_dim", None) or D // c.num_attention_heads
-    meta = SurrogateMeta("random", "linear", L, c.num_attention_heads, H, head_dim, D)
+    meta = SurrogateMeta.for_config(lm.config, "random", "linear")
+    L, H, D = meta.num_layers, meta.num_kv_heads, meta.hidden_size
     g = torch.Generator().manual_seed(0)
     folder = tempfile.mkdtemp(prefix="kvzap_random_")
     w = torch.randn(L, H, D, generator=g) / D**0.5

@@ -83,7 +83,7 @@ def surrogates(model, random_weights: bool):
             out[kind] = shipped_surrogate(kind, shape)
             continue
         L, D, h = c.num_hidden_layers, c.hidden_size, max(c.hidden_size // 8, 1)
-        meta = SurrogateMeta("random", kind, L, c.num_attention_heads, hkv, hd, D)
+        meta = SurrogateMeta.for_config(c, "random", kind)
         if kind == "linear":
             out[kind] = Surrogate(meta, torch.randn(L, hkv, D), torch.randn(L, hkv))
         else:

@@ -409,14 +409,8 @@ class KVStore:
     def evict(self, req: RequestKV, positions: Sequence[int] | torch.Tensor) -> EvictResult:
         """Evict logical ``positions`` (int64 ``[k]``) of ``req`` in every layer and head."""
         self._check_live(req)
-        before_live, before_res = req.slot_map.live_entries(), req.slot_map.num_resident
-        released = req.slot_map.evict(positions)
-        return self._release(
-            req,
-            before_live - req.slot_map.live_entries(),
-            before_res - req.slot_map.num_resident,
-            released,
-        )
+        released = req.slot_map.evict(positions)  # (what the positions held: all DEAD now)
+        return self._release(req, *self._window_counts(released), released)
 
     def evict_per_head(
         self, req: RequestKV, keep_mask: torch.Tensor, start: int = 0
@@ -435,7 +429,8 @@ class KVStore:
 
     @staticmethod
     def _window_counts(cells: torch.Tensor) -> tuple[int, int]:
-        """``(live cells, positions with a live cell)`` of ``cells [C, n]``."""
+        """``(live cells, positions with a live cell)`` of ``cells [C, n]``: an eviction's
+        counts from the positions it touched only."""
         live = cells != DEAD
         return int(live.sum()), int(live.any(dim=0).sum())
 

@@ -27,11 +27,13 @@ class Evicted:
     Attributes:
         cells: int64 ``[L * Hkv, n]`` the cells the request's map dropped (DEAD padding).
         start, end: they all lie at positions ``start .. end - 1``.
+        entries: (layer, KV head, position) cells that went from live to evicted.
     """
 
     cells: torch.Tensor
     start: int
     end: int
+    entries: int
 
 
 @dataclass
@@ -100,8 +102,12 @@ class DecodePruning:
         for res, _, _ in done:
             self.counters["evicted_tokens"] += res.positions_dead
             self.counters["evicted_entries"] += res.entries_evicted
-        cells = torch.cat([res.released for res, _, _ in done if res.released is not None], 1)
-        return Evicted(cells, min(a for _, a, _ in done), max(b for _, _, b in done))
+        return Evicted(
+            torch.cat([res.released for res, _, _ in done if res.released is not None], 1),
+            min(a for _, a, _ in done),
+            max(b for _, _, b in done),
+            sum(res.entries_evicted for res, _, _ in done),
+        )
 
     def finish(self) -> None:
         """The request's decode ended (however it ended)."""

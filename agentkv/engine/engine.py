@@ -859,10 +859,9 @@ class Engine:
                 else:
                     eff += int(round(cache.attended_keys / self.shape.num_layers))
                 page = self._demote_tail(req, info)  # a page filled: its rows change in views
-                entries = info["evicted_entries"]
                 evicted = pruning.after_step() if pruning is not None else None
                 if evicted is not None:  # (a pruning pass: which cells exist changed)
-                    live -= (info["evicted_entries"] - entries) / req.slot_map.num_columns
+                    live -= evicted.entries / req.slot_map.num_columns
                 if page is not None and evicted is not None:  # (both at once: a new view)
                     view = LiveView(self.store, req)
                 elif page is not None:  # (a page: its rows' values changed)

@@ -42,15 +42,22 @@ class KernelDecode:
         self.req = req
         self.room = room
         self.backend = backend
-        self.compacted = 0  # INT4 cells moved by this decode's rebuilds
+        self.appended = 0  # decode steps appended (the room a rebuilt index still needs)
+        #: INT4 cells moved by this decode's compactions
+        self.compacted = store.compact_int4(req).cells_moved
+        self.index = self._build()
         #: the host bounds the kernels are planned with: the index's, rounded up
         self.bounds = SegmentMaxLens(0, 0, 0)
         #: bumps whenever a step's launches change (a new index, or bounds that grew past
         #: their slack): what a captured step (:class:`DecodeGraph`) replays is valid within
         #: one epoch
         self.epoch = 0
-        self.appended = 0  # decode steps appended (the room a rebuilt index still needs)
-        self.rebuild()
+        self._plan_bounds(keep=False)
+
+    def _build(self) -> DecodeIndex:
+        """A new index of the request's map, with room for the decode steps still to come."""
+        room = self.room - self.appended
+        return DecodeIndex.build(self.req.slot_map, self.store.layout, room, self.store.pool.device)
 
     def rebuild(
         self, page: tuple[int, int] | None = None, dropped: torch.Tensor | None = None
@@ -78,12 +85,8 @@ class KernelDecode:
         if followed:
             self._plan_bounds(keep=True)
             return
-        room = self.room - self.appended
-        index = DecodeIndex.build(
-            self.req.slot_map, self.store.layout, room, self.store.pool.device
-        )
-        old: DecodeIndex | None = getattr(self, "index", None)
-        keep = old is not None and old.refill(index)
+        index = self._build()
+        keep = self.index.refill(index)
         if not keep:
             self.index = index
         self._plan_bounds(keep)

@@ -128,20 +128,33 @@ class LiveView:
             self._follow_page(start, end)
         return self
 
+    def _window(
+        self, layer: int, view: LayerView, start: int, end: int
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The view's rows of positions ``start .. end - 1`` (int64 ``[m]``; a position no
+        head kept has none) and those positions' cells in the slot map now (``[Hkv, m]``),
+        or None when it has none of them."""
+        n = view.n
+        if n == 0:
+            return None
+        pos = view.positions[:n]
+        want = torch.arange(start, end, device=pos.device)
+        rows = torch.searchsorted(pos, want).clamp_max(n - 1)
+        present = pos[rows] == want
+        if not bool(present.any()):
+            return None
+        cells = self.req.slot_map.layer_slots(layer)[:, start:end][:, present.cpu()]
+        return rows[present], cells
+
     def _follow_page(self, start: int, end: int) -> None:
         for layer, view in self._layers.items():
-            if view.n == 0:
+            found = self._window(layer, view, start, end)
+            if found is None:
                 continue
-            pos = view.positions[: view.n]
-            want = torch.arange(start, end, device=pos.device)
-            rows = torch.searchsorted(pos, want).clamp_max(view.n - 1)
-            present = pos[rows] == want  # (a position no head keeps has no row)
-            if not bool(present.any()):
-                continue
-            cells = self.req.slot_map.layer_slots(layer)[:, start:end][:, present.cpu()]
+            rows, cells = found
             k, v = self.store.pool.gather(layer, cells)  # [w, Hkv, D], DEAD: zero rows
-            view.k[rows[present]] = k
-            view.v[rows[present]] = v
+            view.k[rows] = k
+            view.v[rows] = v
 
     def follow_eviction(self, start: int, end: int) -> LiveView:
         """Cells of positions ``start .. end - 1`` were just evicted (a decode-time pruning
@@ -155,24 +168,18 @@ class LiveView:
 
     def _follow_eviction(self, start: int, end: int) -> None:
         for layer, view in self._layers.items():
-            n = view.n
-            if n == 0:
+            found = self._window(layer, view, start, end)
+            if found is None:
                 continue
-            pos = view.positions[:n]
-            want = torch.arange(start, end, device=pos.device)
-            rows = torch.searchsorted(pos, want).clamp_max(n - 1)
-            present = pos[rows] == want
-            if not bool(present.any()):
-                continue
-            rows = rows[present]
-            cells = self.req.slot_map.layer_slots(layer)[:, start:end][:, present.cpu()]
-            live = (cells != DEAD).to(pos.device)  # [Hkv, m]
+            rows, cells = found
+            n, dev = view.n, view.positions.device
+            live = (cells != DEAD).to(dev)  # [Hkv, m]
             kept = live.any(dim=0)
             gone = ~live[:, kept].T  # [m', Hkv]: a kept row's evicted heads
             if bool(gone.any()):
                 if view.head_mask is None:
                     view.head_mask = torch.ones(
-                        live.shape[0], view.k.shape[0], dtype=torch.bool, device=pos.device
+                        live.shape[0], view.k.shape[0], dtype=torch.bool, device=dev
                     )
                 rk = rows[kept]
                 view.head_mask[:, rk] = ~gone.T
@@ -181,7 +188,7 @@ class LiveView:
             if bool(kept.all()):
                 continue
             first = int(rows[~kept].min())
-            stay = torch.ones(n - first, dtype=torch.bool, device=pos.device)
+            stay = torch.ones(n - first, dtype=torch.bool, device=dev)
             stay[rows[~kept] - first] = False
             src = first + torch.nonzero(stay).reshape(-1)
             m = first + src.numel()

@@ -22,6 +22,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -66,6 +67,16 @@ class SurrogateMeta:
             self.num_kv_heads,
             self.head_dim,
         ) == (shape.num_layers, shape.num_q_heads, shape.num_kv_heads, shape.head_dim)
+
+    @classmethod
+    def for_config(cls, config: Any, model: str, kind: str) -> SurrogateMeta:
+        """For a surrogate of a HF model with this ``config`` (its layers, heads, head and
+        hidden widths), named ``model``."""
+        c = config
+        hkv = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        L, hq = c.num_hidden_layers, c.num_attention_heads
+        return cls(model, kind, L, hq, hkv, head_dim, c.hidden_size)
 
     def to_metadata(self) -> dict[str, str]:
         return {"agentkv_kvzap": json.dumps(self.__dict__, sort_keys=True)}

@@ -110,12 +110,10 @@ def test_kvzap_pruning_while_decoding_replays_what_eager_steps_decode(gpu_lm, tm
     from agentkv.methods.kvzap_surrogate import Surrogate, SurrogateMeta
 
     lm, _ = gpu_lm
-    cfg = lm.config
-    L, H = cfg.num_hidden_layers, cfg.num_key_value_heads
-    meta = SurrogateMeta("random", "linear", L, cfg.num_attention_heads, H, cfg.head_dim,
-                         cfg.hidden_size)  # fmt: skip
+    meta = SurrogateMeta.for_config(lm.config, "random", "linear")
+    L, H = meta.num_layers, meta.num_kv_heads
     g = torch.Generator().manual_seed(1)
-    Surrogate(meta, torch.randn(L, H, cfg.hidden_size, generator=g), torch.zeros(L, H)).save(
+    Surrogate(meta, torch.randn(L, H, meta.hidden_size, generator=g), torch.zeros(L, H)).save(
         tmp_path / "linear.safetensors"
     )
     policy = KVzap(threshold=0.0, window=16, surrogate="linear", surrogate_path=str(tmp_path))
