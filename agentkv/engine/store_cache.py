@@ -14,6 +14,7 @@ One forward pass of the embedded engine computes ``n`` new positions of one requ
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -128,30 +129,27 @@ class LiveView:
             self._follow_page(start, end)
         return self
 
-    def _window(
-        self, layer: int, view: LayerView, start: int, end: int
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The view's rows of positions ``start .. end - 1`` (int64 ``[m]``; a position no
-        head kept has none) and those positions' cells in the slot map now (``[Hkv, m]``),
-        or None when it has none of them."""
-        n = view.n
-        if n == 0:
-            return None
-        pos = view.positions[:n]
-        want = torch.arange(start, end, device=pos.device)
-        rows = torch.searchsorted(pos, want).clamp_max(n - 1)
-        present = pos[rows] == want
-        if not bool(present.any()):
-            return None
-        cells = self.req.slot_map.layer_slots(layer)[:, start:end][:, present.cpu()]
-        return rows[present], cells
+    def _windows(
+        self, start: int, end: int
+    ) -> Iterator[tuple[int, LayerView, torch.Tensor, torch.Tensor]]:
+        """Per layer gathered so far that holds any of positions ``start .. end - 1``: the
+        layer, its view, its rows of them (int64 ``[m]``; a position no head kept has none) and those
+        positions' cells in the slot map now (``[Hkv, m]``)."""
+        for layer, view in self._layers.items():
+            n = view.n
+            if n == 0:
+                continue
+            pos = view.positions[:n]
+            want = torch.arange(start, end, device=pos.device)
+            rows = torch.searchsorted(pos, want).clamp_max(n - 1)
+            present = pos[rows] == want
+            if not bool(present.any()):
+                continue
+            cells = self.req.slot_map.layer_slots(layer)[:, start:end][:, present.cpu()]
+            yield layer, view, rows[present], cells
 
     def _follow_page(self, start: int, end: int) -> None:
-        for layer, view in self._layers.items():
-            found = self._window(layer, view, start, end)
-            if found is None:
-                continue
-            rows, cells = found
+        for layer, view, rows, cells in self._windows(start, end):
             k, v = self.store.pool.gather(layer, cells)  # [w, Hkv, D], DEAD: zero rows
             view.k[rows] = k
             view.v[rows] = v
@@ -167,11 +165,7 @@ class LiveView:
         return self
 
     def _follow_eviction(self, start: int, end: int) -> None:
-        for layer, view in self._layers.items():
-            found = self._window(layer, view, start, end)
-            if found is None:
-                continue
-            rows, cells = found
+        for _, view, rows, cells in self._windows(start, end):
             n, dev = view.n, view.positions.device
             live = (cells != DEAD).to(dev)  # [Hkv, m]
             kept = live.any(dim=0)
