@@ -15,8 +15,10 @@ its lengths need (``compiled``: new entries in Triton's cache directory), the se
 steady state. A step's time is the interval between two of the engine's polls of
 ``GenerationConfig.should_stop`` (one a decode step): ``ms_per_step`` is their mean
 (decode-time pages and graph captures included), ``median_step_ms`` a plain step's.
-``--norms fused,eager`` runs each path with the one-kernel RMSNorm (the engine's default on
-CUDA) and with transformers' own. ``--profile MODE`` writes a cProfile of a third decode of that mode beside the JSON,
+``--fusions all,none`` runs each path with the engine's fused layers on CUDA (its default: the
+one-kernel RMSNorm, rotary embedding and gated activation, the stacked q/k/v and gate/up
+GEMMs) and with transformers' own; a set may also name some of ``norms``, ``rotary``,
+``projections`` joined by ``+`` (``norms+rotary``). ``--profile MODE`` writes a cProfile of a third decode of that mode beside the JSON,
 ``--kernel-profile MODE`` a table of its GPU kernels' times (torch.profiler).
 
     python3 benchmarks/engine_step.py --shape 8b --prompt 8192 --steps 64 --out engine_step.json
@@ -102,10 +104,24 @@ def _cache_entries() -> int:
 
 def run(args) -> list[dict]:
     from agentkv import FullCache, KVzap, UniformQuant, build_payload
-    from agentkv.engine import fused_norms
+    from agentkv.engine import fused_norms, fused_projections, fused_rotary
     from agentkv.engine.engine import Engine, GenerationConfig
     from agentkv.engine.model_loader import resolve_model_dir
 
+    switches = {
+        "norms": fused_norms.PATH,
+        "rotary": fused_rotary.PATH,
+        "projections": fused_projections.PATH,
+    }
+
+    def fusion_set(name: str) -> set[str]:
+        on = set(switches) if name == "all" else set(name.split("+")) - {"none"}
+        if on - set(switches):
+            raise SystemExit(f"--fusions: unknown {sorted(on - set(switches))} in {name!r}")
+        return on
+
+    for name in args.fusions.split(","):  # (before the model is built)
+        fusion_set(name)
     device = args.device
     cuda = device.startswith("cuda")
     dtype = torch.bfloat16 if cuda else torch.float32
@@ -119,9 +135,11 @@ def run(args) -> list[dict]:
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     sessions = itertools.count()
     rows = []
-    runs = [(n, p) for n in args.norms.split(",") for p in args.paths.split(",")]
-    for norms, path in runs:
-        fused_norms.ENABLED = norms == "fused"
+    runs = [(f, p) for f in args.fusions.split(",") for p in args.paths.split(",")]
+    for fusions, path in runs:
+        on = fusion_set(fusions)
+        for name, switch in switches.items():
+            switch.enabled = name in on
         engine = Engine(
             lm,
             tokenizer=tok,
@@ -160,7 +178,7 @@ def run(args) -> list[dict]:
                 "shape": args.shape,
                 "device": device,
                 "path": path,
-                "norms": norms,
+                "fusions": fusions,
                 "mode": mode,
                 "prompt_tokens": res.usage.prompt_tokens,
                 "steps": len(warm),
@@ -184,7 +202,7 @@ def run(args) -> list[dict]:
                 with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as kp:
                     decode(args.steps + 1)
                 table = kp.key_averages().table(sort_by="self_cuda_time_total", row_limit=30)
-                out = args.out.with_name(f"{args.out.stem}_{path}_{norms}_{mode}_kernels.txt")
+                out = args.out.with_name(f"{args.out.stem}_{path}_{fusions}_{mode}_kernels.txt")
                 out.write_text(table)
                 row["kernel_profile"] = out.name
             if mode == args.profile:
@@ -194,7 +212,7 @@ def run(args) -> list[dict]:
                 prof.disable()
                 s = io.StringIO()
                 pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(40)
-                out = args.out.with_name(f"{args.out.stem}_{path}_{norms}_{mode}_profile.txt")
+                out = args.out.with_name(f"{args.out.stem}_{path}_{fusions}_{mode}_profile.txt")
                 out.write_text(s.getvalue())
                 row["profile"] = out.name
             print(
@@ -220,9 +238,10 @@ def main() -> None:
     )
     ap.add_argument("--modes", default="bf16,int4,int2", help="bf16, int4, int2, kvzap")
     ap.add_argument(
-        "--norms",
-        default="fused",
-        help="fused (the RMSNorm kernel on CUDA, the engine's default), eager, or both",
+        "--fusions",
+        default="all",
+        help="comma-separated sets: all (the engine's default on CUDA), none, or "
+        "norms/rotary/projections joined by +",
     )
     ap.add_argument("--profile", default=None, help="a mode to profile (cProfile)")
     ap.add_argument(

@@ -14,6 +14,8 @@ Engine-facing API (one layer at a time):
 * :func:`decode_attention` - fused flash-decoding over INT2 | INT4 | full segments with
   DEAD masking by id, GQA, variable lengths and optional per-KV-head masks.
 * :func:`rms_norm` - the Llama-family RMSNorm in one kernel (the engine's norms on CUDA).
+* :func:`apply_rotary` - a layer's rotary embedding of queries and keys in one kernel.
+* :func:`silu_mul` - the gated MLP's ``silu(gate) * up`` over one stacked projection.
 
 Every function takes ``backend="auto" | "triton" | "torch"``; auto runs Triton on CUDA
 tensors or under ``TRITON_INTERPRET=1`` and the torch reference otherwise. This package
@@ -54,6 +56,8 @@ from .quant_int2 import (
 )
 from .quant_int4 import dequantize_int4_ref, quantize_int4_ref, write_int4, write_int4_ref
 from .rms_norm import rms_norm, rms_norm_ref
+from .rotary import apply_rotary, apply_rotary_ref
+from .silu_mul import silu_mul, silu_mul_ref
 
 __all__ = [
     "DEAD",
@@ -70,6 +74,8 @@ __all__ = [
     "Int4RowMap",
     "KVPools",
     "SegmentMaxLens",
+    "apply_rotary",
+    "apply_rotary_ref",
     "check_head_dim",
     "clear_decode_plans",
     "held_decode_plans",
@@ -87,6 +93,8 @@ __all__ = [
     "resolve_backend",
     "rms_norm",
     "rms_norm_ref",
+    "silu_mul",
+    "silu_mul_ref",
     "validate_decode_inputs",
     "write_int2_pages",
     "write_int2_pages_ref",

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from .backend import Backend, resolve_backend
+from .rounding import round_to
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -44,10 +45,9 @@ def _rms_norm_kernel(
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     var = tl.sum(x * x, axis=0) / D
     h = x * (1.0 / tl.sqrt(var + eps))
-    # transformers rounds here, to nearest even (Triton's interpreter truncates instead)
-    h = h.to(x_ptr.dtype.element_ty, fp_downcast_rounding="rtne").to(tl.float32)
+    h = round_to(h, x_ptr.dtype.element_ty)  # (transformers rounds here, to nearest even)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    y = (w * h).to(y_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+    y = round_to(w * h, y_ptr.dtype.element_ty).to(y_ptr.dtype.element_ty)
     tl.store(y_ptr + row * stride_y + cols, y, mask=mask)
 
 

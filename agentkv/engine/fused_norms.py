@@ -5,8 +5,9 @@ of them a layer, so at SmolLM2's shape they are a fifth of a CUDA-graph step's k
 (docs/benchmarks.md §3 session 34). :func:`fuse_rms_norms` gives each norm module of a
 class in :data:`FUSABLE` (whose ``forward`` is exactly
 :func:`~agentkv.kernels.rms_norm.rms_norm_ref`) a ``forward`` that runs the one-kernel norm
-on CUDA inputs and the module's own ``forward`` elsewhere (the CPU path is unchanged).
-:data:`ENABLED` switches it for the whole process (benchmarks compare both).
+on CUDA inputs and the module's own ``forward`` elsewhere (the CPU path is unchanged; the
+kernel has no backward, so a forward under autograd is the module's own too).
+:data:`PATH` says when (:class:`~agentkv.engine.fused_path.FusedPath`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 
 import torch
 
+from agentkv.engine.fused_path import FusedPath
 from agentkv.kernels import rms_norm
 
 #: transformers' norm classes computing ``weight * (x * rsqrt(mean(x^2) + eps)).to(dtype)``
@@ -29,8 +31,8 @@ FUSABLE = frozenset(
         "Qwen3MoeRMSNorm",
     }
 )
-#: process-wide switch, read at every call (a CUDA graph keeps what its capture ran)
-ENABLED = True
+#: when the one-kernel norm runs (CUDA, outside autograd; a process-wide switch)
+PATH = FusedPath()
 _FUSED = "_agentkv_fused_rms_norm"
 
 
@@ -52,7 +54,7 @@ def fuse_rms_norms(model: torch.nn.Module) -> int:
 
 def _fused_forward(module: Any, original: Any) -> Any:
     def forward(hidden_states: torch.Tensor) -> torch.Tensor:
-        if ENABLED and hidden_states.is_cuda:
+        if PATH.takes(hidden_states):
             return rms_norm(hidden_states, module.weight, module.variance_epsilon, backend="triton")
         return original(hidden_states)
 

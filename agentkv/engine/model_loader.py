@@ -129,9 +129,14 @@ def load_model(
 
 def prepare_model(lm: Any) -> Any:
     """Make a loaded HF causal LM the engine's: the agentkv attention function
-    (``set_attn_implementation``), eval mode, the hidden-state hooks, its RMSNorm layers in
-    one kernel on CUDA (:mod:`agentkv.engine.fused_norms`). Returns ``lm``."""
+    (``set_attn_implementation``), eval mode, the hidden-state hooks, and on CUDA its
+    RMSNorm layers, rotary embedding and gated activation in one kernel each and its
+    q/k/v and gate/up projections one GEMM each (:mod:`agentkv.engine.fused_norms`,
+    :mod:`~agentkv.engine.fused_rotary`, :mod:`~agentkv.engine.fused_projections`).
+    Returns ``lm``."""
     from agentkv.engine.fused_norms import fuse_rms_norms
+    from agentkv.engine.fused_projections import fuse_projections
+    from agentkv.engine.fused_rotary import fuse_rotary
     from agentkv.engine.hidden_states import install_hidden_state_hooks
     from agentkv.engine.store_cache import register_attention
 
@@ -141,4 +146,6 @@ def prepare_model(lm: Any) -> Any:
     lm.eval()
     install_hidden_state_hooks(lm)  # layer inputs -> observers that ask for them (KVzap)
     fuse_rms_norms(lm)
+    fuse_rotary(lm)
+    fuse_projections(lm)
     return lm

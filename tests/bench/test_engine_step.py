@@ -24,7 +24,7 @@ def test_each_path_and_mode_decodes_and_is_reported(tmp_path: Path) -> None:
         steps=3,
         paths="reference,dense",
         modes="bf16,int4,kvzap",
-        norms="fused",
+        fusions="all",
         profile="int4",
         kernel_profile=None,
         device="cpu",
@@ -47,8 +47,10 @@ def test_each_path_and_mode_decodes_and_is_reported(tmp_path: Path) -> None:
     # KVzap's random surrogate (threshold 0) pruned about half of what left its window
     kvzap = rows[2]
     assert kvzap["evicted_entries"] > 0 and kvzap["live_kv_tokens"] < rows[0]["live_kv_tokens"]
-    assert {r["norms"] for r in rows} == {"fused"}
+    assert {r["fusions"] for r in rows} == {"all"}
     assert (tmp_path / rows[1]["profile"]).read_text().count("engine") > 0
     json.dumps(rows)
+    with pytest.raises(SystemExit, match=r"--fusions: unknown \['rope'\]"):
+        engine_step.run(argparse.Namespace(**{**vars(args), "fusions": "all,norms+rope"}))
     with pytest.raises(SystemExit, match="--shape"):
         engine_step.build_model(Path("."), "1,2,3", "cpu", None, 16)

@@ -1,0 +1,24 @@
+"""When a fused forward (:mod:`.fused_norms`, :mod:`.fused_rotary`, :mod:`.fused_projections`)
+runs in place of transformers' own: one :class:`FusedPath` per fusion, read at every call
+(a CUDA graph keeps what its capture ran)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class FusedPath:
+    """``enabled``: the process-wide switch (benchmarks compare both); ``devices``: the
+    device types whose inputs take the fused kernels (CUDA; tests add ``"cpu"`` under
+    Triton's interpreter). The kernels have no backward, so a forward under autograd
+    never takes them."""
+
+    enabled: bool = True
+    devices: frozenset[str] = frozenset({"cuda"})
+
+    def takes(self, x: torch.Tensor) -> bool:
+        """Whether a forward on ``x`` runs fused."""
+        return self.enabled and x.device.type in self.devices and not torch.is_grad_enabled()
