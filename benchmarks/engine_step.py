@@ -18,7 +18,10 @@ steady state. A step's time is the interval between two of the engine's polls of
 ``--fusions all,none`` runs each path with the engine's fused layers on CUDA (its default: the
 one-kernel RMSNorm, rotary embedding and gated activation, the stacked q/k/v and gate/up
 GEMMs) and with transformers' own; a set may also name some of ``norms``, ``rotary``,
-``projections`` joined by ``+`` (``norms+rotary``). ``--profile MODE`` writes a cProfile of a third decode of that mode beside the JSON,
+``projections`` joined by ``+`` (``norms+rotary``; file names get ``+``, which some copy
+tools refuse: prefer ``all``/``none`` where files are written). ``--overlap on,off`` runs
+each with greedy graph steps launched ahead of the token they feed (the engine's default)
+and one step at a time. ``--profile MODE`` writes a cProfile of a third decode of that mode beside the JSON,
 ``--kernel-profile MODE`` a table of its GPU kernels' times (torch.profiler).
 
     python3 benchmarks/engine_step.py --shape 8b --prompt 8192 --steps 64 --out engine_step.json
@@ -135,8 +138,13 @@ def run(args) -> list[dict]:
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     sessions = itertools.count()
     rows = []
-    runs = [(f, p) for f in args.fusions.split(",") for p in args.paths.split(",")]
-    for fusions, path in runs:
+    runs = [
+        (f, o, p)
+        for f in args.fusions.split(",")
+        for o in args.overlap.split(",")
+        for p in args.paths.split(",")
+    ]
+    for fusions, overlap, path in runs:
         on = fusion_set(fusions)
         for name, switch in switches.items():
             switch.enabled = name in on
@@ -147,6 +155,7 @@ def run(args) -> list[dict]:
             decode_attention="kernels" if path == "graphs" else path,
             cuda_graphs=path == "graphs",
         )
+        engine.decode_overlap = overlap == "on"
         for mode in args.modes.split(","):
 
             def decode(n: int, engine=engine, policy=policies[mode]):
@@ -179,6 +188,7 @@ def run(args) -> list[dict]:
                 "device": device,
                 "path": path,
                 "fusions": fusions,
+                "overlap": overlap,
                 "mode": mode,
                 "prompt_tokens": res.usage.prompt_tokens,
                 "steps": len(warm),
@@ -202,7 +212,9 @@ def run(args) -> list[dict]:
                 with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as kp:
                     decode(args.steps + 1)
                 table = kp.key_averages().table(sort_by="self_cuda_time_total", row_limit=30)
-                out = args.out.with_name(f"{args.out.stem}_{path}_{fusions}_{mode}_kernels.txt")
+                out = args.out.with_name(
+                    f"{args.out.stem}_{path}_{fusions}_{overlap}_{mode}_kernels.txt"
+                )
                 out.write_text(table)
                 row["kernel_profile"] = out.name
             if mode == args.profile:
@@ -212,7 +224,9 @@ def run(args) -> list[dict]:
                 prof.disable()
                 s = io.StringIO()
                 pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(40)
-                out = args.out.with_name(f"{args.out.stem}_{path}_{fusions}_{mode}_profile.txt")
+                out = args.out.with_name(
+                    f"{args.out.stem}_{path}_{fusions}_{overlap}_{mode}_profile.txt"
+                )
                 out.write_text(s.getvalue())
                 row["profile"] = out.name
             print(
@@ -242,6 +256,12 @@ def main() -> None:
         default="all",
         help="comma-separated sets: all (the engine's default on CUDA), none, or "
         "norms/rotary/projections joined by +",
+    )
+    ap.add_argument(
+        "--overlap",
+        default="on",
+        help="on (greedy graph steps launched before their token is read, the engine's "
+        "default), off (one step at a time), or on,off",
     )
     ap.add_argument("--profile", default=None, help="a mode to profile (cProfile)")
     ap.add_argument(

@@ -313,6 +313,22 @@ class KVStore:
         req.slot_map.append(cells)
         return cells
 
+    def truncate(self, req: RequestKV, n: int) -> EvictResult:
+        """Drop ``req``'s last ``n`` positions, as if never extended: their cells go back
+        (the counts of an eviction of them), their token ids go. Only positions this request
+        computed (past its prefix-cache match) and with no pending token after them: a step
+        the engine decoded ahead of a token it had not read yet, which was a stop."""
+        self._check_live(req)
+        if req.num_pending:
+            raise ValueError("truncate() with pending tokens (extend them first)")
+        if not 0 <= n <= req.seq_len - req.num_cached:
+            raise ValueError(
+                f"can drop 0..{req.seq_len - req.num_cached} computed positions, got {n}"
+            )
+        released = req.slot_map.truncate(n)
+        del req.token_ids[req.seq_len :]
+        return self._release(req, *self._window_counts(released), released)
+
     def cache_unfinished_request(self, req: RequestKV, num_tokens: int | None = None) -> int:
         """Publish the request's first ``num_tokens`` positions (default all) to the shared
         namespace now, before its own evictions (SGLang ``cache_unfinished_req``). Only the

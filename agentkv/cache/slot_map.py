@@ -128,6 +128,15 @@ class SlotMap:
         self._slots[:, self._len : self._len + n] = s
         self._len += n
 
+    def truncate(self, n: int) -> torch.Tensor:
+        """Drop the last ``n`` positions. Returns their cells, int64 ``[L * Hkv, n]`` (DEAD
+        where evicted), for the caller to ``decref``."""
+        if not 0 <= n <= self._len:
+            raise ValueError(f"cannot drop {n} of {self._len} positions")
+        dropped = self._slots[:, self._len - n : self._len].clone()
+        self._len -= n
+        return dropped
+
     def evict(self, positions: torch.Tensor | Sequence[int]) -> torch.Tensor:
         """Evict ``positions`` (int64 ``[k]``; repeats and dead ones allowed) in every column.
 

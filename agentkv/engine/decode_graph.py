@@ -10,8 +10,12 @@ the host (30-47 ms a step at SmolLM2's and an 8B shape on an H200, for a few ms 
 docs/benchmarks.md §3 session 32), so :class:`DecodeGraph` captures the step once per epoch
 and replays it:
 
-- the step's inputs live in static device buffers, filled from one pinned host buffer by a
-  single copy (token id, position, ``[L * Hkv]`` cells);
+- the step's inputs live in static device buffers, filled from a pinned host buffer by a
+  single copy (token id, position, ``[L * Hkv]`` cells); with greedy sampling the token id
+  can come from the device instead (:meth:`DecodeGraph.feed_greedy`: the previous step's
+  argmax written into the input buffer), so the engine launches a step before it has read
+  the token the step feeds (it reads it while the step runs; two pinned buffers take turns,
+  so one step's copy never reads a buffer the next step's inputs are written to);
 - the first step of an epoch runs eagerly (its logits are the step's result; it also
   compiles any new kernel variant and builds the decode plans, neither of which may happen
   during a capture), then the same forward is captured (about one eager step's host time);
@@ -69,8 +73,15 @@ class DecodeGraph:
             raise ValueError(f"CUDA graphs need a CUDA device, got {device}")
         self.forward = forward
         self.dtype = dtype
-        self._host = torch.empty(2 + num_cells, dtype=torch.int64, pin_memory=True)
+        # two pinned input buffers taking turns: a step's inputs are written while the step
+        # before it (whose copy may not have run yet) is still queued
+        self._hosts = [
+            torch.empty(2 + num_cells, dtype=torch.int64, pin_memory=True) for _ in range(2)
+        ]
+        self._turn = 0
         self._dev = torch.empty(2 + num_cells, dtype=torch.int64, device=device)
+        self._token_host = torch.empty(1, dtype=torch.int64, pin_memory=True)
+        self._token_ready = torch.cuda.Event()
         self.input_ids = self._dev[0:1].view(1, 1)
         self.positions = self._dev[1:2]
         self.write_slots = self._dev[2:].view(num_cells, 1)
@@ -121,18 +132,40 @@ class DecodeGraph:
         self._logits = None
         self._plans = []
 
-    def step(self, token: int, position: int, slots: torch.Tensor) -> torch.Tensor:
+    def feed_greedy(self, logits: torch.Tensor) -> None:
+        """Queue the greedy token of ``logits`` (float32 ``[V]`` on the device: a step's
+        result) as the next step's input: its argmax is written into the input buffer and
+        copied to the host behind it; :meth:`read_fed_token` waits for that copy. The next
+        :meth:`step` must be called with ``token=None``."""
+        torch.argmax(logits, dim=-1, keepdim=True, out=self._dev[0:1])
+        self._token_host.copy_(self._dev[0:1], non_blocking=True)
+        self._token_ready.record()
+
+    def read_fed_token(self) -> int:
+        """The token :meth:`feed_greedy` queued (waits until it is computed)."""
+        self._token_ready.synchronize()
+        return int(self._token_host[0])
+
+    def step(self, token: int | None, position: int, slots: torch.Tensor) -> torch.Tensor:
         """Logits (float32 ``[V]``) after ``token`` at ``position``, whose cells are
-        ``slots`` (int64 ``[L * Hkv, 1]``, already appended to the kernel's index)."""
+        ``slots`` (int64 ``[L * Hkv, 1]``, already appended to the kernel's index);
+        ``token=None``: the token :meth:`feed_greedy` queued. Launches the step and returns
+        without waiting for it."""
         kernel = self.kernel
         if kernel is None:
             raise RuntimeError("DecodeGraph.step outside begin() / end()")
-        # one host-to-device copy; the pinned buffer is rewritten only after the caller has
-        # read the previous step's logits (a sync), so that copy has completed by then
-        self._host[0] = token
-        self._host[1] = position
-        self._host[2:] = slots.reshape(-1)
-        self._dev.copy_(self._host, non_blocking=True)
+        # one host-to-device copy from the buffer whose turn it is: the other one may still
+        # be read by the previous step's copy; this one's last copy (two steps back) ran
+        # before the caller read that step's token (a sync)
+        host = self._hosts[self._turn]
+        self._turn ^= 1
+        host[1] = position
+        host[2:] = slots.reshape(-1)
+        if token is None:
+            self._dev[1:].copy_(host[1:], non_blocking=True)
+        else:
+            host[0] = token
+            self._dev.copy_(host, non_blocking=True)
         if self.graph is not None and self._epoch == kernel.epoch:
             self.graph.replay()
             self.replays += 1

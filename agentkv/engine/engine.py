@@ -14,6 +14,7 @@ continuous batching). A request:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import secrets
@@ -167,6 +168,21 @@ class PreparedChat:
 
 
 TOOL_CALL_OPEN = "<tool_call>"
+
+
+#: token id of a position whose step was launched before the host read its token (the
+#: engine writes the real id as soon as it has read it)
+_UNREAD = -1
+
+
+@dataclasses.dataclass
+class _Launched:
+    """A decode step launched at ``pos``: its logits (float32 ``[V]``, computed or being
+    computed) and, off the kernels' path, the cache it attended through."""
+
+    pos: int
+    logits: torch.Tensor
+    cache: StoreCache | None
 
 
 class _ContentStream:
@@ -324,6 +340,9 @@ class Engine:
             if graphs_possible and cuda_graphs is not False
             else None
         )
+        #: launch each greedy graph step before reading the token it feeds (the host's step
+        #: work overlaps the GPU's; same tokens); False: one step at a time (benchmarks)
+        self.decode_overlap = True
         self.methods = MethodSet(self.shape)
         self.renderer = ChatRenderer(self.tokenizer)
         self.chunk_size = chunk_size
@@ -821,12 +840,64 @@ class Engine:
             graph.begin(kernel, observer)
         # live cells per column: +1 per decode step; recounted only when a plan changes them
         live = req.slot_map.effective_live_tokens()
+        # greedy steps on the graph launch before the host reads the token they feed (the
+        # previous step's argmax, on the device): the host's work for a step (cells, index,
+        # the launch) runs while the GPU computes the step before; a step fed a stop token
+        # is dropped again (KVStore.truncate). Same steps, same order on the GPU: same tokens.
+        overlap = graph is not None and generator is None and self.decode_overlap
+        ahead: _Launched | None = None  # a step launched on a token not read yet
+
+        def launch(tok: int | None) -> _Launched:
+            """The step feeding ``tok`` (None: the token ``graph.feed_greedy`` queued) at the
+            next position; raises OutOfSlots (nothing changed) when the pool is full."""
+            pos = req.seq_len
+            slots = self.store.extend(req, [_UNREAD if tok is None else tok])
+            if kernel is not None:
+                kernel.append(slots)
+            if graph is not None:
+                return _Launched(pos, graph.step(tok, pos, slots), None)
+            assert tok is not None
+            cache = StoreCache(view, torch.tensor([pos]), slots, observer, kernel=kernel)
+            return _Launched(
+                pos, self._forward([tok], torch.tensor([pos]), cache, keep=1)[-1], cache
+            )
+
+        def commit(step: _Launched) -> None:
+            """A launched step whose token the host has accepted: the counts, and what
+            follows a step (a decode-time page, a pruning pass) in the order eager steps
+            have it."""
+            nonlocal raw, eff, live, view
+            raw += step.pos + 1
+            live += 1
+            if kernel is not None:
+                eff += int(round(live))
+            else:
+                assert step.cache is not None
+                eff += int(round(step.cache.attended_keys / self.shape.num_layers))
+            page = self._demote_tail(req, info)  # a page filled: its rows change in views
+            evicted = pruning.after_step() if pruning is not None else None
+            if evicted is not None:  # (a pruning pass: which cells exist changed)
+                live -= evicted.entries / req.slot_map.num_columns
+            if page is not None and evicted is not None:  # (both at once: a new view)
+                view = LiveView(self.store, req)
+            elif page is not None:  # (a page: its rows' values changed)
+                view = view.follow_page(*page)
+            elif evicted is not None:
+                view = view.follow_eviction(evicted.start, evicted.end)
+            if kernel is not None and (page is not None or evicted is not None):
+                # (the index follows in place; a captured step, its epoch)
+                kernel.rebuild(page, evicted.cells if evicted is not None else None)
+
         try:
             for _ in range(gen.max_tokens):
                 if gen.should_stop is not None and gen.should_stop():
                     finish = "abort"
                     break
-                tok = self._sample(logits, gen, generator)
+                if ahead is not None:
+                    tok = graph.read_fed_token()  # (the GPU computes the step it fed meanwhile)
+                    req.token_ids[ahead.pos] = tok
+                else:
+                    tok = self._sample(logits, gen, generator)
                 if tok in self._stop_ids and not gen.ignore_eos:
                     finish = "stop"
                     break
@@ -840,38 +911,23 @@ class Engine:
                         break
                 if len(out) == gen.max_tokens:
                     break
-                pos = req.seq_len
-                try:
-                    slots = self.store.extend(req, [tok])
-                except OutOfSlots:  # the pool ran out: return what was generated
-                    break
-                if kernel is not None:
-                    kernel.append(slots)
-                if graph is not None:
-                    logits = graph.step(tok, pos, slots)
+                if ahead is not None:  # (the step feeding tok runs already)
+                    step, ahead = ahead, None
                 else:
-                    cache = StoreCache(view, torch.tensor([pos]), slots, observer, kernel=kernel)
-                    logits = self._forward([tok], torch.tensor([pos]), cache, keep=1)[-1]
-                raw += pos + 1
-                live += 1
-                if kernel is not None:
-                    eff += int(round(live))
-                else:
-                    eff += int(round(cache.attended_keys / self.shape.num_layers))
-                page = self._demote_tail(req, info)  # a page filled: its rows change in views
-                evicted = pruning.after_step() if pruning is not None else None
-                if evicted is not None:  # (a pruning pass: which cells exist changed)
-                    live -= evicted.entries / req.slot_map.num_columns
-                if page is not None and evicted is not None:  # (both at once: a new view)
-                    view = LiveView(self.store, req)
-                elif page is not None:  # (a page: its rows' values changed)
-                    view = view.follow_page(*page)
-                elif evicted is not None:
-                    view = view.follow_eviction(evicted.start, evicted.end)
-                if kernel is not None and (page is not None or evicted is not None):
-                    # (the index follows in place; a captured step, its epoch)
-                    kernel.rebuild(page, evicted.cells if evicted is not None else None)
+                    try:
+                        step = launch(tok)
+                    except OutOfSlots:  # the pool ran out: return what was generated
+                        break
+                commit(step)
+                logits = step.logits
+                if overlap and len(out) + 1 < gen.max_tokens:  # (a next step is wanted)
+                    graph.feed_greedy(logits)
+                    with contextlib.suppress(OutOfSlots):  # (full: the next token on the host)
+                        ahead = launch(None)
         finally:  # (however it ends: the graph's memory and the observer's buffers go)
+            if ahead is not None:  # (a step fed a token that ended the decode: undone)
+                torch.cuda.current_stream(self.device).synchronize()  # (it ran to its end)
+                self.store.truncate(req, 1)
             if graph is not None:
                 graph.end()
             if pruning is not None:

@@ -25,6 +25,7 @@ def test_each_path_and_mode_decodes_and_is_reported(tmp_path: Path) -> None:
         paths="reference,dense",
         modes="bf16,int4,kvzap",
         fusions="all",
+        overlap="on",
         profile="int4",
         kernel_profile=None,
         device="cpu",

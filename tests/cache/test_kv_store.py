@@ -90,6 +90,37 @@ def test_last_prompt_token_is_always_computed():
     drained(st)
 
 
+def test_truncate_undoes_the_last_decode_steps_as_if_never_extended():
+    """A step launched ahead of a token that turned out to be a stop: its position goes,
+    cells back to the pool, token id gone; the request is one never extended that far."""
+    st = store()
+    st.finish_request(run(st, "a", list(range(10))))
+    used = st.stats().used_slots
+    req = run(st, "b", list(range(10)), decode=[100, 101, 102, 103])
+    assert req.num_cached == 9  # (its prompt from a's prefix cache, the last one computed)
+    released = st.truncate(req, 2)
+    assert (released.positions_dead, released.entries_evicted, released.slots_freed) == (
+        2,
+        2 * C,
+        2 * C,
+    )
+    assert req.seq_len == 12 and req.token_ids == [*range(10), 100, 101]
+    assert st.stats().used_slots == used + 3  # (the last prompt position and 2 decoded)
+    st.check_invariants()
+    check_content(st, req)
+    with pytest.raises(ValueError, match="can drop 0..3 computed positions"):
+        st.truncate(req, 4)  # (into the prefix-cache match, shared)
+    req.token_ids.append(7)
+    with pytest.raises(ValueError, match="pending tokens"):
+        st.truncate(req, 1)
+    req.token_ids.pop()
+    st.finish_request(req)
+    again = run(st, "c", [*range(10), 100, 101, 5])
+    assert again.num_cached == 12  # (b's prefix cache entry ends where it was cut)
+    st.finish_request(again)
+    drained(st, ["a", "b", "c"])
+
+
 def test_sibling_requests_share_prefix_and_eviction_in_one_frees_nothing():
     st = store()
     st.finish_request(run(st, "S", [9, 8, 7, 6, 5]))

@@ -134,6 +134,75 @@ def test_kvzap_pruning_while_decoding_replays_what_eager_steps_decode(gpu_lm, tm
     assert obs._ring is None  # (freed with the decode)
 
 
+def _same_usage(a, b) -> None:
+    for field in ("resident_kv_bytes", "live_kv_tokens", "evicted_entries", "quantized_entries"):
+        assert getattr(a.usage, field) == getattr(b.usage, field), field
+
+
+@cuda
+def test_steps_launched_ahead_end_where_steps_one_at_a_time_end(gpu_lm):
+    """Greedy graph steps launch before the host has read the token they feed: a decode that
+    ends on a stop token, a stop string or an abort undoes the step launched on it, so the
+    request's tokens, KV and telemetry (and what the prefix cache keeps of it) are the
+    one-step-at-a-time engine's, and the store stays consistent."""
+    graphed, eager = _engines(gpu_lm)
+    serial, _ = _engines(gpu_lm)
+    serial.decode_overlap = False
+    policy = UniformQuant(bits=4, residual=16)
+    probe = eager.chat(
+        MSGS,
+        payload=build_payload(MSGS, policy, "probe"),
+        gen=GenerationConfig(max_tokens=90, ignore_eos=True),
+    )
+    ids = probe.token_ids
+    # a stop token first met 40+ steps in (past a decode-time page)
+    stop_tok = next(t for i, t in enumerate(ids) if i >= 40 and t not in ids[:i])
+    first = ids.index(stop_tok)
+    text = graphed.tokenizer.decode(ids, skip_special_tokens=True)
+    stop_str = text[len(graphed.tokenizer.decode(ids[:30], skip_special_tokens=True)) :][:6]
+    cases = {
+        "stop token": ({"max_tokens": 90}, {stop_tok}),
+        "stop string": ({"max_tokens": 90, "ignore_eos": True, "stop": [stop_str]}, set()),
+        "abort": ({"max_tokens": 90, "ignore_eos": True}, set()),
+        "length": ({"max_tokens": 57, "ignore_eos": True}, set()),
+    }
+    for case, (kw, extra_stops) in cases.items():
+        results = []
+        for n, e in enumerate((graphed, serial, eager)):
+            stops = e._stop_ids
+            e._stop_ids = stops | extra_stops
+            polls = iter(range(10**6))
+            gen = GenerationConfig(
+                **kw, should_stop=(lambda p=polls: next(p) >= 25) if case == "abort" else None
+            )
+            try:
+                results.append(
+                    e.chat(MSGS, payload=build_payload(MSGS, policy, f"{case}{n}"), gen=gen)
+                )
+            finally:
+                e._stop_ids = stops
+            e.store.check_invariants()
+        got, one_at_a_time, want = results
+        assert got.token_ids == one_at_a_time.token_ids == want.token_ids, case
+        assert got.finish_reason == want.finish_reason, case
+        _same_usage(got, want)
+        _same_usage(one_at_a_time, want)
+        if case == "stop token":  # (or an end of turn before it)
+            end = next(i for i, t in enumerate(ids) if t in eager._stop_ids | {stop_tok})
+            assert got.token_ids == ids[:end] and end <= first and got.finish_reason == "stop"
+        if case == "abort":  # (the 26th poll: one before prefill, one a step)
+            assert len(got.token_ids) == 24 and got.finish_reason == "abort"
+    assert graphed.decode_graph.replays > 0 and graphed.decode_graph.failed is None
+    # what each engine's prefix cache kept of those requests serves the next one alike
+    again = [
+        e.chat(MSGS, payload=build_payload(MSGS, FullCache(), f"again{n}"),
+               gen=GenerationConfig(max_tokens=12, ignore_eos=True))
+        for n, e in enumerate((graphed, eager))
+    ]  # fmt: skip
+    assert again[0].token_ids == again[1].token_ids
+    assert again[0].usage.prefix_hit_tokens == again[1].usage.prefix_hit_tokens
+
+
 @cuda
 def test_a_capture_that_fails_leaves_the_decode_eager_and_whole(gpu_lm, caplog):
     graphed, eager = _engines(gpu_lm)
