@@ -16,6 +16,7 @@ Engine-facing API (one layer at a time):
 * :func:`rms_norm` - the Llama-family RMSNorm in one kernel (the engine's norms on CUDA).
 * :func:`apply_rotary` - a layer's rotary embedding of queries and keys in one kernel.
 * :func:`silu_mul` - the gated MLP's ``silu(gate) * up`` over one stacked projection.
+* :func:`write_full` - a layer's new K and V rows into their full-precision cells.
 
 Every function takes ``backend="auto" | "triton" | "torch"``; auto runs Triton on CUDA
 tensors or under ``TRITON_INTERPRET=1`` and the torch reference otherwise. This package
@@ -58,6 +59,7 @@ from .quant_int4 import dequantize_int4_ref, quantize_int4_ref, write_int4, writ
 from .rms_norm import rms_norm, rms_norm_ref
 from .rotary import apply_rotary, apply_rotary_ref
 from .silu_mul import silu_mul, silu_mul_ref
+from .write_full import write_full, write_full_ref
 
 __all__ = [
     "DEAD",
@@ -98,6 +100,8 @@ __all__ = [
     "validate_decode_inputs",
     "write_int2_pages",
     "write_int2_pages_ref",
+    "write_full",
+    "write_full_ref",
     "write_int4",
     "write_int4_ref",
 ]

@@ -37,6 +37,7 @@ from agentkv.kernels import (
     quantize_int2_keys_ref,
     quantize_int2_values_ref,
     quantize_int4_ref,
+    write_full,
 )
 from agentkv.kernels.backend import Backend
 
@@ -178,7 +179,6 @@ class KVPool:
             num_layers, num_kv_heads, head_dim, layout, dtype, self.device
         )
         self.layers = [self.stack.layer(layer) for layer in range(num_layers)]
-        self._heads = torch.arange(num_kv_heads, device=self.device)[None, :]  # write index
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -218,15 +218,11 @@ class KVPool:
                 any device.
             k, v: ``[n, Hkv, D]``, cast to the pool dtype.
         """
-        h, n = cells.shape
-        if tuple(k.shape) != (n, h, self.head_dim) or k.shape != v.shape:
-            raise ValueError(
-                f"k and v must be [{n}, {h}, {self.head_dim}], got {list(k.shape)} / {list(v.shape)}"
-            )
-        full = self.layers[layer].full
-        idx = cells.to(self.device, torch.int64).t()
-        full.k[idx, self._heads] = k.to(self.device, self.dtype)
-        full.v[idx, self._heads] = v.to(self.device, self.dtype)
+        # (one kernel for K and V on CUDA: batch-1 decode writes a row a head a layer)
+        write_full(
+            self.layers[layer].full, cells.to(self.device), k.to(self.device), v.to(self.device),
+            backend=self.backend,
+        )  # fmt: skip
 
     def gather(self, layer: int, cells: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantized K and V of ``cells`` (int64 ``[Hkv, n]``, any precision, DEAD = zero
