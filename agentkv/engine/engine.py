@@ -852,15 +852,18 @@ class Engine:
             next position; raises OutOfSlots (nothing changed) when the pool is full."""
             pos = req.seq_len
             slots = self.store.extend(req, [_UNREAD if tok is None else tok])
-            if kernel is not None:
-                kernel.append(slots)
-            if graph is not None:
-                return _Launched(pos, graph.step(tok, pos, slots), None)
-            assert tok is not None
-            cache = StoreCache(view, torch.tensor([pos]), slots, observer, kernel=kernel)
-            return _Launched(
-                pos, self._forward([tok], torch.tensor([pos]), cache, keep=1)[-1], cache
-            )
+            try:
+                if kernel is not None:
+                    kernel.append(slots)
+                if graph is not None:
+                    return _Launched(pos, graph.step(tok, pos, slots), None)
+                assert tok is not None
+                cache = StoreCache(view, torch.tensor([pos]), slots, observer, kernel=kernel)
+                logits = self._forward([tok], torch.tensor([pos]), cache, keep=1)[-1]
+            except BaseException:  # (a step that could not launch leaves no position)
+                self.store.truncate(req, 1)
+                raise
+            return _Launched(pos, logits, cache)
 
         def commit(step: _Launched) -> None:
             """A launched step whose token the host has accepted: the counts, and what
