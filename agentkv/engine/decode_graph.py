@@ -11,9 +11,9 @@ docs/benchmarks.md §3 session 32), so :class:`DecodeGraph` captures the step on
 and replays it:
 
 - the step's inputs live in static device buffers, filled from a pinned host buffer by a
-  single copy (token id, position, ``[L * Hkv]`` cells); with greedy sampling the token id
-  can come from the device instead (:meth:`DecodeGraph.feed_greedy`: the previous step's
-  argmax written into the input buffer), so the engine launches a step before it has read
+  single copy (token id, position, ``[L * Hkv]`` cells); the token id can come from the
+  device instead (:meth:`DecodeGraph.feed`: sampled from the previous step's logits into the
+  input buffer), so the engine launches a step before it has read
   the token the step feeds (it reads it while the step runs; two pinned buffers take turns,
   so one step's copy never reads a buffer the next step's inputs are written to);
 - the first step of an epoch runs eagerly (its logits are the step's result; it also
@@ -132,24 +132,24 @@ class DecodeGraph:
         self._logits = None
         self._plans = []
 
-    def feed_greedy(self, logits: torch.Tensor) -> None:
-        """Queue the greedy token of ``logits`` (float32 ``[V]`` on the device: a step's
-        result) as the next step's input: its argmax is written into the input buffer and
-        copied to the host behind it; :meth:`read_fed_token` waits for that copy. The next
+    def feed(self, token: torch.Tensor) -> None:
+        """Queue ``token`` (int64 ``[1]`` on the device, e.g. sampled from a step's logits
+        and not computed yet) as the next step's input: it is copied into the input buffer
+        and to the host behind it; :meth:`read_fed_token` waits for that copy. The next
         :meth:`step` must be called with ``token=None``."""
-        torch.argmax(logits, dim=-1, keepdim=True, out=self._dev[0:1])
+        self._dev[0:1].copy_(token)
         self._token_host.copy_(self._dev[0:1], non_blocking=True)
         self._token_ready.record()
 
     def read_fed_token(self) -> int:
-        """The token :meth:`feed_greedy` queued (waits until it is computed)."""
+        """The token :meth:`feed` queued (waits until it is computed)."""
         self._token_ready.synchronize()
         return int(self._token_host[0])
 
     def step(self, token: int | None, position: int, slots: torch.Tensor) -> torch.Tensor:
         """Logits (float32 ``[V]``) after ``token`` at ``position``, whose cells are
         ``slots`` (int64 ``[L * Hkv, 1]``, already appended to the kernel's index);
-        ``token=None``: the token :meth:`feed_greedy` queued. Launches the step and returns
+        ``token=None``: the token :meth:`feed` queued. Launches the step and returns
         without waiting for it."""
         kernel = self.kernel
         if kernel is None:

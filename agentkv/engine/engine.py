@@ -340,8 +340,8 @@ class Engine:
             if graphs_possible and cuda_graphs is not False
             else None
         )
-        #: launch each greedy graph step before reading the token it feeds (the host's step
-        #: work overlaps the GPU's; same tokens); False: one step at a time (benchmarks)
+        #: launch each graph step before reading the token it feeds (the host's step work
+        #: overlaps the GPU's; same tokens); False: one step at a time (benchmarks)
         self.decode_overlap = True
         self.methods = MethodSet(self.shape)
         self.renderer = ChatRenderer(self.tokenizer)
@@ -819,8 +819,8 @@ class Engine:
         self, req, logits, gen: GenerationConfig, stream: _ContentStream | None, info: dict
     ) -> tuple[list[int], str, tuple[int, int]]:
         generator = None
-        if gen.temperature >= SAMPLING_EPS:
-            generator = torch.Generator(device="cpu")
+        if gen.temperature >= SAMPLING_EPS:  # (sampled where the logits are: no copy to wait for)
+            generator = torch.Generator(device=self.device)
             # no seed: a fresh one, without reseeding torch's global generator
             generator.manual_seed(gen.seed if gen.seed is not None else secrets.randbits(63))
         out: list[int] = []
@@ -840,15 +840,15 @@ class Engine:
             graph.begin(kernel, observer)
         # live cells per column: +1 per decode step; recounted only when a plan changes them
         live = req.slot_map.effective_live_tokens()
-        # greedy steps on the graph launch before the host reads the token they feed (the
-        # previous step's argmax, on the device): the host's work for a step (cells, index,
+        # graph steps launch before the host reads the token they feed (sampled on the
+        # device from the previous step's logits): the host's work for a step (cells, index,
         # the launch) runs while the GPU computes the step before; a step fed a stop token
         # is dropped again (KVStore.truncate). Same steps, same order on the GPU: same tokens.
-        overlap = graph is not None and generator is None and self.decode_overlap
+        overlap = graph is not None and self.decode_overlap
         ahead: _Launched | None = None  # a step launched on a token not read yet
 
         def launch(tok: int | None) -> _Launched:
-            """The step feeding ``tok`` (None: the token ``graph.feed_greedy`` queued) at the
+            """The step feeding ``tok`` (None: the token ``graph.feed`` queued) at the
             next position; raises OutOfSlots (nothing changed) when the pool is full."""
             pos = req.seq_len
             slots = self.store.extend(req, [_UNREAD if tok is None else tok])
@@ -924,7 +924,7 @@ class Engine:
                 commit(step)
                 logits = step.logits
                 if overlap and len(out) + 1 < gen.max_tokens:  # (a next step is wanted)
-                    graph.feed_greedy(logits)
+                    graph.feed(self._next_token(logits, gen, generator))
                     with contextlib.suppress(OutOfSlots):  # (full: the next token on the host)
                         ahead = launch(None)
         finally:  # (however it ends: the graph's memory and the observer's buffers go)
@@ -989,16 +989,22 @@ class Engine:
         return text[:cut]
 
     @staticmethod
-    def _sample(logits: torch.Tensor, gen: GenerationConfig, generator) -> int:
+    def _next_token(logits: torch.Tensor, gen: GenerationConfig, generator) -> torch.Tensor:
+        """The token sampled from ``logits`` (float32 ``[V]``) as int64 ``[1]`` on their
+        device, queued without waiting for it (``generator``: on that device, None when
+        greedy)."""
         if gen.temperature < SAMPLING_EPS:  # greedy (as vLLM): logits / 1e-300 is inf, NaN
-            return int(torch.argmax(logits))
-        probs = torch.softmax(logits.float().cpu() / gen.temperature, dim=-1)
+            return torch.argmax(logits, dim=-1, keepdim=True)
+        probs = torch.softmax(logits.float() / gen.temperature, dim=-1)
         if gen.top_p < 1.0:
             sorted_p, idx = torch.sort(probs, descending=True)
             cut = torch.cumsum(sorted_p, 0) - sorted_p > gen.top_p
-            sorted_p[cut] = 0
-            probs = torch.zeros_like(probs).scatter_(0, idx, sorted_p)
-        return int(torch.multinomial(probs, 1, generator=generator))
+            probs = torch.zeros_like(probs).scatter_(0, idx, sorted_p.masked_fill_(cut, 0))
+        return torch.multinomial(probs, 1, generator=generator)
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, gen: GenerationConfig, generator) -> int:
+        return int(Engine._next_token(logits, gen, generator))
 
     def _stop_token_ids(self) -> set[int]:
         ids = set()

@@ -141,10 +141,11 @@ def _same_usage(a, b) -> None:
 
 @cuda
 def test_steps_launched_ahead_end_where_steps_one_at_a_time_end(gpu_lm):
-    """Greedy graph steps launch before the host has read the token they feed: a decode that
-    ends on a stop token, a stop string or an abort undoes the step launched on it, so the
-    request's tokens, KV and telemetry (and what the prefix cache keeps of it) are the
-    one-step-at-a-time engine's, and the store stays consistent."""
+    """Graph steps launch before the host has read the token they feed (sampled on the
+    device): a decode that ends on a stop token, a stop string or an abort undoes the step
+    launched on it, so the request's tokens, KV and telemetry (and what the prefix cache
+    keeps of it) are the one-step-at-a-time engine's, and the store stays consistent; a
+    seeded sampled decode draws the same tokens graphed, ahead or not, and eager."""
     graphed, eager = _engines(gpu_lm)
     serial, _ = _engines(gpu_lm)
     serial.decode_overlap = False
@@ -165,6 +166,7 @@ def test_steps_launched_ahead_end_where_steps_one_at_a_time_end(gpu_lm):
         "stop string": ({"max_tokens": 90, "ignore_eos": True, "stop": [stop_str]}, set()),
         "abort": ({"max_tokens": 90, "ignore_eos": True}, set()),
         "length": ({"max_tokens": 57, "ignore_eos": True}, set()),
+        "sampled": ({"max_tokens": 70, "temperature": 0.8, "top_p": 0.9, "seed": 7}, set()),
     }
     for case, (kw, extra_stops) in cases.items():
         results = []
