@@ -9,7 +9,9 @@ pools, each step replayed from a CUDA graph; ``kernels``: the same kernels launc
 ``dense``: gathered view + SDPA; ``reference``: the kernels' torch reference) and KV
 mode (``bf16`` FullCache, ``int4`` / ``int2`` UniformQuant, whose decode-time pages quantize
 every 32 steps, ``kvzap``: KVzap pruning every 16 decode steps, from a random linear surrogate
-at the shape with threshold 0, so about half of what leaves its window goes), a prompt of ``--prompt`` tokens is decoded for ``--steps`` greedy steps
+at the shape with threshold 0, so about half of what leaves its window goes), a prompt of
+``--prompt`` tokens is decoded for ``--steps`` steps (greedy, or sampled with
+``--temperature`` / ``--top-p``, seed 0)
 (end of turn ignored) twice in one process: the first long decode pays any kernel compile
 its lengths need (``compiled``: new entries in Triton's cache directory), the second is the
 steady state. A step's time is the interval between two of the engine's polls of
@@ -168,6 +170,9 @@ def run(args) -> list[dict]:
                 gen = GenerationConfig(
                     max_tokens=n,
                     ignore_eos=True,
+                    temperature=args.temperature,
+                    top_p=args.top_p,
+                    seed=0,
                     should_stop=lambda: polls.append(time.perf_counter()) or False,
                 )
                 sync()
@@ -189,6 +194,8 @@ def run(args) -> list[dict]:
                 "path": path,
                 "fusions": fusions,
                 "overlap": overlap,
+                "temperature": args.temperature,
+                "top_p": args.top_p,
                 "mode": mode,
                 "prompt_tokens": res.usage.prompt_tokens,
                 "steps": len(warm),
@@ -263,6 +270,8 @@ def main() -> None:
         help="on (greedy graph steps launched before their token is read, the engine's "
         "default), off (one step at a time), or on,off",
     )
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
+    ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--profile", default=None, help="a mode to profile (cProfile)")
     ap.add_argument(
         "--kernel-profile",

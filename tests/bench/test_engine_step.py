@@ -26,6 +26,8 @@ def test_each_path_and_mode_decodes_and_is_reported(tmp_path: Path) -> None:
         modes="bf16,int4,kvzap",
         fusions="all",
         overlap="on",
+        temperature=0.0,
+        top_p=1.0,
         profile="int4",
         kernel_profile=None,
         device="cpu",
