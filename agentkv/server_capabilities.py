@@ -56,6 +56,11 @@ class DecodePath(BaseModel):
     cuda_graphs: bool = False
     #: why a capture failed (decode fell back to eager steps), or None
     graph_failure: str | None = None
+    #: each step launched before the server reads the token it feeds (host and GPU overlap)
+    steps_ahead: bool = False
+    #: the model's ops run as agentkv's kernels (``"norms"``, ``"projections"``,
+    #: ``"rotary"``) instead of transformers' own: small numeric differences come from here
+    fused_ops: list[str] = []
 
 
 class ServerCapabilities(BaseModel):

@@ -22,8 +22,13 @@ CAPABILITIES_ROUTE = "/v1/agentkv/capabilities"
 def capabilities(engine: Any) -> dict[str, Any]:
     """The wire protocol version, the policy methods the engine implements (wire names,
     sorted), the model name and how it decodes: ``decode.attention`` (``kernels`` /
-    ``dense`` / ``reference``), ``decode.cuda_graphs`` (steps replayed from a CUDA graph now)
-    and ``decode.graph_failure`` (why a capture failed, leaving decode eager; else null)."""
+    ``dense`` / ``reference``), ``decode.cuda_graphs`` (steps replayed from a CUDA graph now),
+    ``decode.graph_failure`` (why a capture failed, leaving decode eager; else null),
+    ``decode.steps_ahead`` (each step launched before the host reads the token it feeds)
+    and ``decode.fused_ops`` (the model's ops running as agentkv's kernels instead of
+    transformers' own: ``norms``, ``projections``, ``rotary``)."""
+    from agentkv.engine.model_loader import fused_ops
+
     graph = getattr(engine, "decode_graph", None)
     failure = None if graph is None else graph.failed
     return {
@@ -34,6 +39,8 @@ def capabilities(engine: Any) -> dict[str, Any]:
             "attention": engine.decode_attention,
             "cuda_graphs": graph is not None and failure is None,
             "graph_failure": failure,
+            "steps_ahead": graph is not None and engine.decode_overlap,
+            "fused_ops": fused_ops(engine.model),
         },
     }
 

@@ -145,7 +145,25 @@ def prepare_model(lm: Any) -> Any:
         lm.set_attn_implementation(ATTN_IMPLEMENTATION)
     lm.eval()
     install_hidden_state_hooks(lm)  # layer inputs -> observers that ask for them (KVzap)
-    fuse_rms_norms(lm)
-    fuse_rotary(lm)
-    fuse_projections(lm)
+    lm._agentkv_fused = {  # (layers fused per op: what fused_ops() reports)
+        "norms": fuse_rms_norms(lm),
+        "rotary": fuse_rotary(lm),
+        "projections": fuse_projections(lm),
+    }
     return lm
+
+
+def fused_ops(lm: Any) -> list[str]:
+    """The ops of ``lm`` (a model :func:`prepare_model` made) that run fused now:
+    ``norms``, ``projections``, ``rotary`` where some layer of it was fused and the op's
+    switch (``PATH``) is on for the model's device; ``[]`` on the CPU."""
+    from agentkv.engine import fused_norms, fused_projections, fused_rotary
+
+    paths = {
+        "norms": fused_norms.PATH,
+        "projections": fused_projections.PATH,
+        "rotary": fused_rotary.PATH,
+    }
+    counts = getattr(lm, "_agentkv_fused", {})
+    device = next(lm.parameters()).device.type
+    return [n for n, p in paths.items() if counts.get(n) and p.enabled and device in p.devices]

@@ -26,10 +26,12 @@ def test_capabilities_lists_the_implemented_methods(http, engine):
         "attention": engine.decode_attention,
         "cuda_graphs": False,
         "graph_failure": None,
+        "steps_ahead": False,
+        "fused_ops": [],  # (transformers' own ops on the CPU)
     }
     caps = ServerCapabilities.model_validate(body)  # (as the clients read it)
     assert caps.decode is not None and caps.decode.attention == engine.decode_attention
-    assert not caps.decode.cuda_graphs
+    assert not caps.decode.cuda_graphs and caps.decode.fused_ops == []
 
 
 def test_session_breakdown_per_node_and_request_log(client, http, sid, caplog):

@@ -232,8 +232,11 @@ def test_a_capture_that_fails_leaves_the_decode_eager_and_whole(gpu_lm, caplog):
         "attention": "kernels",
         "cuda_graphs": False,
         "graph_failure": g.failed,
+        "steps_ahead": True,  # (eager steps from the device's token still launch ahead)
+        "fused_ops": ["norms", "projections", "rotary"],
     }
     assert capabilities(eager)["decode"]["graph_failure"] is None
+    assert not capabilities(eager)["decode"]["steps_ahead"]
     assert got.token_ids == want.token_ids
     # the failed engine's graph state goes (its memory pool freed: the allocator no longer
     # counts the failed capture, or it would abort the process here), and a new engine
