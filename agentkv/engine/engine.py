@@ -1000,7 +1000,13 @@ class Engine:
             sorted_p, idx = torch.sort(probs, descending=True)
             cut = torch.cumsum(sorted_p, 0) - sorted_p > gen.top_p
             probs = torch.zeros_like(probs).scatter_(0, idx, sorted_p.masked_fill_(cut, 0))
-        return torch.multinomial(probs, 1, generator=generator)
+        # a draw from probs as the first arrival of exponential clocks, argmax(p / E) (as
+        # vLLM and SGLang sample on the GPU): no host sync and no device-side assert on a
+        # bad distribution, which would end the process's CUDA context (multinomial has
+        # both); E kept > 0, so a token cut by top-p can never be drawn
+        race = torch.empty_like(probs).exponential_(generator=generator)
+        race.clamp_(min=torch.finfo(race.dtype).tiny)
+        return torch.argmax(probs / race, dim=-1, keepdim=True)
 
     @staticmethod
     def _sample(logits: torch.Tensor, gen: GenerationConfig, generator) -> int:
