@@ -16,21 +16,12 @@ from typing import Any
 
 import torch
 
-from agentkv.engine.fused_path import FusedPath
+from agentkv.engine.fused_path import LLAMA_FAMILIES, FusedPath
 from agentkv.kernels import rms_norm
 
 #: transformers' norm classes computing ``weight * (x * rsqrt(mean(x^2) + eps)).to(dtype)``
 #: in float32 (their ``weight`` and ``variance_epsilon`` attributes)
-FUSABLE = frozenset(
-    {
-        "LlamaRMSNorm",
-        "MistralRMSNorm",
-        "Qwen2RMSNorm",
-        "Qwen2MoeRMSNorm",
-        "Qwen3RMSNorm",
-        "Qwen3MoeRMSNorm",
-    }
-)
+FUSABLE = frozenset(f"{family}RMSNorm" for family in LLAMA_FAMILIES)
 #: when the one-kernel norm runs (CUDA, outside autograd; a process-wide switch)
 PATH = FusedPath()
 _FUSED = "_agentkv_fused_rms_norm"

@@ -1,12 +1,17 @@
 """When a fused forward (:mod:`.fused_norms`, :mod:`.fused_rotary`, :mod:`.fused_projections`)
 runs in place of transformers' own: one :class:`FusedPath` per fusion, read at every call
-(a CUDA graph keeps what its capture ran)."""
+(a CUDA graph keeps what its capture ran); and the model families they take."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+
+#: transformers model families whose norm, rotary embedding, attention projections and MLP
+#: are the Llama ones (the fusions' tests check each class's source in the installed
+#: transformers): class names are ``f"{family}RMSNorm"``, ``f"{family}Attention"``, ...
+LLAMA_FAMILIES = ("Llama", "Mistral", "Qwen2", "Qwen2Moe", "Qwen3", "Qwen3Moe")
 
 
 @dataclass

@@ -33,26 +33,15 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from agentkv.engine.fused_path import FusedPath
+from agentkv.engine.fused_path import LLAMA_FAMILIES, FusedPath
 from agentkv.kernels.silu_mul import silu_mul
 
 #: gated MLPs computing ``down_proj(act_fn(gate_proj(x)) * up_proj(x))`` (a test checks the
 #: source in the installed transformers)
-MLP_FUSABLE = frozenset(
-    {"LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen2MoeMLP", "Qwen3MLP", "Qwen3MoeMLP"}
-)
+MLP_FUSABLE = frozenset(f"{family}MLP" for family in LLAMA_FAMILIES)
 #: attention layers whose ``forward`` calls ``q_proj``, ``k_proj``, ``v_proj`` on its
 #: ``hidden_states`` in that order
-QKV_FUSABLE = frozenset(
-    {
-        "LlamaAttention",
-        "MistralAttention",
-        "Qwen2Attention",
-        "Qwen2MoeAttention",
-        "Qwen3Attention",
-        "Qwen3MoeAttention",
-    }
-)
+QKV_FUSABLE = frozenset(f"{family}Attention" for family in LLAMA_FAMILIES)
 #: when the stacked GEMMs run (CUDA, outside autograd; a process-wide switch); only
 #: layers on these devices are stacked at all
 PATH = FusedPath()

@@ -20,21 +20,12 @@ from typing import Any
 
 import torch
 
-from agentkv.engine.fused_path import FusedPath
+from agentkv.engine.fused_path import LLAMA_FAMILIES, FusedPath
 from agentkv.kernels.rotary import apply_rotary, rotary_supported
 
 #: attention classes that rotate with ``apply_rotary_pos_emb(q, k, cos, sin)`` of their
 #: modeling module, which is transformers' Llama function there (a test checks the source)
-FUSABLE = frozenset(
-    {
-        "LlamaAttention",
-        "MistralAttention",
-        "Qwen2Attention",
-        "Qwen2MoeAttention",
-        "Qwen3Attention",
-        "Qwen3MoeAttention",
-    }
-)
+FUSABLE = frozenset(f"{family}Attention" for family in LLAMA_FAMILIES)
 #: when the one-kernel rotation runs (CUDA, outside autograd; a process-wide switch)
 PATH = FusedPath()
 _FUSED = "_agentkv_fused_rotary"
