@@ -27,7 +27,8 @@ sizes). :data:`PATH` says when (:class:`~agentkv.engine.fused_path.FusedPath`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import threading
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -155,12 +156,12 @@ def _fuse_mlp(mlp: Any) -> int:
     return 1
 
 
-@dataclass
-class _PendingKV:
-    """``k_proj``'s and ``v_proj``'s outputs for ``x``, computed with ``q_proj``'s."""
+class _PendingKV(threading.local):
+    """``k_proj``'s and ``v_proj``'s outputs for ``x``, computed with ``q_proj``'s: per
+    thread, so forwards of one model in two threads never take each other's."""
 
     x: torch.Tensor | None = None
-    outputs: dict[str, torch.Tensor] = field(default_factory=dict)
+    outputs: dict[str, torch.Tensor] = {}  # noqa: RUF012 (a default only: always replaced)
 
 
 def _fuse_qkv(attn: Any) -> int:

@@ -95,6 +95,49 @@ def test_stacked_layers_compute_the_same_logits_with_fewer_gemms(hf_model, monke
         torch.testing.assert_close(lm(ids).logits, want, rtol=1e-4, atol=1e-4)
 
 
+def test_each_thread_is_handed_its_own_k_and_v(monkeypatch):
+    """``q_proj`` hands ``k_proj``/``v_proj`` their slices per thread: a second thread's
+    ``q_proj`` between a thread's ``q_proj`` and its ``k_proj`` (forwards of one model in two
+    threads) neither gives it the other's slices nor makes it recompute its own."""
+    import threading
+
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaAttention
+
+    monkeypatch.setattr(fused_projections.PATH, "devices", frozenset({"cpu"}))
+    cfg = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2)
+    attn = LlamaAttention(cfg, layer_idx=0)
+    assert fuse_projections(attn) == 1
+    total = sum(attn._agentkv_stacked.sizes)
+    xs = [torch.randn(1, 3, 64), torch.randn(1, 5, 64)]
+    q_done, b_done = threading.Event(), threading.Event()
+    got = {}
+
+    def first() -> None:
+        with torch.inference_mode():
+            attn.q_proj(xs[0])
+            q_done.set()
+            b_done.wait(10)  # (the other thread's q_proj runs here)
+            got[0] = attn.k_proj(xs[0]), attn.v_proj(xs[0])
+
+    def second() -> None:
+        q_done.wait(10)
+        with torch.inference_mode():
+            attn.q_proj(xs[1])
+            b_done.set()
+            got[1] = attn.k_proj(xs[1]), attn.v_proj(xs[1])
+
+    threads = [threading.Thread(target=f) for f in (first, second)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i, x in enumerate(xs):
+        for out, proj in zip(got[i], (attn.k_proj, attn.v_proj), strict=True):
+            torch.testing.assert_close(out, x @ proj.weight.T)
+            assert out.stride(-2) == total  # (a slice of the stacked GEMM: handed)
+
+
 def test_stacking_refuses_projections_that_cannot_share_a_gemm():
     a, b = torch.nn.Linear(8, 4), torch.nn.Linear(8, 6, bias=False)
     assert StackedLinear.stack((a, b)) is None  # (a bias on one only)
