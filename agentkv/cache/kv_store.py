@@ -317,7 +317,8 @@ class KVStore:
         """Drop ``req``'s last ``n`` positions, as if never extended: their cells go back
         (the counts of an eviction of them), their token ids go. Only positions this request
         computed (past its prefix-cache match) and with no pending token after them: a step
-        the engine decoded ahead of a token it had not read yet, which was a stop."""
+        the engine launched on a token it had not read yet, which ended the decode (or a
+        step that could not launch)."""
         self._check_live(req)
         if req.num_pending:
             raise ValueError("truncate() with pending tokens (extend them first)")
