@@ -33,6 +33,7 @@ from agentkv.engine.calibration import CALIBRATION_MESSAGES
 from agentkv.engine.chat_template import ChatRenderer
 from agentkv.engine.decode_graph import DecodeGraph
 from agentkv.engine.decode_pruning import DecodePruning
+from agentkv.engine.detokenizer import IncrementalText
 from agentkv.engine.kernel_decode import KernelDecode
 from agentkv.engine.model_loader import load_model, prepare_model
 from agentkv.engine.store_cache import CACHE_KWARG, LiveView, StoreCache
@@ -846,6 +847,8 @@ class Engine:
         # is dropped again (KVStore.truncate). Same steps, same order on the GPU: same tokens.
         overlap = graph is not None and self.decode_overlap
         ahead: _Launched | None = None  # a step launched on a token not read yet
+        # the text so far, for the stream and stop strings (a window decoded a step)
+        detok = IncrementalText(self.tokenizer) if stream is not None or gen.stop else None
 
         def launch(tok: int | None) -> _Launched:
             """The step feeding ``tok`` (None: the token ``graph.feed`` queued) at the
@@ -905,8 +908,8 @@ class Engine:
                     finish = "stop"
                     break
                 out.append(tok)
-                if stream is not None or gen.stop:
-                    text = self.tokenizer.decode(out, skip_special_tokens=True)
+                if detok is not None:
+                    text = detok.add(tok)
                     if stream is not None:
                         stream.update(text)
                     if gen.stop and any(s and s in text for s in gen.stop):
