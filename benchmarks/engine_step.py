@@ -22,7 +22,7 @@ one-kernel RMSNorm, rotary embedding and gated activation, the stacked q/k/v and
 GEMMs) and with transformers' own; a set may also name some of ``norms``, ``rotary``,
 ``projections`` joined by ``+`` (``norms+rotary``; file names get ``+``, which some copy
 tools refuse: prefer ``all``/``none`` where files are written). ``--overlap on,off`` runs
-each with greedy graph steps launched ahead of the token they feed (the engine's default)
+each with graph steps launched ahead of the token they feed (the engine's default)
 and one step at a time. ``--profile MODE`` writes a cProfile of a third decode of that mode beside the JSON,
 ``--kernel-profile MODE`` a table of its GPU kernels' times (torch.profiler).
 
@@ -267,7 +267,7 @@ def main() -> None:
     ap.add_argument(
         "--overlap",
         default="on",
-        help="on (greedy graph steps launched before their token is read, the engine's "
+        help="on (graph steps launched before their token is read, the engine's "
         "default), off (one step at a time), or on,off",
     )
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
