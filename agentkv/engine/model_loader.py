@@ -134,9 +134,6 @@ def prepare_model(lm: Any) -> Any:
     q/k/v and gate/up projections one GEMM each (:mod:`agentkv.engine.fused_norms`,
     :mod:`~agentkv.engine.fused_rotary`, :mod:`~agentkv.engine.fused_projections`).
     Returns ``lm``."""
-    from agentkv.engine.fused_norms import fuse_rms_norms
-    from agentkv.engine.fused_projections import fuse_projections
-    from agentkv.engine.fused_rotary import fuse_rotary
     from agentkv.engine.hidden_states import install_hidden_state_hooks
     from agentkv.engine.store_cache import register_attention
 
@@ -145,16 +142,28 @@ def prepare_model(lm: Any) -> Any:
         lm.set_attn_implementation(ATTN_IMPLEMENTATION)
     lm.eval()
     install_hidden_state_hooks(lm)  # layer inputs -> observers that ask for them (KVzap)
-    lm._agentkv_fused = {  # (layers fused per op: what fused_ops() reports)
+    apply_fusions(lm)
+    return lm
+
+
+def apply_fusions(lm: Any) -> dict[str, int]:
+    """Fuse ``lm``'s norms, rotary embedding and projections where they run on a fused
+    op's devices (idempotent; :func:`prepare_model` calls it). Returns, and keeps on ``lm``
+    for :func:`fused_ops`, the layers each op took."""
+    from agentkv.engine.fused_norms import fuse_rms_norms
+    from agentkv.engine.fused_projections import fuse_projections
+    from agentkv.engine.fused_rotary import fuse_rotary
+
+    lm._agentkv_fused = {
         "norms": fuse_rms_norms(lm),
         "rotary": fuse_rotary(lm),
         "projections": fuse_projections(lm),
     }
-    return lm
+    return lm._agentkv_fused
 
 
 def fused_ops(lm: Any) -> list[str]:
-    """The ops of ``lm`` (a model :func:`prepare_model` made) that run fused now:
+    """The ops of ``lm`` (a model :func:`apply_fusions` fused) that run fused now:
     ``norms``, ``projections``, ``rotary`` where some layer of it was fused and the op's
     switch (``PATH``) is on for the model's device; ``[]`` on the CPU."""
     from agentkv.engine import fused_norms, fused_projections, fused_rotary
