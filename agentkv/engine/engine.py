@@ -847,6 +847,7 @@ class Engine:
         # is dropped again (KVStore.truncate). Same steps, same order on the GPU: same tokens.
         overlap = graph is not None and self.decode_overlap
         ahead: _Launched | None = None  # a step launched on a token not read yet
+        fed = False  # a token queued on the device (graph.feed), not read yet
         # the text so far, for the stream and stop strings (a window decoded a step)
         detok = IncrementalText(self.tokenizer) if stream is not None or gen.stop else None
 
@@ -899,9 +900,10 @@ class Engine:
                 if gen.should_stop is not None and gen.should_stop():
                     finish = "abort"
                     break
-                if ahead is not None:
-                    tok = graph.read_fed_token()  # (the GPU computes the step it fed meanwhile)
-                    req.token_ids[ahead.pos] = tok
+                if fed:  # (sampled on the device; the GPU computes the step it fed meanwhile)
+                    tok, fed = graph.read_fed_token(), False
+                    if ahead is not None:
+                        req.token_ids[ahead.pos] = tok
                 else:
                     tok = self._sample(logits, gen, generator)
                 if tok in self._stop_ids and not gen.ignore_eos:
@@ -928,7 +930,8 @@ class Engine:
                 logits = step.logits
                 if overlap and len(out) + 1 < gen.max_tokens:  # (a next step is wanted)
                     graph.feed(self._next_token(logits, gen, generator))
-                    with contextlib.suppress(OutOfSlots):  # (full: the next token on the host)
+                    fed = True  # (read next, launched or not: the same draws as one at a time)
+                    with contextlib.suppress(OutOfSlots):  # (full: launched after it is read)
                         ahead = launch(None)
         finally:  # (however it ends: the graph's memory and the observer's buffers go)
             if ahead is not None:  # (a step fed a token that ended the decode: undone)
