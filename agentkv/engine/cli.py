@@ -75,15 +75,19 @@ SERVE_HELP = "\n\n".join(" ".join(p.split()) for p in _SERVE_HELP.split("\n\n"))
 
 def _startup_line(engine, host: str, port: int, kv_slots: int) -> str:
     """The line ``agentkv serve`` prints once the model is loaded."""
+    from agentkv.engine.model_loader import fused_ops
     from agentkv.methods import registered_methods
 
     shape = engine.shape
     bytes_per_token = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim
     bytes_per_token *= engine.dtype.itemsize
+    fused = fused_ops(engine.model)
+    fused_note = f" + fused {'/'.join(fused)}" if fused else ""  # (CUDA only)
     return (
         f"agentkv serve: model {engine.model_name} on {engine.device} ({str(engine.dtype)[6:]}), "
         f"KV pool {kv_slots} tokens ({kv_slots * bytes_per_token / 2**20:.0f} MiB), "
-        f"decode on {engine.decode_attention}{' + CUDA graphs' if engine.decode_graph else ''}, "
+        f"decode on {engine.decode_attention}{' + CUDA graphs' if engine.decode_graph else ''}"
+        f"{fused_note}, "
         f"policies {', '.join(sorted(registered_methods()))}; "
         f"serving http://{host}:{port}/v1"
     )
@@ -146,6 +150,14 @@ def serve(
             "decode-index epoch); --no-cuda-graphs launches every step eagerly",
         ),
     ] = True,
+    fused_ops: Annotated[
+        bool,
+        typer.Option(
+            help="on CUDA, run the model's RMSNorm, rotary embedding and SiLU-gated activation "
+            "as agentkv's kernels and its q/k/v and gate/up projections as one GEMM each; "
+            "--no-fused-ops keeps transformers' own ops (its numerics to the last bit, slower)",
+        ),
+    ] = True,
 ) -> None:
     if engine_name == "sglang":
         _serve_sglang(model, host, port, api_key, ctx.args, dry_run)
@@ -160,6 +172,11 @@ def serve(
     from agentkv.engine.tenancy import ServerOptions
 
     options = ServerOptions.from_env(api_key, admin_api_key, max_request_bytes, image_parts.value)
+    if not fused_ops:  # (process-wide switches: this process serves one engine)
+        from agentkv.engine import fused_norms, fused_projections, fused_rotary
+
+        for fusion in (fused_norms, fused_projections, fused_rotary):
+            fusion.PATH.enabled = False
 
     try:
         engine = Engine(

@@ -33,7 +33,7 @@ def test_serve_subprocess():
     assert AGENTKV.is_file(), f"console script missing: {AGENTKV}"
     port = free_port()
     cmd = [str(AGENTKV), "serve", "--port", str(port), "--kv-slots", "2048", "--device", "cpu"]
-    cmd.append("--no-cuda-graphs")  # (what a user opts out with; the CPU has none anyway)
+    cmd += ["--no-cuda-graphs", "--no-fused-ops"]  # (what a user opts out with; not on a CPU)
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=cli_env(), text=True
     )
@@ -83,7 +83,7 @@ def test_serve_help_explains_policies():
     assert res.returncode == 0
     assert "spec string" in res.stdout and "h2o:budget=32" in res.stdout
     assert "/v1/agentkv/capabilities" in res.stdout
-    assert "--no-cuda-graphs" in res.stdout
+    assert "--no-cuda-graphs" in res.stdout and "--no-fused-ops" in res.stdout
 
 
 def test_serve_rejects_a_missing_model_dir(tmp_path):
