@@ -109,15 +109,10 @@ def _cache_entries() -> int:
 
 def run(args) -> list[dict]:
     from agentkv import FullCache, KVzap, UniformQuant, build_payload
-    from agentkv.engine import fused_norms, fused_projections, fused_rotary
     from agentkv.engine.engine import Engine, GenerationConfig
-    from agentkv.engine.model_loader import resolve_model_dir
+    from agentkv.engine.model_loader import fusion_paths, resolve_model_dir
 
-    switches = {
-        "norms": fused_norms.PATH,
-        "rotary": fused_rotary.PATH,
-        "projections": fused_projections.PATH,
-    }
+    switches = fusion_paths()
 
     def fusion_set(name: str) -> set[str]:
         on = set(switches) if name == "all" else set(name.split("+")) - {"none"}

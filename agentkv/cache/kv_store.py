@@ -106,7 +106,7 @@ class EvictResult:
     entries_evicted: int
     positions_dead: int
     slots_freed: int
-    released: torch.Tensor | None = field(default=None, compare=False, repr=False)
+    released: torch.Tensor = field(compare=False, repr=False)
 
 
 @dataclass(frozen=True)

@@ -173,10 +173,10 @@ def serve(
 
     options = ServerOptions.from_env(api_key, admin_api_key, max_request_bytes, image_parts.value)
     if not fused_ops:  # (process-wide switches: this process serves one engine)
-        from agentkv.engine import fused_norms, fused_projections, fused_rotary
+        from agentkv.engine.model_loader import fusion_paths
 
-        for fusion in (fused_norms, fused_projections, fused_rotary):
-            fusion.PATH.enabled = False
+        for path in fusion_paths().values():
+            path.enabled = False
 
     try:
         engine = Engine(

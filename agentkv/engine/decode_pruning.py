@@ -103,7 +103,7 @@ class DecodePruning:
             self.counters["evicted_tokens"] += res.positions_dead
             self.counters["evicted_entries"] += res.entries_evicted
         return Evicted(
-            torch.cat([res.released for res, _, _ in done if res.released is not None], 1),
+            torch.cat([res.released for res, _, _ in done], 1),
             min(a for _, a, _ in done),
             max(b for _, _, b in done),
             sum(res.entries_evicted for res, _, _ in done),

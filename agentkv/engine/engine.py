@@ -298,13 +298,8 @@ class Engine:
         forward_args = inspect.signature(self.model.forward).parameters
         self._cache_arg = "cache" if "cache" in forward_args else "past_key_values"
         cfg = self.model.config
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.shape = ModelShape(
-            num_layers=cfg.num_hidden_layers,
-            num_q_heads=cfg.num_attention_heads,
-            num_kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
-            head_dim=head_dim,
-        )
+        self.shape = ModelShape.from_config(cfg)
+        head_dim = self.shape.head_dim
         self.max_context = int(getattr(cfg, "max_position_embeddings", 8192))
         self.store = KVStore(
             self.shape.num_layers,

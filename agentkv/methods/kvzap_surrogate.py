@@ -72,11 +72,9 @@ class SurrogateMeta:
     def for_config(cls, config: Any, model: str, kind: str) -> SurrogateMeta:
         """For a surrogate of a HF model with this ``config`` (its layers, heads, head and
         hidden widths), named ``model``."""
-        c = config
-        hkv = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
-        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-        L, hq = c.num_hidden_layers, c.num_attention_heads
-        return cls(model, kind, L, hq, hkv, head_dim, c.hidden_size)
+        s = ModelShape.from_config(config)
+        hidden = config.hidden_size
+        return cls(model, kind, s.num_layers, s.num_q_heads, s.num_kv_heads, s.head_dim, hidden)
 
     def to_metadata(self) -> dict[str, str]:
         return {"agentkv_kvzap": json.dumps(self.__dict__, sort_keys=True)}

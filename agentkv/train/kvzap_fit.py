@@ -231,8 +231,6 @@ def train_kvzap(cfg: TrainConfig) -> dict[str, Any]:
     t0 = time.perf_counter()
     model, tokenizer, name = load_eager_model(cfg.model, cfg.device)
     c = model.config
-    hkv = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     data = collect(model, tokenizer, cfg)
     t_collect = time.perf_counter() - t0
     fit_device = str(next(model.parameters()).device)
@@ -263,7 +261,7 @@ def train_kvzap(cfg: TrainConfig) -> dict[str, Any]:
     t_fit = time.perf_counter() - t1
 
     def meta(kind: str) -> SurrogateMeta:
-        return SurrogateMeta(name, kind, L, c.num_attention_heads, hkv, head_dim, D)
+        return SurrogateMeta.for_config(c, name, kind)
 
     linear = Surrogate(meta("linear"), torch.stack(lin_w), torch.stack(lin_b))
     mlp = Surrogate(meta("mlp"), *(torch.stack([p[i] for p in mlp_p]) for i in range(4)))

@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from agentkv.methods import ModelShape
+
 REPEAT_INSTRUCTION = "\n\nRepeat the previous context exactly."
 _MIN_PROB = 1e-30  # log floor: a probability that underflowed to 0
 
@@ -124,7 +126,7 @@ def kvzip_plus_scores(model: Any, prompt: RepeatPrompt) -> KVzipSample:
     repeat prompt; KVzip+ targets and layer inputs at the context positions."""
     layers = model.model.layers
     cfg = model.config
-    hkv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    hkv = ModelShape.from_config(cfg).num_kv_heads
     n = prompt.context.stop - prompt.context.start
     hidden = torch.empty(len(layers), n, cfg.hidden_size, dtype=model.dtype)
     scores = torch.empty(len(layers), n, hkv)
