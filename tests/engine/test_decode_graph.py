@@ -206,6 +206,43 @@ def test_steps_launched_ahead_end_where_steps_one_at_a_time_end(gpu_lm):
 
 
 @cuda
+def test_a_pool_that_runs_out_mid_decode_ends_it_alike_ahead_or_not(gpu_lm):
+    """Another request holds all but a few cells: the step launched ahead on a token not
+    read yet finds no cell (its launch fails, nothing taken), the token it was fed is still
+    the decode's next one, and the decode ends there ("length") with the tokens, telemetry
+    and store of the engine that steps one at a time, and of the eager one."""
+    graphed, eager = _engines(gpu_lm)
+    serial, _ = _engines(gpu_lm)
+    serial.decode_overlap = False
+    policy = FullCache()  # (every decoded token takes a full-precision cell)
+    gen = GenerationConfig(max_tokens=60, ignore_eos=True)
+    prompt = eager.chat(MSGS, payload=build_payload(MSGS, policy, "p"), gen=gen)
+    results = []
+    for n, e in enumerate((graphed, serial, eager)):
+        e.flush_prefix_cache()
+        free = e.store.stats().free_slots
+        blocker = e.store.begin_request(None, [7] * (free - prompt.usage.prompt_tokens - 6))
+        e.store.extend(blocker)
+        try:
+            results.append(e.chat(MSGS, payload=build_payload(MSGS, policy, f"o{n}"), gen=gen))
+        finally:
+            e.store.finish_request(blocker, cache=False)
+        e.store.check_invariants()
+        e.flush_prefix_cache()
+        stats = e.store.stats()
+        assert stats.free_slots == stats.capacity  # (every cell back)
+    got, one_at_a_time, want = results
+    assert got.token_ids == one_at_a_time.token_ids == want.token_ids
+    assert (
+        1 <= len(want.token_ids) < 20 and want.token_ids == prompt.token_ids[: len(want.token_ids)]
+    )
+    assert got.finish_reason == one_at_a_time.finish_reason == want.finish_reason == "length"
+    _same_usage(got, want)
+    _same_usage(one_at_a_time, want)
+    assert graphed.decode_graph.replays > 0 or graphed.decode_graph.captures > 0
+
+
+@cuda
 def test_a_capture_that_fails_leaves_the_decode_eager_and_whole(gpu_lm, caplog):
     graphed, eager = _engines(gpu_lm)
     g = graphed.decode_graph

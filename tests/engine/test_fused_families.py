@@ -75,3 +75,29 @@ def test_each_family_fuses_every_layer_and_keeps_its_logits(family, monkeypatch)
     with torch.inference_mode():
         got = lm(ids).logits
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["Llama", "Qwen3"])
+def test_with_every_switch_off_a_fused_gpu_model_is_transformers_bit_for_bit(family, monkeypatch):
+    """What ``agentkv serve --no-fused-ops`` does on CUDA: the fused ops' switches off, a
+    model the engine fused (stacked weights, dispatchers in place) computes transformers'
+    own logits exactly, and names no fused op; switched on again it runs them all."""
+    if not torch.cuda.is_available():
+        pytest.skip("the fusions run on CUDA")
+    from agentkv.engine.model_loader import fusion_paths
+
+    lm = _model(family).to("cuda", torch.bfloat16)
+    ids = torch.tensor([[3, 17, 99, 4, 60, 2, 11]], device="cuda")
+    with torch.inference_mode():
+        want = lm(ids).logits
+    assert all(apply_fusions(lm).values())
+    assert fused_ops(lm) == ["norms", "projections", "rotary"]
+    with torch.inference_mode():
+        fused = lm(ids).logits
+    for path in fusion_paths().values():
+        monkeypatch.setattr(path, "enabled", False)
+    assert fused_ops(lm) == []
+    with torch.inference_mode():
+        got = lm(ids).logits
+    assert torch.equal(got, want)
+    torch.testing.assert_close(fused.float(), want.float(), rtol=0.05, atol=0.05)
