@@ -342,9 +342,11 @@ class DecodeConfig:
     stages are even (-2.4% to +1.1%, not the slot-major rows' loss above); on the store's
     rows (``sorted-live/head``) B=8 N=32k -3.0%, B=32 N=4k -2.2%, B=16 N=8k -2.7%, B=8 N=8k
     -1.9%, B=32 N=32k -0.7%, B=4 N=16k even (32 pairs). None (the default): 2 where the
-    INT4 launch has at least :data:`INT4_TWO_STAGE_PAIRS` (request, KV head) pairs, else 3
-    (:meth:`int4_stages`); the mixed launch keeps 3 (its INT4 programs lost 6-9% at N <=
-    16k with 2, session 27).
+    INT4 launch has at least :data:`INT4_TWO_STAGE_PAIRS` (request, KV head) pairs and its
+    pool is head-major, else 3 (:meth:`int4_stages`); the mixed launch keeps 3 (its INT4
+    programs lost 6-9% at N <= 16k with 2, session 27). Slot-major pools keep 3 (session
+    36, H200, default grid on scattered slot-major rows, kernel time, 2 stages: B=8 N=32k
+    134.2 µs, 1.84x SDPA; session 25's grid with 3: 2.19x).
     int4_gluon_resident_cap: plan the Gluon INT4 split (not the mixed launch) for this many
     programs per SM instead of its residency (12 or 16), where that plan's programs fit one
     wave of them and its splits are at most ``int4_gluon_resident_cap_split`` positions:
@@ -483,13 +485,16 @@ class DecodeConfig:
         int2 = has_int2 and self.int2_fold and self.int2_pipelined
         return 3 if int4 or int2 else 2
 
-    def int4_stages(self, pairs: int, mixed: bool = False) -> int:
+    def int4_stages(self, pairs: int, mixed: bool = False, adjacent_slots: bool = True) -> int:
         """cp.async stages of the Gluon INT4 split in a launch of ``pairs`` (request, KV
-        head) pairs (``mixed``: the INT4 programs of the one mixed launch); None: see
+        head) pairs (``mixed``: the INT4 programs of the one mixed launch;
+        ``adjacent_slots``: a KV head's consecutive slots are adjacent rows, as in the
+        store's head-major pools, not ``Hkv`` rows apart as in slot-major ones); None: see
         ``int4_gluon_stages``."""
         if self.int4_gluon_stages is not None:
             return self.int4_gluon_stages
-        return 2 if pairs >= INT4_TWO_STAGE_PAIRS and not mixed else INT4_GLUON_STAGES
+        wide = pairs >= INT4_TWO_STAGE_PAIRS
+        return 2 if wide and adjacent_slots and not mixed else INT4_GLUON_STAGES
 
     def int2_lazy(self, has_int4: bool) -> bool:
         """Whether a launch's folded INT2 split rescales lazily (None: only where the
@@ -3005,7 +3010,7 @@ class DecodePlan:
                 has_hm,
                 self.has_kcs,
                 regs,
-                cfg.int4_stages(b * hkv),
+                cfg.int4_stages(b * hkv, adjacent_slots=rows4.slot_rows <= 1),
                 link4.launch_dependents,
                 link4.dependent,
             ) | _pdl_launch(link4)

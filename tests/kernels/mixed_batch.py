@@ -70,15 +70,17 @@ def build_mixed_batch(
     pad: int = 0,
     seed: int = 0,
     kv_scale: float = 1.0,
+    int4_head_major: bool = False,
 ) -> MixedBatch:
     """lens: per request (INT2 pages, INT4 tokens, full tokens). Pools are filled with
     quantized random K/V (through the torch writers), slots are shuffled, DEAD positions
-    drawn per ``dead_pattern`` and ``pad`` extra unused columns appended to the slot map."""
+    drawn per ``dead_pattern`` and ``pad`` extra unused columns appended to the slot map;
+    ``int4_head_major``: the INT4 pool's rows head-major, as the store's."""
     gen = torch.Generator().manual_seed(seed)
     n_pages = max(1, sum(p for p, _, _ in lens))
     n4 = max(1, sum(t for _, t, _ in lens))
     nf = 1 + max(1, sum(t for _, _, t in lens))
-    pools = KVPools.allocate(nf, n4, n_pages, hkv, d, dtype)
+    pools = KVPools.allocate(nf, n4, n_pages, hkv, d, dtype, int4_head_major=int4_head_major)
 
     def rnd(*shape: int) -> torch.Tensor:
         # a per-channel offset makes keys look like real ones (outlier channels)

@@ -1030,12 +1030,18 @@ def test_one_mixed_launch(monkeypatch, fused, sms, full, expect) -> None:
         assert (kw["NS2"], kw["NS4"]) == (cfg.int2_gluon_stages, cfg.int4_stages(2, mixed=True))
 
 
-@pytest.mark.parametrize(("batch", "hkv", "stages"), [(2, 2, 3), (7, 8, 3), (8, 8, 2), (16, 8, 2)])
-def test_int4_launch_stages_follow_its_pairs(monkeypatch, batch, hkv, stages) -> None:
-    """The Gluon INT4 launch runs two cp.async stages from 64 (request, KV head) pairs on,
-    three below (``DecodeConfig.int4_stages``). The GPU and kernels are stood in for."""
+@pytest.mark.parametrize(
+    ("batch", "hkv", "head_major", "stages"),
+    [(2, 2, True, 3), (7, 8, True, 3), (8, 8, True, 2), (16, 8, True, 2), (16, 8, False, 3)],
+)
+def test_int4_launch_stages_follow_its_pairs(monkeypatch, batch, hkv, head_major, stages) -> None:
+    """The Gluon INT4 launch over a head-major pool (the store's) runs two cp.async stages
+    from 64 (request, KV head) pairs on, three below; over a slot-major one three
+    (``DecodeConfig.int4_stages``). The GPU and kernels are stood in for."""
     seen = _record_sm90_launches(monkeypatch, 132)
-    mb = build_mixed_batch([(0, 96, 0)] * batch, hq=2 * hkv, hkv=hkv, d=128, seed=1)
+    mb = build_mixed_batch(
+        [(0, 96, 0)] * batch, hq=2 * hkv, hkv=hkv, d=128, seed=1, int4_head_major=head_major
+    )
     mb.decode(config=DecodeConfig(resident_programs=8), max_lens=SegmentMaxLens(0, 96, 0))
     assert seen[0][0] == "g4" and seen[0][1]["NS"] == stages
 
