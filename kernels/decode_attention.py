@@ -112,11 +112,6 @@ class SegmentMaxLens:
             object.__setattr__(self, name, value)
 
 
-#: (request, KV head) pairs of an INT4 launch from which its Gluon split runs two cp.async
-#: stages by default (16 programs per SM instead of 12; see ``DecodeConfig.int4_gluon_stages``)
-INT4_TWO_STAGE_PAIRS = 64
-
-
 @dataclass(frozen=True)
 class DecodeConfig:
     """Tuning knobs (``benchmarks/decode_attention.py --tune`` sweeps them on the GPU).
@@ -330,7 +325,7 @@ class DecodeConfig:
     1.90x SDPA), 7.1e-4 at B=8 N=128k uncapped (5,504 positions; 5.0e-4 at 512, the same
     time within 1%).
     int4_gluon_stages: the Gluon INT4 split's cp.async stages (2 or 3: one or two 32-token
-    blocks in flight while one is computed; default None, by the launch's width, below). Its
+    blocks in flight while one is computed; default None, by the launch and the pool, below). Its
     shared memory, hence its programs per SM, follow (3: 17,408 bytes, 12 per SM; 2:
     12,288, 16 per SM, its 128 registers' limit); H200, session 22, split kernel, 2 vs 3, on
     slot-major rows scattered at random: B=8 N=32k 141.6 vs 113.7 µs, B=32 N=32k 593 vs 533,
@@ -341,12 +336,14 @@ class DecodeConfig:
     head-major rows whose cells came off the free list one by one (``random/head``) two
     stages are even (-2.4% to +1.1%, not the slot-major rows' loss above); on the store's
     rows (``sorted-live/head``) B=8 N=32k -3.0%, B=32 N=4k -2.2%, B=16 N=8k -2.7%, B=8 N=8k
-    -1.9%, B=32 N=32k -0.7%, B=4 N=16k even (32 pairs). None (the default): 2 where the
-    INT4 launch has at least :data:`INT4_TWO_STAGE_PAIRS` (request, KV head) pairs and its
-    pool is head-major, else 3 (:meth:`int4_stages`); the mixed launch keeps 3 (its INT4
-    programs lost 6-9% at N <= 16k with 2, session 27). Slot-major pools keep 3 (session
-    36, H200, default grid on scattered slot-major rows, kernel time, 2 stages: B=8 N=32k
-    134.2 µs, 1.84x SDPA; session 25's grid with 3: 2.19x).
+    -1.9%, B=32 N=32k -0.7%, B=4 N=16k even (32 pairs); session 36, since session 30's plan
+    for fewer, longer programs, also where the launch is narrow (two rounds, kernel µs, 3 ->
+    2 stages: B=1 N=32k 23.5 -> 22.7, B=2 N=32k 39.0 -> 37.2, B=4 N=16k 39.3 -> 38.2, B=1
+    N=8k 13.6 -> 12.6, B=1 N=128k even). None (the default): 2 for the INT4-only launch over
+    a head-major pool (the store's), else 3 (:meth:`int4_stages`): the mixed launch keeps 3
+    (its INT4 programs lost 6-9% at N <= 16k with 2, session 27; session 36: +1% to +13%
+    at B <= 16, B=8 N=32k -3%), and so do slot-major pools (session 36, default grid on
+    scattered slot-major rows, 2 stages: B=8 N=32k 134.2 µs, 1.84x SDPA; 3: 115.7, 2.18x).
     int4_gluon_resident_cap: plan the Gluon INT4 split (not the mixed launch) for this many
     programs per SM instead of its residency (12 or 16), where that plan's programs fit one
     wave of them and its splits are at most ``int4_gluon_resident_cap_split`` positions:
@@ -485,16 +482,14 @@ class DecodeConfig:
         int2 = has_int2 and self.int2_fold and self.int2_pipelined
         return 3 if int4 or int2 else 2
 
-    def int4_stages(self, pairs: int, mixed: bool = False, adjacent_slots: bool = True) -> int:
-        """cp.async stages of the Gluon INT4 split in a launch of ``pairs`` (request, KV
-        head) pairs (``mixed``: the INT4 programs of the one mixed launch;
-        ``adjacent_slots``: a KV head's consecutive slots are adjacent rows, as in the
-        store's head-major pools, not ``Hkv`` rows apart as in slot-major ones); None: see
-        ``int4_gluon_stages``."""
+    def int4_stages(self, mixed: bool = False, adjacent_slots: bool = True) -> int:
+        """cp.async stages of the Gluon INT4 split (``mixed``: the INT4 programs of the one
+        mixed launch; ``adjacent_slots``: a KV head's consecutive slots are adjacent rows, as
+        in the store's head-major pools, not ``Hkv`` rows apart as in slot-major ones);
+        None: see ``int4_gluon_stages``."""
         if self.int4_gluon_stages is not None:
             return self.int4_gluon_stages
-        wide = pairs >= INT4_TWO_STAGE_PAIRS
-        return 2 if wide and adjacent_slots and not mixed else INT4_GLUON_STAGES
+        return 2 if adjacent_slots and not mixed else INT4_GLUON_STAGES
 
     def int2_lazy(self, has_int4: bool) -> bool:
         """Whether a launch's folded INT2 split rescales lazily (None: only where the
@@ -2983,7 +2978,7 @@ class DecodePlan:
                 regs,
                 lazy2,
                 cfg.int2_gluon_stages,
-                cfg.int4_stages(b * hkv, mixed=True),
+                cfg.int4_stages(mixed=True),
                 link2.launch_dependents,
                 link2.dependent,
             ) | _pdl_launch(link2)
@@ -3010,7 +3005,7 @@ class DecodePlan:
                 has_hm,
                 self.has_kcs,
                 regs,
-                cfg.int4_stages(b * hkv, adjacent_slots=rows4.slot_rows <= 1),
+                cfg.int4_stages(adjacent_slots=rows4.slot_rows <= 1),
                 link4.launch_dependents,
                 link4.dependent,
             ) | _pdl_launch(link4)
