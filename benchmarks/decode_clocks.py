@@ -12,18 +12,20 @@ CUDA graph of ``--calls`` back-to-back calls (no L2 flush: a decode loop's stead
 replays it for ``--seconds`` while ``nvidia-smi`` samples the GPU every ``--sample-ms``, and
 records the time per call (CUDA events over the replays) with the samples' median SM clock
 (MHz), power (W), temperature (C) and the clock-event reasons seen (``sw_power_cap``,
-``hw_slowdown``, ...; :data:`REASONS`). Writes ``--out`` (JSON), the samples of each
-measurement beside it (``<out>.B8_N32768_int4.gpu.csv``: ``decode_attention.gpu_sampler``'s
-CSV) and prints a table.
+``hw_slowdown``, ...; :data:`REASONS`). Writes ``--out`` (JSON: each row with its samples,
+``series``; one file, so a device call's few returned files hold it all) and prints a
+table.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -124,6 +126,7 @@ def sustained(fn, calls: int, seconds: float, sample_ms: int, csv: Path) -> dict
     smi.terminate()
     smi.wait(timeout=10)
     samples = read_samples(csv)[2:-1]  # (the edges dropped)
+    csv.unlink(missing_ok=True)
     seen = 0
     for s in samples:
         seen |= s["reasons"]
@@ -137,6 +140,7 @@ def sustained(fn, calls: int, seconds: float, sample_ms: int, csv: Path) -> dict
         "power_w": med("power_w"),
         "temp_c": med("temp_c"),
         "reasons": reasons(seen),
+        "series": [{**x, "reasons": reasons(x["reasons"])} for x in samples],
     }
 
 
@@ -175,7 +179,7 @@ def main() -> None:
             else:
                 fn = _ours(s, impl, False, DecodeConfig())
             _warm_gpu()
-            csv = args.out.with_name(f"{args.out.stem}.B{b}_N{n}_{impl}.gpu.csv")
+            csv = Path(tempfile.gettempdir()) / f"decode_clocks.{os.getpid()}.gpu.csv"
             r = {
                 "B": b,
                 "N": n,
