@@ -45,19 +45,13 @@ pack() {  # everything written under $out/$1 into $out/$1.tgz
 
 case "$cmd" in
 prepare)
-    py=${PYTHON:-.venv/bin/python}
     [ -d .sglang-gpu ] || cp -r ../shared/sglang-gpu .sglang-gpu
     exclude=$(git rev-parse --git-path info/exclude)  # a worktree's .git is a file
     for p in /.sglang-gpu/ /.carry/ /.whl/; do
         grep -qxF "$p" "$exclude" || echo "$p" >> "$exclude"
     done
     [ -f .carry/part01 ] || [ -f /tmp/carry_all/part01 ] || bash .sglang-gpu/build_bundle.sh
-    mkdir -p .whl
-    core=$($py -c "import pydantic_core; print(pydantic_core.__version__)")
-    pyd=$($py -c "import pydantic; print(pydantic.VERSION)")
-    $py -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-        --platform manylinux2014_x86_64 -d .whl "pydantic==$pyd" "pydantic-core==$core" \
-        annotated-types typing-inspection "typing-extensions>=4.16"
+    bash benchmarks/device_wheels.sh
     ls -la .whl .carry /tmp/carry_all 2>/dev/null || true
     ;;
 store)

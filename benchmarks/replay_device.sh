@@ -38,11 +38,7 @@ prepare)
     split -b 36000000 -d "$pkg/$gguf_name" .carry_model/gguf.part
     sha256sum "$pkg/$gguf_name" | cut -c1-64 > .carry_model/gguf.sha256
     cp "$pkg/__init__.py" .carry_model/llm_init.py
-    core=$($py -c "import pydantic_core; print(pydantic_core.__version__)")
-    pyd=$($py -c "import pydantic; print(pydantic.VERSION)")
-    $py -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-        --platform manylinux2014_x86_64 -d .whl "pydantic==$pyd" "pydantic-core==$core" \
-        annotated-types typing-inspection "typing-extensions>=4.16" gguf
+    PYTHON=$py bash benchmarks/device_wheels.sh gguf
     cp ../shared/data/tau-bench/gpt-4o-airline.json .carry_data/
     ls -la .carry_model .whl .carry_data
     ;;

@@ -133,7 +133,7 @@ def _rotary_kernel(
     )  # fmt: skip
 
 
-def rotary_supported(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> str:
+def rotary_refusal(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> str:
     """Why :func:`apply_rotary` cannot take these inputs (``""`` where it can): 4-d ``q``/``k``
     of one dtype with unit stride over an even ``D``, 3-d ``cos``/``sin`` of that dtype whose
     batch is 1 or ``q``'s and whose ``T`` and ``D`` are ``q``'s."""
@@ -167,8 +167,8 @@ def apply_rotary(
     """:func:`apply_rotary_ref` in one kernel: ``q [B, Hq, T, D]`` and ``k [B, Hk, T, D]``
     (any strides with unit stride over ``D``, e.g. the transposed projections),
     ``cos``/``sin [B or 1, T, D]``, all of one dtype -> new ``(q, k)`` with the inputs'
-    strides. Raises ``ValueError`` on inputs :func:`rotary_supported` refuses."""
-    why = rotary_supported(q, k, cos, sin)
+    strides. Raises ``ValueError`` on inputs :func:`rotary_refusal` refuses."""
+    why = rotary_refusal(q, k, cos, sin)
     if why:
         raise ValueError(why)
     if resolve_backend(backend, q.device) == "torch":

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from agentkv.engine.fused_path import LLAMA_FAMILIES, FusedPath
-from agentkv.kernels.rotary import apply_rotary, rotary_supported
+from agentkv.kernels.rotary import apply_rotary, rotary_refusal
 
 #: attention classes that rotate with ``apply_rotary_pos_emb(q, k, cos, sin)`` of their
 #: modeling module, which is transformers' Llama function there (a test checks the source)
@@ -51,7 +51,7 @@ def fuse_rotary(model: torch.nn.Module) -> int:
 
 def _fused_rotary(original: Any) -> Any:
     def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
-        if PATH.takes(q) and unsqueeze_dim == 1 and not rotary_supported(q, k, cos, sin):
+        if PATH.takes(q) and unsqueeze_dim == 1 and not rotary_refusal(q, k, cos, sin):
             return apply_rotary(q, k, cos, sin, backend="triton")
         return original(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from agentkv.kernels.rotary import apply_rotary, apply_rotary_ref, rotary_supported
+from agentkv.kernels.rotary import apply_rotary, apply_rotary_ref, rotary_refusal
 
 
 def _cos_sin(batch: int, T: int, D: int, dtype, device, offset: int = 0):
@@ -56,13 +56,11 @@ def test_rotary_takes_a_per_batch_table_and_contiguous_heads(device):
 def test_rotary_refuses_what_it_cannot_compute():
     q, k = torch.randn(1, 4, 2, 8), torch.randn(1, 2, 2, 8)
     cos = sin = torch.randn(1, 2, 8)
-    assert rotary_supported(q, k, cos, sin) == ""
-    assert "share a dtype" in rotary_supported(q, k, cos.half(), sin.half())
-    assert "must be even" in rotary_supported(q[..., :7], k[..., :7], cos[..., :7], sin[..., :7])
-    assert "batch must be 1 or 1" in rotary_supported(
-        q, k, cos.expand(2, 2, 8), sin.expand(2, 2, 8)
-    )
-    assert "unit stride" in rotary_supported(q[..., ::2], k[..., ::2], cos[..., :4], sin[..., :4])
-    assert "cos and sin must be" in rotary_supported(q, k, cos[:, :1], sin[:, :1])
+    assert rotary_refusal(q, k, cos, sin) == ""
+    assert "share a dtype" in rotary_refusal(q, k, cos.half(), sin.half())
+    assert "must be even" in rotary_refusal(q[..., :7], k[..., :7], cos[..., :7], sin[..., :7])
+    assert "batch must be 1 or 1" in rotary_refusal(q, k, cos.expand(2, 2, 8), sin.expand(2, 2, 8))
+    assert "unit stride" in rotary_refusal(q[..., ::2], k[..., ::2], cos[..., :4], sin[..., :4])
+    assert "cos and sin must be" in rotary_refusal(q, k, cos[:, :1], sin[:, :1])
     with pytest.raises(ValueError, match=r"k must be \[1, Hk, 2, 8\]"):
         apply_rotary(q, k[:, :, :1], cos, sin)
